@@ -1,0 +1,30 @@
+# `make demo` and `make test` each set up .venv on a fresh machine, then run.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.phalanx-installed
+
+.PHONY: demo test install bench clean
+
+demo: $(STAMP)
+	$(VENV)/bin/phalanx demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/phalanx bench
+
+install: $(STAMP)
+
+# torch goes in first and pinned: an unpinned resolve would pull the CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,examples]"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,14 @@
+"""phalanx: synchronous data-parallel training for PyTorch.
+
+    import phalanx as px
+    px.init()                                  # reads phalanx run / torchrun / srun, or runs alone
+    model = px.DistributedDataParallel(net)    # one changed import from torch DDP
+"""
+
+from .errors import (MasterUnreachableError, PhalanxError, PortInUseError, RankFailedError, RanksTimedOutError,
+                     WorldConfigError)
+from .spawn import spawn
+from .world import (barrier, device, init, is_initialized, is_main, local_rank, local_world_size, logger, print0,
+                    rank, shutdown, world_size)
+
+__version__ = "0.1.0"

@@ -1,0 +1,118 @@
+"""`phalanx.spawn(fn, nprocs)`: the `mp.spawn` style of the tutorials, with the world already set up.
+
+The parent hosts the rendezvous store on a port the kernel picked (no race), starts one process per
+rank with the usual variables (RANK, WORLD_SIZE, ...), and each child runs `phalanx.init()` before
+`fn(rank, *args)`. Results come back in rank order; the first failure stops the others and is
+raised in the parent with the child's traceback; ranks still running at `timeout` are named.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_module
+import time
+import traceback
+
+import torch.distributed as dist
+
+from .errors import RankFailedError, RanksTimedOutError, explain
+
+_GRACE_SECONDS = 3.0
+
+
+def _child(fn, rank: int, nprocs: int, args: tuple, env: dict, results, do_init: bool) -> None:
+    os.environ.update(env)
+    from . import world
+
+    if "OMP_NUM_THREADS" in env:  # torch was imported (unpickling fn) before the variable was set
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+    try:
+        if do_init:
+            world.init()
+        value = fn(rank, *args)
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException:  # noqa: B902 - the parent must hear about every way a rank ends
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        world.shutdown()
+
+
+def _stop(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + _GRACE_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, env: dict | None = None,
+          init: bool = True) -> list:
+    """Run `fn(rank, *args)` in `nprocs` new processes and return their results in rank order.
+
+    >>> def work(rank):                     # doctest: +SKIP
+    ...     t = torch.tensor([rank]); dist.all_reduce(t); return t.item()
+    >>> phalanx.spawn(work, nprocs=2)       # doctest: +SKIP
+    [1, 1]
+    """
+    if nprocs < 1:
+        raise ValueError(explain("spawn needs at least one process", seen=f"nprocs={nprocs}", expected=">= 1"))
+    server = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
+    base = {"WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(server.port), "PHALANX_STORE_HOSTED": "1", **(env or {})}
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    processes = []
+    for rank in range(nprocs):
+        child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        process = context.Process(target=_child, args=(fn, rank, nprocs, tuple(args), child_env, results, init),
+                                  name=f"phalanx-rank-{rank}", daemon=False)
+        process.start()
+        processes.append(process)
+    try:
+        return _collect(processes, results, timeout)
+    finally:
+        _stop(processes)
+        del server
+
+
+def _collect(processes, results, timeout: float | None) -> list:
+    nprocs = len(processes)
+    values: dict[int, object] = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while len(values) < nprocs:
+        try:
+            rank, status, payload = results.get(timeout=0.05)
+        except queue_module.Empty:
+            for rank, process in enumerate(processes):
+                # A rank that died without a word (SIGKILL, segfault, os._exit) is a failure too;
+                # give its queue message a moment to arrive before calling it silent.
+                if rank not in values and process.exitcode is not None and process.exitcode != 0:
+                    try:
+                        rank, status, payload = results.get(timeout=0.5)
+                        break
+                    except queue_module.Empty:
+                        raise RankFailedError(explain(
+                            f"rank {rank} died without reporting", seen=f"exit code {process.exitcode}",
+                            expected="a normal return", fix="A negative code is the signal that killed it (-9: SIGKILL, often out of memory)."),
+                            rank=rank, exitcode=process.exitcode) from None
+            else:
+                if deadline is not None and time.monotonic() > deadline:
+                    missing = [r for r in range(nprocs) if r not in values]
+                    raise RanksTimedOutError(explain(
+                        f"ranks {missing} did not finish within {timeout:.0f}s", seen=f"{len(values)}/{nprocs} finished",
+                        expected="every rank", fix="A hang: look for a collective that some rank skipped."),
+                        missing_ranks=missing)
+                continue
+        if status == "error":
+            raise RankFailedError(f"rank {rank} failed; its traceback:\n{payload}", rank=rank, traceback_text=payload)
+        values[rank] = pickle.loads(payload)
+    return [values[rank] for rank in range(nprocs)]

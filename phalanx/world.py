@@ -1,0 +1,263 @@
+"""The process's place in the world: `init()` / `shutdown()`, rank helpers, rank-aware logging.
+
+`init()` reads the environment (see discovery.py), builds the rendezvous store itself so that a
+master that cannot be reached or a port already taken become clear errors in bounded time, then
+creates the default process group. The same script runs under `phalanx run`, `torchrun`, `srun`
+or plain `python` (a world of one, still a real process group).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .discovery import WorldSpec, discover
+from .errors import MasterUnreachableError, PortInUseError, RanksTimedOutError, WorldConfigError, explain
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)  # collectives: long enough for a slow first step
+DEFAULT_CONNECT_TIMEOUT = timedelta(seconds=120)  # rendezvous: a missing master is reported after this
+
+_spec: WorldSpec | None = None
+_device: torch.device | None = None
+_store = None  # phalanx's own namespace in the rendezvous store (barriers, host identity)
+_owns_group = False
+_barrier_count = 0
+
+
+def _seconds(value) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+def _env_seconds(name: str, default: timedelta) -> timedelta:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return timedelta(seconds=float(raw))
+    except ValueError:
+        raise WorldConfigError(explain(f"{name} is not a number of seconds", seen=repr(raw),
+                                       expected="e.g. 60", fix=f"Fix or unset {name}.")) from None
+
+
+def _choose_device(spec: WorldSpec, device) -> torch.device:
+    if device is not None:
+        chosen = torch.device(device)
+    elif torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if spec.local_rank >= count:
+            raise WorldConfigError(explain(
+                "more local ranks than GPUs on this host", rank=spec.rank,
+                seen=f"LOCAL_RANK={spec.local_rank} with {count} visible GPU(s)",
+                expected=f"LOCAL_RANK < {count}",
+                fix="Start at most one process per GPU (`phalanx run --nproc-per-node auto`)."))
+        chosen = torch.device("cuda", spec.local_rank)
+    else:
+        chosen = torch.device("cpu")
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    return chosen
+
+
+def _default_threads_untouched() -> bool:
+    # torch's default intra-op pool has one thread per usable core; a user who changed it (or set
+    # OMP_NUM_THREADS / MKL_NUM_THREADS) made a choice that we keep.
+    if any(name in os.environ for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        return False
+    return torch.get_num_threads() == _usable_cores()
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _share_cores(spec: WorldSpec, device: torch.device) -> None:
+    if spec.local_world_size > 1 and device.type == "cpu" and _default_threads_untouched():
+        torch.set_num_threads(max(1, _usable_cores() // spec.local_world_size))
+
+
+def _choose_backend(device: torch.device, backend: str | None) -> str:
+    backend = backend or os.environ.get("PHALANX_BACKEND")
+    if backend:
+        return backend
+    return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+
+
+def _connect_store(spec: WorldSpec, connect_timeout: timedelta, timeout: timedelta):
+    """Create the TCPStore client (and server on rank 0 unless the launcher's agent hosts it)."""
+    if spec.world_size == 1 and spec.master_addr is None:
+        return dist.HashStore()
+    hosts_server = spec.rank == 0 and not spec.agent_store
+    where = f"{spec.master_addr}:{spec.master_port}"
+    try:
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=hosts_server,
+                              timeout=connect_timeout, wait_for_workers=False, multi_tenant=hosts_server)
+    except Exception as exc:  # torch raises DistNetworkError / DistStoreError / RuntimeError
+        text = str(exc)
+        if hosts_server and ("address already in use" in text.lower() or "EADDRINUSE" in text):
+            raise PortInUseError(explain(
+                f"MASTER_PORT {spec.master_port} is already in use on this host", rank=spec.rank,
+                seen=f"bind to {where} failed ({text.splitlines()[0]})", expected="a free port",
+                fix="Choose another MASTER_PORT, or let `phalanx run` pick a free one.")) from None
+        raise MasterUnreachableError(explain(
+            f"could not reach the rendezvous master at {where}", rank=spec.rank,
+            seen=f"no answer within {_seconds(connect_timeout):.0f}s ({text.splitlines()[0] if text else type(exc).__name__})",
+            expected=f"rank 0 listening on {where}",
+            fix="Check MASTER_ADDR/MASTER_PORT, that rank 0 started, and that the port is open between hosts "
+                "(PHALANX_CONNECT_TIMEOUT sets how long to wait).")) from None
+    store.set_timeout(timeout)
+    return store
+
+
+def init(backend: str | None = None, *, device=None, timeout=None, connect_timeout=None) -> torch.device:
+    """Join the world described by the environment and return this process's device. Idempotent."""
+    global _spec, _device, _store, _owns_group
+    if _spec is not None:
+        return _device
+    spec = discover()
+    timeout = timedelta(seconds=_seconds(timeout)) if timeout is not None else _env_seconds("PHALANX_TIMEOUT", DEFAULT_TIMEOUT)
+    connect_timeout = (timedelta(seconds=_seconds(connect_timeout)) if connect_timeout is not None
+                       else _env_seconds("PHALANX_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
+    chosen = _choose_device(spec, device)
+    _share_cores(spec, chosen)
+    if dist.is_initialized():  # the user (or a framework) made the group: adopt it
+        spec = WorldSpec(dist.get_rank(), dist.get_world_size(), spec.local_rank, spec.local_world_size,
+                         spec.master_addr, spec.master_port, spec.source, spec.agent_store)
+        store = dist.HashStore() if spec.world_size == 1 else None
+    else:
+        store = _connect_store(spec, connect_timeout, timeout)
+        dist.init_process_group(_choose_backend(chosen, backend), store=dist.PrefixStore("default_pg", store),
+                                rank=spec.rank, world_size=spec.world_size, timeout=timeout,
+                                device_id=chosen if chosen.type == "cuda" else None)
+        _owns_group = True
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
+    _spec, _device = spec, chosen
+    _configure_logging(spec.rank)
+    return chosen
+
+
+def shutdown() -> None:
+    """Leave the world: destroy the process group phalanx created. Safe to call twice."""
+    global _spec, _device, _store, _owns_group
+    if _owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _spec = _device = _store = None
+    _owns_group = False
+
+
+def is_initialized() -> bool:
+    return _spec is not None
+
+
+def _require() -> WorldSpec:
+    if _spec is None:
+        raise WorldConfigError(explain("phalanx.init() has not been called", seen="no world",
+                                       fix="Call phalanx.init() at the start of the script."))
+    return _spec
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else _require().rank
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else _require().world_size
+
+
+def local_rank() -> int:
+    return _require().local_rank
+
+
+def local_world_size() -> int:
+    return _require().local_world_size
+
+
+def device() -> torch.device:
+    _require()
+    return _device
+
+
+def is_main() -> bool:
+    """True on global rank 0 (and in a process that has not joined a world)."""
+    return _spec is None or rank() == 0
+
+
+def store():
+    """phalanx's namespace in the rendezvous store (None when a user-made group left us none)."""
+    _require()
+    return _store
+
+
+def barrier(timeout=None, name: str = "barrier") -> None:
+    """Wait for every rank; after `timeout` seconds raise RanksTimedOutError naming the missing ranks."""
+    global _barrier_count
+    spec = _require()
+    if spec.world_size == 1:
+        return
+    limit = _seconds(timeout) if timeout is not None else _seconds(_env_seconds("PHALANX_TIMEOUT", DEFAULT_TIMEOUT))
+    if _store is None:  # adopted group: no store of ours, fall back to the backend's barrier
+        dist.barrier()
+        return
+    _barrier_count += 1
+    key = f"{name}/{_barrier_count}"
+    _store.set(f"{key}/{rank()}", b"1")
+    arrived = _store.add(key, 1)
+    deadline = time.monotonic() + limit
+    pause = 0.0005
+    while arrived < spec.world_size:
+        if time.monotonic() > deadline:
+            missing = [r for r in range(spec.world_size) if not _store.check([f"{key}/{r}"])]
+            raise RanksTimedOutError(explain(
+                f"barrier '{name}' timed out after {limit:.0f}s", rank=rank(),
+                seen=f"{arrived}/{spec.world_size} ranks arrived, missing ranks {missing}",
+                expected="every rank", fix="Look at the missing ranks' logs: they crashed, hang, or skipped this barrier."),
+                missing_ranks=missing)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+        arrived = _store.add(key, 0)
+
+
+# -- rank-aware logging --------------------------------------------------------------------------
+
+logger = logging.getLogger("phalanx")
+
+
+class _RankFilter(logging.Filter):
+    """Rank 0 logs INFO and above; the other ranks only WARNING and above."""
+
+    def __init__(self, rank_: int):
+        super().__init__()
+        self.rank = rank_
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = self.rank
+        return self.rank == 0 or record.levelno >= logging.WARNING
+
+
+def _configure_logging(rank_: int) -> None:
+    for handler in list(logger.handlers):
+        if getattr(handler, "_phalanx", False):
+            logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler._phalanx = True
+    handler.addFilter(_RankFilter(rank_))
+    handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def print0(*args, **kwargs) -> None:
+    """print() on global rank 0 only."""
+    if is_main():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
