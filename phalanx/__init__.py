@@ -5,8 +5,11 @@
     model = px.DistributedDataParallel(net)    # one changed import from torch DDP
 """
 
-from .errors import (MasterUnreachableError, PhalanxError, PortInUseError, RankFailedError, RanksTimedOutError,
-                     WorldConfigError)
+from . import metrics
+from .errors import (DataConfigError, MasterUnreachableError, PhalanxError, PortInUseError, RankFailedError,
+                     RanksTimedOutError, ResumeStateError, WorldConfigError)
+from .loader import DataLoader
+from .sampler import DistributedSampler
 from .spawn import spawn
 from .world import (barrier, device, init, is_initialized, is_main, local_rank, local_world_size, logger, print0,
                     rank, shutdown, world_size)

@@ -58,3 +58,11 @@ class RankFailedError(PhalanxError):
         self.rank = rank
         self.traceback_text = traceback_text
         self.exitcode = exitcode
+
+
+class DataConfigError(PhalanxError, ValueError):
+    """A sampler, loader or metric was given arguments that cannot work (rank out of range, wrong length)."""
+
+
+class ResumeStateError(PhalanxError, ValueError):
+    """A saved data position does not fit this run (another world size, dataset length or shuffle seed)."""
