@@ -75,7 +75,8 @@ class DataLoader(torch.utils.data.DataLoader):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._recorder = _BatchSizeRecorder(super()._index_sampler, batched=self._auto_collation)
-        self._position = {"epoch": self._epoch(), "batches": 0, "consumed": 0}
+        sampler = self.resumable_sampler()
+        self._position = {"epoch": sampler.epoch if sampler is not None else 0, "batches": 0, "consumed": 0}
         self._resume_pending = False
 
     @property
