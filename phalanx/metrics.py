@@ -112,10 +112,11 @@ class Mean:
 
     def update(self, value, weight=None) -> None:
         """Add per-sample values (tensor, weight=None), or a value that is the mean of `weight` samples."""
-        value = torch.as_tensor(value).detach().double()
+        # float64 from the start: a Python float must not pass through torch's float32 default
+        value = torch.as_tensor(value, dtype=torch.float64).detach()
         if weight is None:
             weight = torch.ones_like(value)
-        weight = torch.as_tensor(weight, device=value.device).detach().double().expand_as(value)
+        weight = torch.as_tensor(weight, dtype=torch.float64, device=value.device).detach().expand_as(value)
         # Sums stay on the value's device: no host sync per batch, one transfer in compute().
         self.total = self.total + (value * weight).sum()
         self.count = self.count + weight.sum()
