@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.utils.data
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -141,6 +142,15 @@ def test_consumed_past_an_uneven_shard_means_the_epoch_is_done():
 def test_without_a_world_the_error_says_what_to_pass():
     with pytest.raises(WorldConfigError, match="num_replicas=1, rank=0"):
         DistributedSampler(range(4))
+
+
+def test_without_phalanx_init_the_defaults_come_from_torch_distributed():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sampler = DistributedSampler(range(4))
+    finally:
+        dist.destroy_process_group()
+    assert (sampler.rank, sampler.num_replicas) == (0, 1)
 
 
 @pytest.mark.parametrize("replicas, rank", [(2, 2), (2, -1), (0, 0)])
