@@ -34,18 +34,20 @@ class _BatchSizeRecorder:
 
 
 class _CountingIterator:
-    """Wraps torch's loader iterator; each batch that reaches the loop advances the loader's position."""
+    """Wraps torch's loader iterator; each batch that reaches the loop advances the pass's position."""
 
-    def __init__(self, loader: DataLoader, inner) -> None:
-        self._loader = loader
+    def __init__(self, inner, sizes: deque, position: dict) -> None:
         self._inner = inner
+        self._sizes = sizes  # filled, in order, as torch draws index batches (possibly far ahead)
+        self._position = position
 
     def __iter__(self):
         return self
 
     def __next__(self):
         batch = next(self._inner)
-        self._loader._count_delivered()
+        self._position["batches"] += 1
+        self._position["consumed"] += self._sizes.popleft()
         return batch
 
     def __len__(self) -> int:
@@ -127,12 +129,8 @@ class DataLoader(torch.utils.data.DataLoader):
         sampler = self.resumable_sampler()
         if sampler is not None:  # this pass starts at the position: 0, or where a restored state left off
             sampler.load_state_dict({"epoch": epoch, "consumed": self._position["consumed"]})
-        self._recorder.sizes = deque()
-        return _CountingIterator(self, super().__iter__())
-
-    def _count_delivered(self) -> None:
-        self._position["batches"] += 1
-        self._position["consumed"] += self._recorder.sizes.popleft()
+        sizes = self._recorder.sizes = deque()
+        return _CountingIterator(super().__iter__(), sizes, self._position)
 
     def state_dict(self) -> dict:
         """(epoch, batches and samples handed to the loop) plus the sampler's layout; primitives only."""

@@ -137,6 +137,17 @@ def test_position_follows_the_epoch():
     assert (loader.state_dict()["epoch"], loader.state_dict()["batches"], loader.state_dict()["consumed"]) == (3, 0, 0)
 
 
+def test_a_pass_broken_off_with_persistent_workers_does_not_leak_into_the_next():
+    loader = make_loader(0, 2, num_workers=2, persistent_workers=True, batch_size=2)
+    whole = as_lists(make_loader(0, 2, batch_size=2))
+    for _, _ in zip(loader, range(2)):  # break off after two batches, workers keep prefetched ones
+        pass
+    it = iter(loader)
+    assert next(it).tolist() == whole[0]
+    assert (loader.state_dict()["batches"], loader.state_dict()["consumed"]) == (1, 2)
+    assert [next(it).tolist() for _ in range(len(whole) - 1)] == whole[1:]
+
+
 def test_restored_state_for_another_epoch_starts_that_epoch_from_the_top():
     saved = make_loader(0, 2, epoch=2)
     it = iter(saved)
@@ -157,6 +168,24 @@ def test_a_second_pass_is_a_whole_epoch_and_len_is_the_whole_epoch():
     assert len(resumed) == len(whole)
     assert len(as_lists(resumed)) == len(whole) - 1
     assert as_lists(resumed) == whole
+
+
+class Counting(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(7))
+
+
+@pytest.mark.parametrize("dataset, options", [
+    (Squares(), {"batch_size": 4}),
+    (Squares(), {"batch_size": 4, "drop_last": True, "num_workers": 2}),
+    (Squares(), {"batch_size": None}),
+    (Counting(), {"batch_size": 3}),
+], ids=["map", "map-workers", "no-batching", "iterable"])
+def test_a_drop_in_for_torchs_loader(dataset, options):
+    ours, theirs = DataLoader(dataset, **options), torch.utils.data.DataLoader(dataset, **options)
+    assert as_lists(ours) == as_lists(theirs)
+    if not isinstance(dataset, torch.utils.data.IterableDataset):
+        assert len(ours) == len(theirs)
 
 
 def test_state_needs_a_phalanx_sampler():
