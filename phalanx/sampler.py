@@ -8,6 +8,8 @@ repeats the head of the order so that every rank gets the same count (torch's be
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
@@ -31,6 +33,13 @@ def _world_rank_and_size() -> tuple[int, int]:
         seen="neither phalanx.init() nor torch.distributed.init_process_group() has run",
         expected="an initialized world, or num_replicas= and rank= passed explicitly",
         fix="Call phalanx.init() first, or pass num_replicas=1, rank=0 to run alone."))
+
+
+def _as_int(value) -> int | None:
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 class DistributedSampler(Sampler[int]):
@@ -58,12 +67,14 @@ class DistributedSampler(Sampler[int]):
             world_rank, world_size = _world_rank_and_size()
             num_replicas = world_size if num_replicas is None else num_replicas
             rank = world_rank if rank is None else rank
-        if not isinstance(num_replicas, int) or num_replicas < 1:
+        given_replicas, given_rank = num_replicas, rank
+        num_replicas, rank = _as_int(num_replicas), _as_int(rank)  # numpy integers are fine too
+        if num_replicas is None or num_replicas < 1:
             raise DataConfigError(explain("DistributedSampler num_replicas is not a positive integer",
-                                          seen=repr(num_replicas), expected="an int >= 1"))
-        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+                                          seen=f"num_replicas={given_replicas!r}", expected="an int >= 1"))
+        if rank is None or not 0 <= rank < num_replicas:
             raise DataConfigError(explain(
-                "DistributedSampler rank is outside the world", seen=f"rank={rank!r}",
+                "DistributedSampler rank is outside the world", seen=f"rank={given_rank!r}",
                 expected=f"0 <= rank < num_replicas={num_replicas}",
                 fix="Pass the process's global rank (phalanx.rank()), or leave rank=None."))
         self.dataset = dataset
