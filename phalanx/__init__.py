@@ -5,8 +5,10 @@
     model = px.DistributedDataParallel(net)    # one changed import from torch DDP
 """
 
-from .errors import (MasterUnreachableError, PhalanxError, PortInUseError, RankFailedError, RanksTimedOutError,
-                     WorldConfigError)
+from .checkpoint import Checkpointer
+from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointValueError,
+                     CheckpointWriteError, MasterUnreachableError, PhalanxError, PortInUseError, RankFailedError,
+                     RanksTimedOutError, UnsafeCheckpointError, WorldConfigError)
 from .spawn import spawn
 from .world import (barrier, device, init, is_initialized, is_main, local_rank, local_world_size, logger, print0,
                     rank, shutdown, world_size)
