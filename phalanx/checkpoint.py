@@ -170,13 +170,11 @@ class Checkpointer:
         started = time.monotonic()
         entries = {}
         for name, value in state.items():
-            if kinds[name] == "model":
-                saved = unwrap(value).state_dict()
-            elif kinds[name] == "object":
-                saved = value.state_dict()
-                check_plain(saved, f"state[{name!r}].state_dict()")
-            else:
+            if kinds[name] == "value":
                 saved = value
+            else:
+                saved = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
+                check_plain(saved, f"state[{name!r}].state_dict()")
             entries[name] = {"kind": kinds[name], "state": saved}
         self.directory.mkdir(parents=True, exist_ok=True)
         safe_io.remove_stale_temps(self.directory)
@@ -186,10 +184,10 @@ class Checkpointer:
         payload = {"format": FORMAT, "sequence": sequence, "world_size": _world_size(),
                    "entries": entries, "random_states": states}
         path = self.directory / safe_io.CHECKPOINT_NAME.format(sequence)
-        size, digest = safe_io.write_atomic(path, lambda file: torch.save(payload, file))
+        size, crc32 = safe_io.write_atomic(path, lambda file: torch.save(payload, file))
         # The manifest is renamed into place after the file: a crash in between leaves the
         # previous manifest, whose checkpoints are all still on disk.
-        kept = (listed + [safe_io.ManifestEntry(path.name, sequence, size, digest)])[-self.keep:]
+        kept = (listed + [safe_io.ManifestEntry(path.name, sequence, size, crc32)])[-self.keep:]
         safe_io.write_manifest(self.directory, kept)
         keep_names = {e.file for e in kept}
         for name in safe_io.checkpoint_files(self.directory).values():
