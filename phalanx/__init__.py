@@ -6,8 +6,10 @@
 """
 
 from . import metrics
-from .errors import (DataConfigError, MasterUnreachableError, PhalanxError, PortInUseError, RankFailedError,
-                     RanksTimedOutError, ResumeStateError, WorldConfigError)
+from .checkpoint import Checkpointer
+from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointValueError,
+                     CheckpointWriteError, DataConfigError, MasterUnreachableError, PhalanxError, PortInUseError,
+                     RankFailedError, RanksTimedOutError, ResumeStateError, UnsafeCheckpointError, WorldConfigError)
 from .loader import DataLoader
 from .sampler import DistributedSampler
 from .spawn import spawn

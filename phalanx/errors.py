@@ -6,6 +6,8 @@ do, so a log line from one rank out of many is enough to act on.
 
 from __future__ import annotations
 
+import pickle
+
 
 def explain(problem: str, *, rank: int | None = None, seen=None, expected=None, fix: str | None = None) -> str:
     """Build a message: '[rank R] problem: seen X, expected Y. fix'."""
@@ -66,3 +68,42 @@ class DataConfigError(PhalanxError, ValueError):
 
 class ResumeStateError(PhalanxError, ValueError):
     """A saved data position does not fit this run (another world size, dataset length or shuffle seed)."""
+
+
+class CheckpointError(PhalanxError):
+    """Base of the errors a Checkpointer raises."""
+
+
+class CheckpointValueError(CheckpointError, TypeError):
+    """An entry of the state to save holds something that cannot be loaded back safely."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Rank 0 could not write the checkpoint; every rank raises it, so none trains on unsaved."""
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """Checkpoints exist but none of them is complete and readable."""
+
+
+class UnsafeCheckpointError(CheckpointError, pickle.UnpicklingError):
+    """A checkpoint file holds objects that loading would have to execute code for; it was refused."""
+
+    def __init__(self, message: str, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint does not fit the objects it is loaded into (another model, another state layout).
+
+    `missing`: keys the target expects but the checkpoint lacks; `unexpected`: keys only the checkpoint
+    has; `mismatched`: (key, shape in checkpoint, shape in target) for tensors whose shapes differ.
+    """
+
+    def __init__(self, message: str, entry: str = "", missing=(), unexpected=(), mismatched=()):
+        super().__init__(message)
+        self.entry = entry
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
