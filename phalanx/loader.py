@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
 import torch.utils.data
 
 from .errors import DataConfigError, ResumeStateError, explain
@@ -123,14 +124,36 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self):
         epoch = self._epoch()
-        if not (self._resume_pending and self._position["epoch"] == epoch):
+        resuming = self._resume_pending and self._position["epoch"] == epoch
+        if not resuming:
             self._position = {"epoch": epoch, "batches": 0, "consumed": 0}
         self._resume_pending = False
         sampler = self.resumable_sampler()
         if sampler is not None:  # this pass starts at the position: 0, or where a restored state left off
-            sampler.load_state_dict({"epoch": epoch, "consumed": self._position["consumed"]})
+            sampler.load_state_dict({"epoch": epoch, "consumed": self._position["consumed"],
+                                     "offset": sampler.offset if resuming else 0})
         sizes = self._recorder.sizes = deque()
-        return _CountingIterator(super().__iter__(), sizes, self._position)
+        return _CountingIterator(self._start_pass(resuming), sizes, self._position)
+
+    def _start_pass(self, resuming: bool):
+        # torch's iterator draws its workers' base seed from the loader's generator (the global one by
+        # default). A resumed pass must neither draw again from the restored global state (dropout
+        # masks would shift) nor use another seed (worker-side randomness would change): it draws from
+        # a copy of the generator state noted when the interrupted pass began.
+        saved = self._position.get("seed_state") if resuming else None
+        if saved is None:
+            source = self.generator
+            self._position["seed_state"] = source.get_state() if source is not None else torch.get_rng_state()
+            if not resuming:
+                return super().__iter__()
+            saved = self._position["seed_state"]
+        replay = torch.Generator()
+        replay.set_state(saved)
+        users_generator, self.generator = self.generator, replay
+        try:
+            return super().__iter__()
+        finally:
+            self.generator = users_generator
 
     def state_dict(self) -> dict:
         """(epoch, batches and samples handed to the loop) plus the sampler's layout; primitives only."""
@@ -138,6 +161,8 @@ class DataLoader(torch.utils.data.DataLoader):
         state = sampler.state_dict()
         position = self._position if self._position["epoch"] == sampler.epoch else {"batches": 0, "consumed": 0}
         state.update(batches=position["batches"], consumed=position["consumed"])
+        if position.get("seed_state") is not None:
+            state["seed_state"] = position["seed_state"]
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -147,6 +172,10 @@ class DataLoader(torch.utils.data.DataLoader):
             raise ResumeStateError(explain("the loader state has no 'batches'", rank=sampler.rank,
                                            seen=sorted(state), expected="a state made by DataLoader.state_dict()"))
         sampler.load_state_dict(state)
-        self._position = {"epoch": int(state["epoch"]), "batches": int(state["batches"]),
-                          "consumed": int(state["consumed"])}
+        if sampler.offset != int(state.get("offset", 0)):  # re-sharded for another world size: a fresh pass
+            self._position = {"epoch": int(state["epoch"]), "batches": 0, "consumed": 0}
+        else:
+            self._position = {"epoch": int(state["epoch"]), "batches": int(state["batches"]),
+                              "consumed": int(state["consumed"])}
+        self._position["seed_state"] = state.get("seed_state")
         self._resume_pending = True

@@ -17,8 +17,9 @@ from torch.utils.data import Sampler
 from .errors import DataConfigError, ResumeStateError, WorldConfigError, explain
 
 # Keys of the state that describe the layout rather than the position: a position taken under
-# another layout names other samples, so loading it is refused.
-LAYOUT_KEYS = ("num_replicas", "dataset_len", "shuffle", "seed", "drop_last", "pad")
+# another layout names other samples, so loading it is refused. A different num_replicas is not in
+# this list: that position is translated (re-sharded), see load_state_dict.
+LAYOUT_KEYS = ("dataset_len", "shuffle", "seed", "drop_last", "pad")
 
 
 def _world_rank_and_size() -> tuple[int, int]:
@@ -85,15 +86,19 @@ class DistributedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.pad = pad
         self.epoch = 0
-        self.total_size = self._global_length()
-        self.num_samples = self._shard_length(rank)
+        self._offset = 0  # samples of the epoch's order consumed before a re-shard (another world size)
+        self._relayout()
         self._consumed = 0  # samples of this epoch handed out (or restored)
         self._resume_pending = False  # the next iteration starts at _consumed instead of 0
 
     # -- layout ------------------------------------------------------------------------------------
 
+    def _relayout(self) -> None:
+        self.total_size = self._global_length()
+        self.num_samples = self._shard_length(self.rank)
+
     def _global_length(self) -> int:
-        n, replicas = len(self.dataset), self.num_replicas
+        n, replicas = len(self.dataset) - self._offset, self.num_replicas
         if self.drop_last:
             return (n // replicas) * replicas
         if self.pad:
@@ -104,7 +109,11 @@ class DistributedSampler(Sampler[int]):
         return max(0, -(-(self.total_size - rank) // self.num_replicas))
 
     def global_order(self) -> torch.Tensor:
-        """The epoch's order before striding (padded or truncated): rank r reads `[r::num_replicas]` of it."""
+        """The epoch's order before striding (padded or truncated): rank r reads `[r::num_replicas]` of it.
+
+        After a re-shard (a state saved under another world size) the order starts past the samples
+        the old world already consumed; otherwise this is torch's layout exactly.
+        """
         n = len(self.dataset)
         if self.shuffle:
             generator = torch.Generator()
@@ -112,6 +121,7 @@ class DistributedSampler(Sampler[int]):
             order = torch.randperm(n, generator=generator)
         else:
             order = torch.arange(n)
+        order, n = order[self._offset:], n - self._offset
         if self.total_size > n:  # padding: repeat the order from its head, as often as needed
             order = order.repeat(-(-self.total_size // n))
         return order[:self.total_size]
@@ -143,6 +153,9 @@ class DistributedSampler(Sampler[int]):
         if epoch != self.epoch:
             self._consumed = 0
             self._resume_pending = False
+            if self._offset:
+                self._offset = 0
+                self._relayout()
         self.epoch = epoch
 
     def state_dict(self) -> dict:
@@ -151,7 +164,8 @@ class DistributedSampler(Sampler[int]):
         Under a `phalanx.DataLoader`, use the loader's `state_dict()`: the loader draws indices ahead
         of the loop, and only it knows what the loop received.
         """
-        return {"epoch": self.epoch, "consumed": self._consumed, "num_replicas": self.num_replicas,
+        return {"epoch": self.epoch, "consumed": self._consumed, "offset": self._offset,
+                "num_replicas": self.num_replicas,
                 "dataset_len": len(self.dataset), "shuffle": self.shuffle, "seed": self.seed,
                 "drop_last": self.drop_last, "pad": self.pad}
 
@@ -160,6 +174,10 @@ class DistributedSampler(Sampler[int]):
 
         Layout keys that are present must match this sampler (ResumeStateError otherwise).
         `consumed` past this rank's shard (an uneven `pad=False` shard) means the epoch is done here.
+        A state saved under another `num_replicas` (an elastic restart with fewer or more ranks) is
+        re-sharded: the samples the old world consumed (`consumed * old num_replicas`, counted in the
+        epoch's global order) are skipped, and the rest of the epoch is dealt out over the new ranks
+        from position 0; later epochs use the normal layout.
         """
         for key in ("epoch", "consumed"):
             if key not in state:
@@ -179,5 +197,21 @@ class DistributedSampler(Sampler[int]):
             raise ResumeStateError(explain("the saved number of consumed samples is negative", rank=self.rank,
                                            seen=consumed, expected=">= 0"))
         self.epoch = int(state["epoch"])
+        offset = int(state.get("offset", 0))
+        saved_replicas = int(state.get("num_replicas", self.num_replicas))
+        if saved_replicas != self.num_replicas:
+            # Lockstep training: every old rank consumed `consumed` entries of the global order.
+            offset, consumed = min(offset + consumed * saved_replicas, len(self.dataset)), 0
+        if not 0 <= offset <= len(self.dataset):
+            raise ResumeStateError(explain("the saved offset is outside the dataset", rank=self.rank,
+                                           seen=offset, expected=f"0..{len(self.dataset)}"))
+        if offset != self._offset:
+            self._offset = offset
+            self._relayout()
         self._consumed = min(consumed, self.num_samples)
         self._resume_pending = True
+
+    @property
+    def offset(self) -> int:
+        """Samples of the current epoch's order consumed before a re-shard (0 unless the world size changed)."""
+        return self._offset

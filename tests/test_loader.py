@@ -240,3 +240,27 @@ class TestRealRanks:
             assert results[(0, 0)][1] == as_lists(make_loader(rank, 3, epoch=1, batch_size=2, seed=11))
             for (num_workers, k), (resumed, reference) in results.items():
                 assert resumed == reference, f"rank {rank}, {num_workers} workers, after {k} batches"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_pass_leaves_the_global_random_stream_as_the_uninterrupted_run_had_it(workers):
+    # Dropout after a mid-epoch resume is exact only if starting the resumed pass does not draw from
+    # the restored global generator (torch's iterator draws its workers' base seed from it).
+    def make():
+        sampler = DistributedSampler(range(24), num_replicas=2, rank=1, seed=5)
+        return DataLoader(range(24), batch_size=3, sampler=sampler, num_workers=workers,
+                          multiprocessing_context="fork" if workers else None)
+
+    torch.manual_seed(0)
+    loader = make()
+    loader.set_epoch(1)
+    draws, state, rng = [], None, None
+    for step, batch in enumerate(loader):
+        draws.append((batch.tolist(), torch.rand(1).item()))
+        if step == 1:
+            state, rng = loader.state_dict(), torch.get_rng_state()
+    resumed = make()
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    resumed.set_epoch(1)
+    assert [(b.tolist(), torch.rand(1).item()) for b in resumed] == draws[2:]
