@@ -15,9 +15,8 @@ import queue as queue_module
 import time
 import traceback
 
-import torch.distributed as dist
-
 from .errors import RankFailedError, RanksTimedOutError, explain
+from .rendezvous import LOOPBACK, host_store
 
 _GRACE_SECONDS = 3.0
 
@@ -65,7 +64,7 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
     """
     if nprocs < 1:
         raise ValueError(explain("spawn needs at least one process", seen=f"nprocs={nprocs}", expected=">= 1"))
-    server = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
+    server = host_store(LOOPBACK, 0, nprocs, rank=None)
     base = {"WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(server.port), "PHALANX_STORE_HOSTED": "1", **(env or {})}
     context = mp.get_context("spawn")
