@@ -45,6 +45,8 @@ def root_cause(failures: dict) -> tuple[int, object]:
 def describe_failure(rank: int, failure) -> str:
     """One line: 'rank 1 (pid 123) failed: ValueError: boom'."""
     who = f"rank {rank} (pid {failure.pid})"
+    if failure.exitcode == -signal.SIGTERM:
+        return f"{who} was stopped (SIGTERM)"
     if failure.exitcode < 0:
         try:
             name = signal.Signals(-failure.exitcode).name

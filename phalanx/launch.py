@@ -21,6 +21,7 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig
 
 from .errors import PhalanxError, explain
@@ -224,8 +225,8 @@ def run(argv: list[str] | None = None) -> int:
         if result is None or not result.is_failed():
             return 0
         return _report_failure(agent.last_failures or result.failures, args.max_restarts)
-    except PhalanxError as exc:
-        _say(str(exc))
+    except (PhalanxError, RendezvousError) as exc:
+        _say(f"{type(exc).__name__}: {exc}")
         return 1
     except SignalException as exc:
         _say(f"stopped by {exc.sigval.name}; the workers were stopped too.")
@@ -241,10 +242,10 @@ def run(argv: list[str] | None = None) -> int:
 
 def _report_failure(failures: dict, max_restarts: int) -> int:
     rank, failure = root_cause(failures)
-    for other in sorted(r for r in failures if r != rank):
-        _say(f"then {describe_failure(other, failures[other])}")
     attempt = f" on the last attempt ({max_restarts + 1} of {max_restarts + 1})" if max_restarts else ""
-    _say(f"{describe_failure(rank, failure)}{attempt}; the run is stopped.")
+    _say(f"{describe_failure(rank, failure)}{attempt}.")
+    for other in sorted(r for r in failures if r != rank):
+        _say(f"  then {describe_failure(other, failures[other])}")
     traceback_text = failure_traceback(failure)
     if traceback_text:
         _say(f"traceback of rank {rank}, the first to fail:")

@@ -55,7 +55,7 @@ def main(argv: list) -> None:
         if as_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            runpy.run_path(target, run_name="__main__")
+            runpy.run_path(os.path.abspath(target), run_name="__main__")
     except (SystemExit, KeyboardInterrupt):
         raise  # an exit code chosen by the user, or Ctrl-C: not a crash to report
     except BaseException as exc:  # noqa: B902 - every crash must reach the launcher

@@ -132,6 +132,14 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
     _spec, _device = spec, chosen
     _configure_logging(spec.rank)
+    if _owns_group:
+        # Gloo finishes connecting on some ranks before others; a rank that returned from init()
+        # and exited at once would break its peers' half-made connections. Leave init() together.
+        try:
+            barrier(timeout=connect_timeout, name="init")
+        except BaseException:
+            shutdown()
+            raise
     return chosen
 
 
