@@ -35,7 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phalanx: unknown command {name!r}; expected one of {', '.join(COMMANDS)}\n\n{USAGE}",
               end="", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise  # the command exists but one of its imports is missing: show the real error
+        print(f"phalanx: `phalanx {name}` is not part of this installation ({module_name} is missing)",
+              file=sys.stderr)
+        return 2
     return int(module.main(rest) or 0)
 
 

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a training script on every device of this node (and of other nodes), "
                     "restarting the group when a worker fails.",
         epilog="examples:\n  phalanx run --nproc-per-node 2 train.py --epochs 3\n"
-               "  phalanx run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -m mypkg.train",
+               "  phalanx run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -m mypkg.train\n",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N|auto",
@@ -187,9 +187,11 @@ def _worker_command(args) -> tuple[str, tuple]:
 
 def _quiet_torch_elastic() -> None:
     # torch's agent logs every step at WARNING (signals sent, exit codes); phalanx prints its own
-    # summary, so only torch's errors that we do not report ourselves remain visible.
-    logging.getLogger("torch.distributed.elastic").setLevel(
-        os.environ.get("PHALANX_ELASTIC_LOG_LEVEL", "CRITICAL"))
+    # summary. Each torch module sets its own logger's level, so each one is turned down.
+    level = os.environ.get("PHALANX_ELASTIC_LOG_LEVEL", "CRITICAL")
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(level)
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -200,7 +202,6 @@ def run(argv: list[str] | None = None) -> int:
         nproc, min_nodes, max_nodes = check_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    _quiet_torch_elastic()
     own_log_dir = args.log_dir is None
     log_dir = tempfile.mkdtemp(prefix="phalanx-run-") if own_log_dir else args.log_dir
     config = LaunchConfig(
@@ -221,6 +222,7 @@ def run(argv: list[str] | None = None) -> int:
                           monitor_interval=args.monitor_interval)
         agent = _Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
                        log_line_prefix_template=config.log_line_prefix_template)
+        _quiet_torch_elastic()  # now that every torch module in use has made its logger
         result = agent.run()
         if result is None or not result.is_failed():
             return 0

@@ -92,15 +92,15 @@ def _collect(processes, results, timeout: float | None) -> list:
             rank, status, payload = results.get(timeout=0.05)
         except queue_module.Empty:
             for rank, process in enumerate(processes):
-                # A rank that died without a word (SIGKILL, segfault, os._exit) is a failure too;
+                # A rank that ended without a word (SIGKILL, segfault, os._exit) is a failure too;
                 # give its queue message a moment to arrive before calling it silent.
-                if rank not in values and process.exitcode is not None and process.exitcode != 0:
+                if rank not in values and process.exitcode is not None:
                     try:
                         rank, status, payload = results.get(timeout=0.5)
                         break
                     except queue_module.Empty:
                         raise RankFailedError(explain(
-                            f"rank {rank} died without reporting", seen=f"exit code {process.exitcode}",
+                            f"rank {rank} ended without reporting a result", seen=f"exit code {process.exitcode}",
                             expected="a normal return", fix="A negative code is the signal that killed it (-9: SIGKILL, often out of memory)."),
                             rank=rank, exitcode=process.exitcode) from None
             else:

@@ -56,8 +56,11 @@ def main(argv: list) -> None:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             runpy.run_path(os.path.abspath(target), run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
-        raise  # an exit code chosen by the user, or Ctrl-C: not a crash to report
+    except SystemExit:
+        raise  # an exit code the user chose: not a crash to report
+    except KeyboardInterrupt as exc:  # Ctrl-C, or the launcher passing on its SIGINT: show where it stopped
+        sys.stderr.write(_user_traceback(exc))
+        sys.exit(130)
     except BaseException as exc:  # noqa: B902 - every crash must reach the launcher
         text = _user_traceback(exc)
         _record(exc, text)

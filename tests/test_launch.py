@@ -6,6 +6,7 @@ Each test starts tests/launch_worker.py; the subprocess timeouts only guard agai
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -110,6 +111,30 @@ class TestFailures:
         while time.monotonic() < deadline and not all(map(is_gone, pids.values())):
             time.sleep(0.1)
         assert [name for name, pid in pids.items() if not is_gone(pid)] == []
+
+    def test_sigterm_to_the_launcher_stops_every_process(self, tmp_path):
+        # What a scheduler does at the end of a job's time: nothing of the run may outlive it.
+        launcher = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "2", WORKER,
+                                     "--pid-dir", str(tmp_path)], env=clean_env(), cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + HANG_GUARD
+            while len(list(tmp_path.glob("*.pid"))) < 4 and launcher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGTERM)
+            _, stderr = launcher.communicate(timeout=HANG_GUARD)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+        assert launcher.returncode == 128 + signal.SIGTERM, stderr
+        assert "stopped by SIGTERM" in stderr
+        pids = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
+        assert len(pids) == 4
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(map(is_gone, pids)):
+            time.sleep(0.1)
+        assert [pid for pid in pids if not is_gone(pid)] == []
 
     def test_busy_master_port_is_reported(self):
         import socket
