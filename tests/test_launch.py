@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "launch_worker.py")
