@@ -51,7 +51,9 @@ def main():
     rank, attempt = phalanx.rank(), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
-    print(f"rank={rank} world_size={phalanx.world_size()} sum={int(total.item())} attempt={attempt}", flush=True)
+    omp = os.environ.get("OMP_NUM_THREADS", "unset")
+    print(f"rank={rank} world_size={phalanx.world_size()} sum={int(total.item())} attempt={attempt} omp={omp}",
+          flush=True)
 
     batches = start_loader_worker(args.pid_dir, rank) if args.pid_dir else None
     if args.pid_dir:

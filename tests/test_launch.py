@@ -66,6 +66,8 @@ class TestAllReduceUnderEachLauncher:
         # Every line a worker prints carries its rank.
         for rank in (0, 1):
             assert f"[rank {rank}] rank={rank} world_size=2" in result.stdout
+        # phalanx run leaves OMP_NUM_THREADS alone (torchrun would set it to 1): init() shares the cores.
+        assert result.stdout.count("omp=unset") == 2
 
     def test_torchrun_two_workers(self):
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", WORKER],
