@@ -81,8 +81,7 @@ def _describe(rank):
 
 def _skip_barrier_on_rank_1(rank):
     if rank == 1:
-        time.sleep(4)  # never arrives at the barrier in time; leaves after rank 0 has timed out
-        return None
+        return None  # never arrives at the barrier (the store, hosted by spawn's parent, stays up)
     try:
         phalanx.barrier(timeout=1)
     except RanksTimedOutError as error:
