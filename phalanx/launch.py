@@ -106,6 +106,10 @@ def resolve_nproc(text: str) -> int:
 
 def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
     """Validate the flags together; return (nproc, min_nodes, max_nodes)."""
+    if not args.module and not os.path.isfile(args.target):
+        raise ValueError(explain("the training script does not exist", seen=repr(args.target),
+                                 expected=f"a file (relative to {os.getcwd()})",
+                                 fix="Check the path, or pass -m to run a module."))
     nproc = resolve_nproc(args.nproc_per_node)
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     if max_nodes > 1 and not args.master_addr:
@@ -130,7 +134,6 @@ class _Agent(LocalElasticAgent):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.group_pids: set[int] = set()
-        self.last_failures: dict = {}
 
     def _start_workers(self, worker_group):
         pids = super()._start_workers(worker_group)
@@ -146,14 +149,12 @@ class _Agent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
-        if result.state == WorkerState.FAILED:
-            self.last_failures = result.failures
-            spec = worker_group.spec
-            if self._remaining_restarts > 0:
-                attempt = spec.max_restarts - self._remaining_restarts + 1
-                rank, failure = root_cause(result.failures)
-                _say(f"{describe_failure(rank, failure)} on attempt {attempt} of {spec.max_restarts + 1}; "
-                     f"restarting the worker group (attempt {attempt + 1} of {spec.max_restarts + 1}).")
+        spec = worker_group.spec
+        if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
+            attempt = spec.max_restarts - self._remaining_restarts + 1
+            rank, failure = root_cause(result.failures)
+            _say(f"{describe_failure(rank, failure)} on attempt {attempt} of {spec.max_restarts + 1}; "
+                 f"restarting the worker group (attempt {attempt + 1} of {spec.max_restarts + 1}).")
         return result
 
 
@@ -226,7 +227,7 @@ def run(argv: list[str] | None = None) -> int:
         result = agent.run()
         if result is None or not result.is_failed():
             return 0
-        return _report_failure(agent.last_failures or result.failures, args.max_restarts)
+        return _report_failure(result.failures, args.max_restarts)
     except (PhalanxError, RendezvousError) as exc:
         _say(f"{type(exc).__name__}: {exc}")
         return 1

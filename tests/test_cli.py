@@ -8,6 +8,13 @@ import pytest
 from phalanx import cli, launch
 
 
+@pytest.fixture(autouse=True)
+def in_a_folder_with_train_py(tmp_path, monkeypatch):
+    for name in ("train.py", "x.py"):
+        (tmp_path / name).write_text("print('training')\n")
+    monkeypatch.chdir(tmp_path)
+
+
 def parse(*argv):
     args = launch.build_parser().parse_args(list(argv))
     return args, launch.check_args(args)
@@ -49,10 +56,11 @@ class TestRunFlags:
         (["--nnodes", "2", "--master-addr", "h", "--node-rank", "2"], "--node-rank", "2"),
         (["--max-restarts", "-1"], "--max-restarts", "-1"),
         (["--master-port", "70000"], "--master-port", "70000"),
+        (["--nproc-per-node", "2", "missing.py"], "script does not exist", "'missing.py'"),
     ])
     def test_bad_flag_names_flag_and_value(self, argv, named, seen):
         with pytest.raises(ValueError) as error:
-            parse(*argv, "x.py")
+            parse(*argv) if argv[-1].endswith(".py") else parse(*argv, "x.py")
         assert named in str(error.value) and seen in str(error.value)
 
     def test_bad_flag_exits_with_usage_error(self, capsys):
