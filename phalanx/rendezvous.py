@@ -62,7 +62,7 @@ def host_store(addr: str, port: int, world_size: int, *, rank: int | None = 0, t
 
 
 def join_store(addr: str, port: int, world_size: int, *, rank: int | None, connect_timeout: timedelta,
-               timeout=timedelta(minutes=10)) -> dist.TCPStore:
+               timeout=timedelta(minutes=10), timeout_setting: str = "the connect timeout") -> dist.TCPStore:
     """Connect to the TCPStore at addr:port; MasterUnreachableError after `connect_timeout`."""
     where = f"{addr}:{port}"
     try:
@@ -74,7 +74,7 @@ def join_store(addr: str, port: int, world_size: int, *, rank: int | None, conne
             seen=f"no answer within {connect_timeout.total_seconds():.0f}s ({first_line})",
             expected=f"rank 0 (or node 0's `phalanx run`) listening on {where}",
             fix="Check the master address and port, that rank 0 / node 0 started, and that the port is open "
-                "between the hosts.")) from None
+                f"between the hosts ({timeout_setting} sets how long to wait).")) from None
     store.set_timeout(timeout)
     return store
 
@@ -94,7 +94,7 @@ class StaticRendezvous(RendezvousHandler):
                                     all_interfaces=nnodes > 1)
         else:
             self.store = join_store(master_addr, master_port, nnodes, rank=None, connect_timeout=timeout,
-                                    timeout=timeout)
+                                    timeout=timeout, timeout_setting="--rdzv-timeout")
         self.master_port = self.store.port
 
     def get_backend(self) -> str:

@@ -102,7 +102,7 @@ def _connect_store(spec: WorldSpec, connect_timeout: timedelta, timeout: timedel
         return host_store(spec.master_addr, spec.master_port, spec.world_size, rank=spec.rank, timeout=timeout,
                           all_interfaces=spec.world_size > spec.local_world_size)
     return join_store(spec.master_addr, spec.master_port, spec.world_size, rank=spec.rank,
-                      connect_timeout=connect_timeout, timeout=timeout)
+                      connect_timeout=connect_timeout, timeout=timeout, timeout_setting="PHALANX_CONNECT_TIMEOUT")
 
 
 def init(backend: str | None = None, *, device=None, timeout=None, connect_timeout=None) -> torch.device:

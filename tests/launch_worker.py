@@ -9,6 +9,7 @@ fail wait until the launcher stops them.
 import argparse
 import functools
 import os
+import sys
 import time
 
 import torch
@@ -52,8 +53,10 @@ def main():
     total = torch.tensor([float(rank)])
     dist.all_reduce(total)
     omp = os.environ.get("OMP_NUM_THREADS", "unset")
-    print(f"rank={rank} world_size={phalanx.world_size()} sum={int(total.item())} attempt={attempt} omp={omp}",
-          flush=True)
+    # One write per line: under torchrun the ranks share one unbuffered stdout.
+    sys.stdout.write(f"rank={rank} world_size={phalanx.world_size()} sum={int(total.item())} attempt={attempt} "
+                     f"omp={omp}\n")
+    sys.stdout.flush()
 
     batches = start_loader_worker(args.pid_dir, rank) if args.pid_dir else None
     if args.pid_dir:

@@ -5,6 +5,7 @@ Each test starts tests/launch_worker.py; the subprocess timeouts only guard agai
 """
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,10 +41,9 @@ def phalanx_run(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
 def sums_by_rank(stdout: str) -> dict:
     """{rank: (world_size, sum, attempt)} from the worker's result lines."""
     found = {}
-    for line in stdout.splitlines():
-        if "sum=" in line:
-            fields = dict(item.split("=") for item in line.split() if "=" in item)
-            found[int(fields["rank"])] = (int(fields["world_size"]), int(fields["sum"]), int(fields["attempt"]))
+    for match in re.finditer(r"rank=(\d+) world_size=(\d+) sum=(\d+) attempt=(\d+)", stdout):
+        rank, world_size, total, attempt = map(int, match.groups())
+        found[rank] = (world_size, total, attempt)
     return found
 
 
