@@ -106,7 +106,13 @@ def _connect_store(spec: WorldSpec, connect_timeout: timedelta, timeout: timedel
 
 
 def init(backend: str | None = None, *, device=None, timeout=None, connect_timeout=None) -> torch.device:
-    """Join the world described by the environment and return this process's device. Idempotent."""
+    """Join the world described by the environment and return this process's device. Idempotent.
+
+    >>> import phalanx
+    >>> device = phalanx.init()    # under `phalanx run`, torchrun, srun, or plain python (a world of 1)
+    >>> phalanx.rank(), phalanx.world_size()
+    (0, 1)
+    """
     global _spec, _device, _store, _owns_group
     if _spec is not None:
         return _device
