@@ -15,9 +15,8 @@ import queue as queue_module
 import time
 import traceback
 
-import torch.distributed as dist
-
 from .errors import RankFailedError, RanksTimedOutError, explain
+from .rendezvous import LOOPBACK, host_store
 
 _GRACE_SECONDS = 3.0
 
@@ -68,7 +67,7 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
     """
     if nprocs < 1:
         raise ValueError(explain("spawn needs at least one process", seen=f"nprocs={nprocs}", expected=">= 1"))
-    server = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
+    server = host_store(LOOPBACK, 0, nprocs, rank=None)
     base = {"WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(server.port), "PHALANX_STORE_HOSTED": "1", **(env or {})}
     context = mp.get_context("spawn")
@@ -96,15 +95,15 @@ def _collect(processes, results, timeout: float | None) -> list:
             rank, status, payload = results.get(timeout=0.05)
         except queue_module.Empty:
             for rank, process in enumerate(processes):
-                # A rank that died without a word (SIGKILL, segfault, os._exit) is a failure too;
+                # A rank that ended without a word (SIGKILL, segfault, os._exit) is a failure too;
                 # give its queue message a moment to arrive before calling it silent.
-                if rank not in values and process.exitcode is not None and process.exitcode != 0:
+                if rank not in values and process.exitcode is not None:
                     try:
                         rank, status, payload = results.get(timeout=0.5)
                         break
                     except queue_module.Empty:
                         raise RankFailedError(explain(
-                            f"rank {rank} died without reporting", seen=f"exit code {process.exitcode}",
+                            f"rank {rank} ended without reporting a result", seen=f"exit code {process.exitcode}",
                             expected="a normal return", fix="A negative code is the signal that killed it (-9: SIGKILL, often out of memory)."),
                             rank=rank, exitcode=process.exitcode) from None
             else:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .discovery import WorldSpec, discover
-from .errors import MasterUnreachableError, PortInUseError, RanksTimedOutError, WorldConfigError, explain
+from .errors import RanksTimedOutError, WorldConfigError, explain
+from .rendezvous import host_store, join_store
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # collectives: long enough for a slow first step
 DEFAULT_CONNECT_TIMEOUT = timedelta(seconds=120)  # rendezvous: a missing master is reported after this
@@ -95,30 +96,23 @@ def _connect_store(spec: WorldSpec, connect_timeout: timedelta, timeout: timedel
     """Create the TCPStore client (and server on rank 0 unless the launcher's agent hosts it)."""
     if spec.world_size == 1 and spec.master_addr is None:
         return dist.HashStore()
-    hosts_server = spec.rank == 0 and not spec.agent_store
-    where = f"{spec.master_addr}:{spec.master_port}"
-    try:
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=hosts_server,
-                              timeout=connect_timeout, wait_for_workers=False, multi_tenant=hosts_server)
-    except Exception as exc:  # torch raises DistNetworkError / DistStoreError / RuntimeError
-        text = str(exc)
-        if hosts_server and ("address already in use" in text.lower() or "EADDRINUSE" in text):
-            raise PortInUseError(explain(
-                f"MASTER_PORT {spec.master_port} is already in use on this host", rank=spec.rank,
-                seen=f"bind to {where} failed ({text.splitlines()[0]})", expected="a free port",
-                fix="Choose another MASTER_PORT, or let `phalanx run` pick a free one.")) from None
-        raise MasterUnreachableError(explain(
-            f"could not reach the rendezvous master at {where}", rank=spec.rank,
-            seen=f"no answer within {_seconds(connect_timeout):.0f}s ({text.splitlines()[0] if text else type(exc).__name__})",
-            expected=f"rank 0 listening on {where}",
-            fix="Check MASTER_ADDR/MASTER_PORT, that rank 0 started, and that the port is open between hosts "
-                "(PHALANX_CONNECT_TIMEOUT sets how long to wait).")) from None
-    store.set_timeout(timeout)
-    return store
+    if spec.rank == 0 and not spec.agent_store:
+        # Ranks on other hosts dial MASTER_ADDR by a name that may resolve, on this host, to an
+        # address they cannot reach (127.0.1.1): a multi-host store listens on all interfaces.
+        return host_store(spec.master_addr, spec.master_port, spec.world_size, rank=spec.rank, timeout=timeout,
+                          all_interfaces=spec.world_size > spec.local_world_size)
+    return join_store(spec.master_addr, spec.master_port, spec.world_size, rank=spec.rank,
+                      connect_timeout=connect_timeout, timeout=timeout, timeout_setting="PHALANX_CONNECT_TIMEOUT")
 
 
 def init(backend: str | None = None, *, device=None, timeout=None, connect_timeout=None) -> torch.device:
-    """Join the world described by the environment and return this process's device. Idempotent."""
+    """Join the world described by the environment and return this process's device. Idempotent.
+
+    >>> import phalanx
+    >>> device = phalanx.init()    # under `phalanx run`, torchrun, srun, or plain python (a world of 1)
+    >>> phalanx.rank(), phalanx.world_size()
+    (0, 1)
+    """
     global _spec, _device, _store, _owns_group
     if _spec is not None:
         return _device
@@ -127,21 +121,31 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     connect_timeout = (timedelta(seconds=_seconds(connect_timeout)) if connect_timeout is not None
                        else _env_seconds("PHALANX_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
     chosen = _choose_device(spec, device)
-    _share_cores(spec, chosen)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if dist.is_initialized():  # the user (or a framework) made the group: adopt it
         spec = WorldSpec(dist.get_rank(), dist.get_world_size(), spec.local_rank, spec.local_world_size,
                          spec.master_addr, spec.master_port, spec.source, spec.agent_store)
         store = dist.HashStore() if spec.world_size == 1 else None
     else:
         store = _connect_store(spec, connect_timeout, timeout)
-        dist.init_process_group(_choose_backend(chosen, backend), store=dist.PrefixStore("default_pg", store),
+        # The launcher's store outlives a restart of the workers: keys are per attempt, so a
+        # restarted rank never reads a peer's address from the attempt before.
+        dist.init_process_group(_choose_backend(chosen, backend), store=dist.PrefixStore(f"default_pg/{attempt}", store),
                                 rank=spec.rank, world_size=spec.world_size, timeout=timeout,
                                 device_id=chosen if chosen.type == "cuda" else None)
         _owns_group = True
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _share_cores(spec, chosen)
     _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
     _spec, _device = spec, chosen
     _configure_logging(spec.rank)
+    if _owns_group:
+        # Gloo finishes connecting on some ranks before others; a rank that returned from init()
+        # and exited at once would break its peers' half-made connections. Leave init() together.
+        try:
+            barrier(timeout=connect_timeout, name="init")
+        except BaseException:
+            shutdown()
+            raise
     return chosen
 
 
@@ -250,7 +254,9 @@ def _configure_logging(rank_: int) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler._phalanx = True
     handler.addFilter(_RankFilter(rank_))
-    handler.setFormatter(logging.Formatter("[rank %(rank)s] %(levelname)s %(message)s"))
+    # Under `phalanx run` every output line already starts with the rank.
+    prefix = "" if os.environ.get("PHALANX_RANK_PREFIXED") == "1" else "[rank %(rank)s] "
+    handler.setFormatter(logging.Formatter(prefix + "%(levelname)s %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False

@@ -1,0 +1,51 @@
+"""The `phalanx` command: `run` launches training, `demo` and `bench` run the bundled jobs.
+
+Subcommands are dispatched by name, each to its own module's `main(argv)`, imported only when
+used so that `phalanx run` does not pay for the demo's or benchmarks' imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "run": ("phalanx.launch", "launch a script on N workers per node (like torchrun); `phalanx run --help`"),
+    "demo": ("phalanx.demo", "train the bundled demo model on 2 processes"),
+    "bench": ("phalanx.bench", "measure phalanx DDP against torch DDP and compute-only"),
+}
+
+USAGE = "usage: phalanx {run,demo,bench} [options]\n\n" + "\n".join(
+    f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items()) + "\n\nexample: phalanx run --nproc-per-node 2 train.py\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `phalanx` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE, end="")
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"phalanx {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"phalanx: unknown command {name!r}; expected one of {', '.join(COMMANDS)}\n\n{USAGE}",
+              end="", file=sys.stderr)
+        return 2
+    module_name = COMMANDS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise  # the command exists but one of its imports is missing: show the real error
+        print(f"phalanx: `phalanx {name}` is not part of this installation ({module_name} is missing)",
+              file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

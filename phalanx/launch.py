@@ -1,0 +1,261 @@
+"""`phalanx run`: start one worker per device on this node, on torch's elastic agent.
+
+torch.distributed.elastic does the work: rendezvous between nodes, one process per local rank,
+monitoring, stopping the whole group when one worker fails, restarting it up to --max-restarts
+times. phalanx adds what a user sees: a loopback-only store on a free port for single-node runs,
+rank-prefixed output, the failing rank's own traceback printed last, and no process left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from datetime import timedelta
+
+import torch
+from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig
+
+from .errors import PhalanxError, explain
+from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
+from .rendezvous import LOOPBACK, StaticRendezvous
+
+DEFAULT_MULTI_NODE_PORT = 29500
+MAX_AUTO_CPU_WORKERS = 8
+WORKER_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_entry.py")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phalanx run", allow_abbrev=False,
+        description="Run a training script on every device of this node (and of other nodes), "
+                    "restarting the group when a worker fails.",
+        epilog="examples:\n  phalanx run --nproc-per-node 2 train.py --epochs 3\n"
+               "  phalanx run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -m mypkg.train\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N|auto",
+        help="workers on this node; auto = one per GPU, else one per CPU core (at most 8). Default 1")
+    add("--nnodes", default="1", metavar="N|MIN:MAX",
+        help="number of nodes, or an elastic range MIN:MAX. Default 1")
+    add("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, metavar="R",
+        help="this node's index in 0..nnodes-1 (fixed --nnodes only). Default 0")
+    add("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="A",
+        help=f"address of node 0, reachable from every node (required for several nodes). Default {LOOPBACK}")
+    add("--master-port", "--master_port", dest="master_port", type=int, default=None, metavar="P",
+        help=f"port of the rendezvous store on node 0. Default: a free port (one node), "
+             f"{DEFAULT_MULTI_NODE_PORT} (several nodes)")
+    add("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0, metavar="K",
+        help="restart the whole worker group up to K times when a worker fails. Default 0")
+    add("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="D",
+        help="also keep each worker's stdout/stderr/error.json under D/<run>/attempt_<n>/<local rank>/")
+    add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=0.1, metavar="S",
+        help="seconds between checks of the workers' health. Default 0.1")
+    add("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", type=float, default=600.0, metavar="S",
+        help="seconds the nodes wait for each other before giving up. Default 600")
+    add("-m", "--module", action="store_true",
+        help="the target is a module to run as `python -m`, not a script path")
+    add("target", metavar="script.py | module", help="the training script (or module with -m)")
+    add("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return parser
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """'2' -> (2, 2); '1:4' -> (1, 4)."""
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, -1)
+    except ValueError:
+        low, high = 0, -1
+    if not 1 <= low <= high:
+        raise ValueError(explain("--nnodes is not a node count or range", seen=repr(text),
+                                 expected="N >= 1, or MIN:MAX with 1 <= MIN <= MAX"))
+    return low, high
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def resolve_nproc(text: str) -> int:
+    """'auto' -> the GPU count, else the CPU core count capped at 8; 'N' -> N >= 1."""
+    if text == "auto":
+        if torch.cuda.is_available():
+            return torch.cuda.device_count()
+        return max(1, min(usable_cores(), MAX_AUTO_CPU_WORKERS))
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(explain("--nproc-per-node is not a worker count", seen=repr(text),
+                                 expected="an integer >= 1 or 'auto'"))
+    return value
+
+
+def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Validate the flags together; return (nproc, min_nodes, max_nodes)."""
+    if not args.module and not os.path.isfile(args.target):
+        raise ValueError(explain("the training script does not exist", seen=repr(args.target),
+                                 expected=f"a file (relative to {os.getcwd()})",
+                                 fix="Check the path, or pass -m to run a module."))
+    nproc = resolve_nproc(args.nproc_per_node)
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    if max_nodes > 1 and not args.master_addr:
+        raise ValueError(explain("--master-addr is required for a multi-node run", seen=f"--nnodes {args.nnodes}",
+                                 expected="the address of node 0, reachable from every node"))
+    if min_nodes == max_nodes and not 0 <= args.node_rank < max_nodes:
+        raise ValueError(explain("--node-rank is out of range", seen=args.node_rank,
+                                 expected=f"0..{max_nodes - 1} for --nnodes {args.nnodes}"))
+    if args.max_restarts < 0:
+        raise ValueError(explain("--max-restarts is negative", seen=args.max_restarts, expected=">= 0"))
+    if args.master_port is not None and not 0 <= args.master_port <= 65535:
+        raise ValueError(explain("--master-port is out of range", seen=args.master_port, expected="0..65535"))
+    if args.monitor_interval <= 0:
+        raise ValueError(explain("--monitor-interval must be positive", seen=args.monitor_interval,
+                                 expected="seconds > 0, e.g. 0.1"))
+    return nproc, min_nodes, max_nodes
+
+
+class _Agent(LocalElasticAgent):
+    """torch's local agent, plus: say which rank failed before a restart, and sweep stray processes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group_pids: set[int] = set()
+
+    def _start_workers(self, worker_group):
+        pids = super()._start_workers(worker_group)
+        self.group_pids = set(pids.values())
+        return pids
+
+    def _stop_workers(self, worker_group, *args, **kwargs):
+        super()._stop_workers(worker_group, *args, **kwargs)
+        # torch signals only the workers still running; children of a worker that already died
+        # (its DataLoader workers, say) live on in that worker's process group.
+        sweep_process_groups(self.group_pids)
+        self.group_pids = set()
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        spec = worker_group.spec
+        if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
+            attempt = spec.max_restarts - self._remaining_restarts + 1
+            rank, failure = root_cause(result.failures)
+            _say(f"{describe_failure(rank, failure)} on attempt {attempt} of {spec.max_restarts + 1}; "
+                 f"restarting the worker group (attempt {attempt + 1} of {spec.max_restarts + 1}).")
+        return result
+
+
+def _say(text: str) -> None:
+    print(f"phalanx run: {text}", file=sys.stderr, flush=True)
+
+
+def _rendezvous_handler(args, config: LaunchConfig, node_rank: int):
+    timeout = timedelta(seconds=args.rdzv_timeout)
+    if config.min_nodes == config.max_nodes:
+        addr = args.master_addr or LOOPBACK
+        port = args.master_port if args.master_port is not None else (
+            DEFAULT_MULTI_NODE_PORT if config.max_nodes > 1 else 0)
+        return StaticRendezvous(addr, port, node_rank, config.max_nodes, config.run_id, timeout)
+    # An elastic range: torch's c10d rendezvous admits nodes as they come and go.
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    port = args.master_port if args.master_port is not None else DEFAULT_MULTI_NODE_PORT
+    return get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=f"{args.master_addr}:{port}", run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, timeout=int(args.rdzv_timeout)))
+
+
+def _worker_command(args) -> tuple[str, tuple]:
+    # -u: a worker's stdout goes to a log file that is tailed to the console; unbuffered, lines
+    # appear as they are printed and nothing is lost when the worker is killed.
+    target = ("-m", args.target) if args.module else (args.target,)
+    return sys.executable, ("-u", WORKER_ENTRY, *target, *args.args)
+
+
+def _quiet_torch_elastic() -> None:
+    # torch's agent logs every step at WARNING (signals sent, exit codes); phalanx prints its own
+    # summary. Each torch module sets its own logger's level, so each one is turned down.
+    level = os.environ.get("PHALANX_ELASTIC_LOG_LEVEL", "CRITICAL")
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(level)
+
+
+def run(argv: list[str] | None = None) -> int:
+    """`phalanx run ...`: launch, wait, report; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        nproc, min_nodes, max_nodes = check_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    own_log_dir = args.log_dir is None
+    log_dir = tempfile.mkdtemp(prefix="phalanx-run-") if own_log_dir else args.log_dir
+    config = LaunchConfig(
+        min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc, run_id="phalanx",
+        max_restarts=args.max_restarts, monitor_interval=args.monitor_interval,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
+        log_line_prefix_template="[rank ${rank}] ")
+    # Workers read the environment of this process: tell phalanx.init() that lines are already
+    # prefixed with the rank. OMP_NUM_THREADS is deliberately left alone (init() shares the cores).
+    os.environ["PHALANX_RANK_PREFIXED"] = "1"
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    agent = handler = None
+    try:
+        handler = _rendezvous_handler(args, config, args.node_rank)
+        entrypoint, worker_args = _worker_command(args)
+        spec = WorkerSpec(role="worker", local_world_size=nproc, entrypoint=entrypoint, args=worker_args,
+                          rdzv_handler=handler, max_restarts=args.max_restarts,
+                          monitor_interval=args.monitor_interval)
+        agent = _Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
+                       log_line_prefix_template=config.log_line_prefix_template)
+        _quiet_torch_elastic()  # now that every torch module in use has made its logger
+        result = agent.run()
+        if result is None or not result.is_failed():
+            return 0
+        return _report_failure(result.failures, args.max_restarts)
+    except (PhalanxError, RendezvousError) as exc:
+        _say(f"{type(exc).__name__}: {exc}")
+        return 1
+    except SignalException as exc:
+        _say(f"stopped by {exc.sigval.name}; the workers were stopped too.")
+        return 128 + int(exc.sigval)
+    finally:
+        if agent is not None:
+            sweep_process_groups(agent.group_pids)
+        if handler is not None:
+            handler.shutdown()
+        if own_log_dir:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _report_failure(failures: dict, max_restarts: int) -> int:
+    rank, failure = root_cause(failures)
+    attempt = f" on the last attempt ({max_restarts + 1} of {max_restarts + 1})" if max_restarts else ""
+    _say(f"{describe_failure(rank, failure)}{attempt}.")
+    for other in sorted(r for r in failures if r != rank):
+        _say(f"  then {describe_failure(other, failures[other])}")
+    traceback_text = failure_traceback(failure)
+    if traceback_text:
+        _say(f"traceback of rank {rank}, the first to fail:")
+        sys.stderr.write(traceback_text if traceback_text.endswith("\n") else traceback_text + "\n")
+        sys.stderr.flush()
+    return failure.exitcode if failure.exitcode > 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(argv)
