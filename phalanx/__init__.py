@@ -5,7 +5,10 @@
     model = px.DistributedDataParallel(net)    # one changed import from torch DDP
 """
 
-from .errors import (MasterUnreachableError, PhalanxError, PortInUseError, RankFailedError, RanksTimedOutError,
+from . import hooks
+from .ddp import DDP, DistributedDataParallel
+from .errors import (MasterUnreachableError, NoTrainableParametersError, ParameterMismatchError, PhalanxError,
+                     PortInUseError, RankFailedError, RanksTimedOutError, UnevenInputsError, UnusedParameterError,
                      WorldConfigError)
 from .spawn import spawn
 from .world import (barrier, device, init, is_initialized, is_main, local_rank, local_world_size, logger, print0,
