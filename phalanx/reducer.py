@@ -167,7 +167,7 @@ class Reducer:
         self._reset()
 
     def _launch_used_map(self):
-        self._used[:-1].copy_(torch.frombuffer(bytes(self._ready), dtype=torch.uint8))
+        self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8))
         self._used[-1] = self.guard.tag(2 ** 20)
         return dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
 

@@ -125,8 +125,12 @@ def flat_params(module: nn.Module) -> torch.Tensor:
 
 
 def replicas_identical(module: nn.Module) -> bool:
-    """True when this rank's parameters and buffers are bitwise equal to rank 0's."""
-    mine = [t.detach().clone() for t in list(module.parameters()) + list(module.buffers())]
+    """True when this rank's parameters are bitwise equal to rank 0's.
+
+    (Buffers such as BatchNorm statistics legitimately differ between steps: each rank updates
+    them from its own batch, and DDP re-broadcasts rank 0's before the next forward.)
+    """
+    mine = [p.detach().clone() for p in module.parameters()]
     theirs = [t.clone() for t in mine]
     for t in theirs:
         dist.broadcast(t, 0)
