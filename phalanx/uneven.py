@@ -54,7 +54,8 @@ class StepGuard:
             return future.wait()
         except RuntimeError as exc:  # Gloo: "Connection closed by peer", timeouts, ...
             text = str(exc).strip().splitlines()
-            self.fail(what, f"the collective failed ({text[0] if text else type(exc).__name__})")
+            first = text[0].split(". ")[0] if text else type(exc).__name__  # Gloo appends advice; keep the fact
+            self.fail(what, f"the collective failed ({first})")
 
     def wait_work(self, work, what: str) -> None:
         self.wait(work.get_future(), what)
