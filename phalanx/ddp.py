@@ -130,7 +130,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             return
         if src is None:
             src = self._find_common_rank(dist.get_rank(), True) if joining else self._group_rank0
-        tags = broadcast_coalesced(buffers, src, self.process_group, tag=None if joining else self._guard.step,
+        # The tag check reads a value back: free on CPU, a stream sync on GPU, so only on CPU.
+        tagged = not joining and self._control_device.type == "cpu"
+        tags = broadcast_coalesced(buffers, src, self.process_group, tag=self._guard.step if tagged else None,
                                    wait=self._guard.wait_work)
         if tags is not None:
             self._guard.check_equal(*tags, "the broadcast of module buffers")
