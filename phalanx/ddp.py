@@ -8,6 +8,7 @@ gradients during backward. `join()` (uneven.py) lets ranks with fewer batches fi
 from __future__ import annotations
 
 import itertools
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -86,6 +87,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                 as_view=gradient_as_bucket_view, guard=self._guard,
                                 control_device=self._control_device)
         self._reducer.set_comm_hook(*self._default_comm_hook())
+        # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
+        # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
+        weakref.finalize(self, self._reducer.remove)
         self._hook_registered = False
         # Listing buffers walks every submodule: skip it on each forward of a model that has none.
         self._has_buffers = any(True for _ in module.buffers())

@@ -9,6 +9,8 @@ synchronized iteration the buckets are rebuilt once, in the order rank 0 saw gra
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -42,7 +44,9 @@ class Reducer:
         self._order: list[int] = []  # the ready order of the first synchronized backward
         self._used = torch.zeros(len(params) + 1, dtype=torch.int32, device=control_device)
         self._build(list(reversed(range(len(params)))))
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        # partial, not a closure: autograd then calls straight into _mark_ready (one Python frame per grad)
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._mark_ready, i))
+                         for i, p in enumerate(params)]
 
     # -- plan ---------------------------------------------------------------------------------
 
@@ -72,12 +76,8 @@ class Reducer:
 
     # -- during backward ------------------------------------------------------------------------
 
-    def _make_hook(self, index: int):
-        def on_grad_accumulated(param):
-            self._mark_ready(index)
-        return on_grad_accumulated
-
-    def _mark_ready(self, index: int) -> None:
+    def _mark_ready(self, index: int, param=None) -> None:
+        """Autograd accumulated parameter `index`'s gradient: count it, launch what is complete."""
         self._ready[index] = 1
         if not self.armed:  # no_sync(), or a backward DDP's forward did not prepare: accumulate locally
             return
