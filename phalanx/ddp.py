@@ -115,7 +115,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             join_work = Join.notify_join_context(self)
             self._announce_sync(int(will_sync) | (2 if syncs_buffers else 0))
         if will_sync:
-            self._guard.step += 1
             reducer.divisor = (count_active_ranks(join_work) if joining and join_work is not None
                                and not self._divide_by_initial_world_size else self.process_group.size())
             if syncs_buffers and self._has_buffers:
@@ -132,6 +131,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         buffers = list(self.module.buffers())
         if not buffers:
             return
+        self._guard.begin()
         if src is None:
             src = self._find_common_rank(dist.get_rank(), True) if joining else self._group_rank0
         # The tag check reads a value back: free on CPU, a stream sync on GPU, so only on CPU.
@@ -232,6 +232,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         broadcast_coalesced(list(self.module.parameters()) + list(self.module.buffers()), src,
                             self.process_group, wait=self._guard.wait_work)
         self._guard.step = step
+        self._guard.end()
         self._guard.enabled = True
         self._join_scratch.clear()
         self._join_config = _JoinConfig.construct_disabled_join_config()

@@ -83,6 +83,7 @@ class Reducer:
             return
         if not self._queued:
             self._queued = True
+            self.guard.begin()
             _engine.queue_callback(self._finalize)
         if not self.rebuilt:
             self._order.append(index)
@@ -151,6 +152,7 @@ class Reducer:
                 self._wait(self._next)
                 self.unready_error = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
                 self._reset()
+                self.guard.end()
                 return
             for bucket in buckets[self._next:]:
                 self._launch(bucket, complete=all(self._ready[i] for i in bucket.indices))
@@ -165,6 +167,7 @@ class Reducer:
         if not self.rebuilt:
             self._rebuild()
         self._reset()
+        self.guard.end()
 
     def _launch_used_map(self):
         self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8))

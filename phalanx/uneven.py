@@ -1,10 +1,9 @@
 """Uneven inputs: the typed error when ranks fall out of step, and the `join()` shadowing.
 
-Without `join()`, a rank that ran out of data stops issuing DDP's collectives. Each DDP collective
-carries a step tag (a trailing slot: a mismatch is detected when results come back) and every wait
-on one is bounded; on a stall, an error or a tag mismatch the ranks still training meet in the
-rendezvous store (only then: the hot path never touches it) to name the ranks that did not arrive.
-With `join()`, `DDPJoinHook` makes finished ranks shadow the collectives of the others instead.
+Without `join()` every DDP collective carries a step tag and every wait on one is bounded; only a
+wait over a second touches the rendezvous store (the rank notes it is in the step), and on a stall,
+failure or tag mismatch those notes name the ranks that are missing. With `join()`,
+`DDPJoinHook` makes ranks that ran out of data shadow the others' collectives instead.
 """
 
 from __future__ import annotations
@@ -20,7 +19,8 @@ from torch.distributed.algorithms.join import JoinHook
 from .errors import UnevenInputsError, explain
 
 DEFAULT_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (PHALANX_DDP_STALL_TIMEOUT)
-NAMING_GRACE_SECONDS = 3.0  # how long ranks that detected the problem wait for each other in the store
+PRESENCE_AFTER_SECONDS = 1.0  # a wait this long is unusual: note in the store that this rank is in the step
+NAMING_GRACE_SECONDS = 1.0  # how long a rank that detected the problem waits for the others' notes
 
 
 def stall_seconds() -> float:
@@ -33,11 +33,23 @@ class StepGuard:
     def __init__(self, group, instance: int):
         self.group = group
         self.instance = instance
-        self.step = 0  # synchronized steps begun (forward passes with gradient sync on)
+        # Steps that issued collectives (a buffer broadcast or gradient buckets). Counting forwards
+        # instead would let ranks that ran different numbers of validation forwards disagree.
+        self.step = 0
+        self.open = False  # the current step has issued a collective and not finalized yet
         self.enabled = True  # off inside join(): there, finished ranks legitimately lag behind
         self.timeout = stall_seconds()
         self.world_size = group.size()
         self.ranks = dist.get_process_group_ranks(group)
+
+    def begin(self) -> None:
+        """Called before a step's first collective (idempotent within the step)."""
+        if not self.open:
+            self.step += 1
+            self.open = True
+
+    def end(self) -> None:
+        self.open = False
 
     def tag(self, modulus: int) -> int:
         """This step as a non-zero integer below `modulus` (0 means 'no tag', e.g. inside join)."""
@@ -48,8 +60,12 @@ class StepGuard:
         if not future.done():
             arrived = threading.Event()
             future.add_done_callback(lambda _: arrived.set())
-            if not arrived.wait(self.timeout):
-                self.fail(what, f"no answer within {self.timeout:.0f}s")
+            if not arrived.wait(min(PRESENCE_AFTER_SECONDS, self.timeout)):
+                # Slow, so the store round trip costs nothing noticeable; should this end in an error,
+                # the ranks that fail later know this one was here.
+                self._note_presence()
+                if not arrived.wait(max(0.0, self.timeout - PRESENCE_AFTER_SECONDS)):
+                    self.fail(what, f"no answer within {self.timeout:.0f}s")
         try:
             return future.wait()
         except RuntimeError as exc:  # Gloo: "Connection closed by peer", timeouts, ...
@@ -86,21 +102,31 @@ class StepGuard:
                 "PHALANX_DDP_STALL_TIMEOUT sets how long to wait."),
             step=self.step, missing_ranks=missing or ()) from None
 
-    def _absent_ranks(self, me: int) -> list[int] | None:
-        """Ranks that did not report being at this step in the store (None when there is no store)."""
+    def _store(self):
         try:
             from . import world
 
-            store = world.store()
+            return world.store()
         except Exception:  # noqa: BLE001 - a user-made group: no store of ours to ask
-            store = None
+            return None
+
+    def _presence_key(self, rank: int) -> str:
+        return f"ddp{self.instance}/step{self.step}/{rank}"
+
+    def _note_presence(self) -> None:
+        store = self._store()
+        if store is not None:
+            store.set(self._presence_key(dist.get_rank()), b"1")
+
+    def _absent_ranks(self, me: int) -> list[int] | None:
+        """Ranks that did not note being at this step in the store (None when there is no store)."""
+        store = self._store()
         if store is None:
             return None
-        prefix = f"ddp{self.instance}/step{self.step}"
-        store.set(f"{prefix}/{me}", b"1")
+        store.set(self._presence_key(me), b"1")
         deadline = time.monotonic() + min(NAMING_GRACE_SECONDS, self.timeout)
         while True:
-            absent = [r for r in self.ranks if not store.check([f"{prefix}/{r}"])]
+            absent = [r for r in self.ranks if not store.check([self._presence_key(r)])]
             if not absent or time.monotonic() > deadline:
                 return absent
             time.sleep(0.05)
