@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import phalanx
 from ddp_cases import Branchy, cnn_bn, replicas_identical
@@ -59,14 +59,14 @@ def _loss(config: str, model, step: int, rank: int):
     return F.mse_loss(model(x), y)
 
 
-def _train(wrapper, config: str, rank: int, kwargs: dict, hook=None) -> tuple:
+def _train(wrapper, config: str, rank: int, kwargs: dict, hook=None, make_state=lambda: None) -> tuple:
     model = wrapper(_model(config), **kwargs)
     calls = [0]
     if hook is not None:
         def counted(state, bucket):
             calls[0] += 1
             return hook(state, bucket)
-        model.register_comm_hook(None, counted)
+        model.register_comm_hook(make_state(), counted)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if config == "autocast" else None
     identical = True
@@ -97,6 +97,10 @@ HOOKS = {
 }
 
 
+def _powersgd_state():
+    return powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=3)
+
+
 def _max_diff(a, b) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a, b))
 
@@ -116,6 +120,12 @@ def _compare_everything(rank: int) -> dict:
         theirs, _, _, _, _ = _train(torch.nn.parallel.DistributedDataParallel, "default", rank, {}, hook)
         out[name] = {"vs_plain": _max_diff(ours, plain), "vs_torch_same_hook": _max_diff(ours, theirs),
                      "identical": identical, "calls": calls}
+    # A stateful hook that keys its state by bucket index and reads bucket.gradients()/parameters().
+    ours, identical, calls, _, _ = _train(phalanx.DistributedDataParallel, "default", rank, {},
+                                          powerSGD_hook.powerSGD_hook, _powersgd_state)
+    theirs, _, _, _, _ = _train(torch.nn.parallel.DistributedDataParallel, "default", rank, {},
+                                powerSGD_hook.powerSGD_hook, _powersgd_state)
+    out["torch_powersgd"] = {"vs_torch_same_hook": _max_diff(ours, theirs), "identical": identical, "calls": calls}
     return out
 
 
@@ -162,3 +172,10 @@ def test_comm_hooks_stay_close_to_no_hook(results, hook):
         assert outcome["vs_plain"] < tolerance, f"rank {rank}: {hook} is {outcome['vs_plain']:.3g} from no hook"
         assert outcome["vs_torch_same_hook"] < 1e-6, f"rank {rank}: {hook} on phalanx differs from torch DDP"
         assert outcome["identical"]
+
+
+def test_torch_powersgd_hook_runs_unchanged(results):
+    for per_rank in results:
+        outcome = per_rank["torch_powersgd"]
+        assert outcome["calls"] >= STEPS and outcome["identical"]
+        assert outcome["vs_torch_same_hook"] < 1e-6
