@@ -34,7 +34,7 @@ class Reducer:
         self.as_view = as_view
         self.guard = guard
         self.control_device = control_device
-        self.hook_state, self.hook = group, hooks.sum_prescaled_hook
+        self.set_comm_hook(group, hooks.sum_prescaled_hook)
         self.divisor = self.world_size  # the default hook averages over this many ranks (join changes it)
         self.armed = False  # a synchronized backward is expected (set by DDP's forward)
         self.rebuilt = False
@@ -69,10 +69,8 @@ class Reducer:
 
     def set_comm_hook(self, state, hook) -> None:
         self.hook_state, self.hook = state, hook
-
-    @property
-    def _prescaled(self) -> bool:
-        return getattr(self.hook, "_phalanx_prescaled", False)
+        # A prescaled hook only sums: the engine divides while copying in and fills the step tag.
+        self._prescaled = getattr(hook, "_phalanx_prescaled", False)
 
     # -- during backward ------------------------------------------------------------------------
 
@@ -211,10 +209,14 @@ class Reducer:
 
     def prepare_for_backward(self) -> None:
         """Called by DDP's forward when gradients will be synchronized in the coming backward."""
-        if not self._queued:
-            for bucket in self.buckets:
-                bucket.pending = len(bucket.params)
-            self._next = 0
+        if self._queued and torch._C._current_autograd_node() is not None:
+            self.armed = True  # a forward run inside backward (reentrant checkpointing): keep counting
+            return
+        # A backward that raised never reached _finalize: start this one from a clean count.
+        self._queued = False
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self._next = 0
         self.armed = True
 
     def _rebuild(self) -> None:

@@ -6,7 +6,6 @@ by the initial world size) phalanx matches torch DDP's join, also when called th
 generic `Join([model])`. Afterwards replicas are identical and ordinary training continues.
 """
 
-import copy
 
 import pytest
 import torch

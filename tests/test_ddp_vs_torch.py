@@ -5,7 +5,6 @@ phalanx.hooks) stay within compression tolerance of the run without a hook.
 One spawned run trains every configuration; the tests read its results.
 """
 
-import copy
 
 import pytest
 import torch
