@@ -30,6 +30,12 @@ def test_plan_separates_dtypes_and_orders_buckets_by_first_gradient():
     assert plan_buckets(params, [3, 2, 1, 0], cap_bytes=MB) == [[3, 1], [2, 0]]
 
 
+def test_plan_separates_devices():
+    # 'meta' tensors stand in for a second device: the plan only reads device, dtype and size.
+    params = [torch.zeros(4), torch.zeros(4, device="meta"), torch.zeros(4), torch.zeros(4, device="meta")]
+    assert plan_buckets(params, [3, 2, 1, 0], cap_bytes=MB) == [[3, 1], [2, 0]]
+
+
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.tuples(st.integers(1, 3000), st.booleans()), min_size=1, max_size=30),
        cap=st.integers(64, 20000), first=st.integers(64, 20000), seed=st.integers(0, 1000))

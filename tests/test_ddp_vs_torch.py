@@ -31,8 +31,25 @@ class MixedDtypes(nn.Module):
         return self.high(self.low(x).double())
 
 
+class TwoBranches(nn.Module):
+    """The order of the sum decides which branch's gradients arrive first: ranks differ."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x, a_first: bool):
+        if a_first:
+            first = 2 * self.a(x)
+            return first + self.b(torch.tanh(x))
+        second = self.b(torch.tanh(x))
+        return 2 * self.a(x) + second
+
+
 def _model(config: str) -> nn.Module:
     torch.manual_seed(7)
+    if config == "rank_order":
+        return TwoBranches()
     if config == "cnn_bn_train":
         return cnn_bn()
     if config == "unused":
@@ -49,6 +66,8 @@ def _loss(config: str, model, step: int, rank: int):
     x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
     if config == "unused":
         return F.mse_loss(model(x, rank % 2 == 1), y)
+    if config == "rank_order":
+        return F.mse_loss(model(x, rank % 2 == 0), y)
     if config == "mixed_dtypes":
         return F.mse_loss(model(x), y.double())
     if config == "autocast":
@@ -88,6 +107,7 @@ def _train(wrapper, config: str, rank: int, kwargs: dict, hook=None, make_state=
 CONFIGS = {
     "default": {}, "as_view": {"gradient_as_bucket_view": True}, "small_buckets": {"bucket_cap_mb": 0.002},
     "cnn_bn_train": {}, "unused": {"find_unused_parameters": True}, "mixed_dtypes": {}, "autocast": {},
+    "rank_order": {},
 }
 HOOKS = {
     "torch_allreduce": default_hooks.allreduce_hook, "torch_fp16": default_hooks.fp16_compress_hook,
@@ -146,6 +166,13 @@ def test_gradient_as_bucket_view_shares_bucket_storage(results):
     as_view, copied = results[0]["as_view"], results[0]["default"]
     assert as_view["grad_storages"] == len(as_view["buckets"]), "each bucket's grads should live in its one buffer"
     assert copied["grad_storages"] > len(copied["buckets"]), "without the flag each grad owns its storage"
+
+
+def test_rebuilt_buckets_follow_rank_0s_order_on_every_rank(results):
+    plans = [per_rank["rank_order"]["buckets"] for per_rank in results]
+    assert plans[0] == plans[1]
+    # On rank 0 branch b's gradients arrive first: b is parameters 2 and 3.
+    assert [i for bucket in plans[0] for i in bucket][:2] in ([3, 2], [2, 3])
 
 
 def test_buckets_are_grouped_by_dtype(results):
