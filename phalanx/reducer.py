@@ -155,13 +155,18 @@ class Reducer:
             for bucket in buckets[self._next:]:
                 self._launch(bucket, complete=all(self._ready[i] for i in bucket.indices))
             self._next = len(buckets)
-        used = self._launch_used_map() if self.tolerate_unused else None
-        self._wait(len(buckets))
-        if used is not None:
+        if self.tolerate_unused:  # which parameters got a gradient anywhere decides what is written back
+            used = self._launch_used_map()
+            self._wait(len(buckets))
             self.guard.wait(used, "the all-reduce of the used-parameter map")
             self.guard.check_sum(int(self._used[-1]), self.guard.tag(2 ** 20), "the used-parameter map")
             used = self._used[:-1].tolist()
-        self._write_back(used)
+            for bucket in buckets:
+                self._write_back(bucket, used)
+        else:
+            for bucket in buckets:  # copy each bucket back while the later ones are still in flight
+                self._wait_for(bucket)
+                self._write_back(bucket, None)
         if not self.rebuilt:
             self._rebuild()
         self._reset()
@@ -173,33 +178,35 @@ class Reducer:
         return dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
 
     def _wait(self, count: int) -> None:
-        check_tags = self._prescaled and self.guard.enabled
         for bucket in self.buckets[:count]:
-            value = self.guard.wait(self._futures[bucket.index], f"the gradient all-reduce of bucket {bucket.index}")
-            result = value[0] if isinstance(value, (list, tuple)) else value
-            if check_tags and bucket.storage.device.type == "cpu":
-                own = self.guard.tag(self._tag_mod[bucket.index])
-                self.guard.check_sum(bucket.tag_slot.item(), own, f"the gradient all-reduce of bucket {bucket.index}")
-            if result is not None and result.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(result[:bucket.numel] if result.numel() > bucket.numel else result)
-            self._futures[bucket.index] = None
+            self._wait_for(bucket)
 
-    def _write_back(self, used) -> None:
+    def _wait_for(self, bucket: Bucket) -> None:
+        """Wait for a bucket's comm hook; check its step tag; make sure its result is in the buffer."""
+        what = f"the gradient all-reduce of bucket {bucket.index}"
+        value = self.guard.wait(self._futures[bucket.index], what)
+        self._futures[bucket.index] = None
+        result = value[0] if isinstance(value, (list, tuple)) else value
+        if self._prescaled and self.guard.enabled and bucket.storage.device.type == "cpu":
+            self.guard.check_sum(bucket.tag_slot.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
+        if result is not None and result.data_ptr() != bucket.buffer.data_ptr():
+            bucket.buffer.copy_(result[:bucket.numel] if result.numel() > bucket.numel else result)
+
+    def _write_back(self, bucket: Bucket, used) -> None:
         """Averaged bucket contents -> param.grad; a parameter unused on every rank keeps its grad."""
-        for bucket in self.buckets:
-            if self._complete[bucket.index] and not self.as_view:
-                torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
+        if self._complete[bucket.index] and not self.as_view:
+            torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
+            return
+        for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
+            if used is not None and not used[i]:
                 continue
-            for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
-                if used is not None and not used[i]:
-                    continue
-                if self.as_view:
-                    if p.grad is not view:
-                        p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+            if self.as_view:
+                if p.grad is not view:
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
 
     def _reset(self) -> None:
         for bucket in self.buckets:
