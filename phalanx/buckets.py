@@ -89,6 +89,12 @@ class GradBucket:
         self._is_last = is_last
         self._storage = bucket.storage if storage is None else storage
         self._buffer = self._storage[:bucket.numel]
+        self._work = None
+
+    def set_work(self, work) -> None:
+        """For prescaled hooks that reduce storage() in place: the engine may wait on this Work (a
+        timed wait in C++) instead of the returned future."""
+        self._work = work
 
     def index(self) -> int:
         return self._bucket.index

@@ -25,7 +25,9 @@ def prescaled(hook):
 @prescaled
 def sum_prescaled_hook(process_group, bucket):
     """phalanx's default: one all-reduce (sum) of gradients already divided by the world size."""
-    return dist.all_reduce(bucket.storage(), group=process_group, async_op=True).get_future()
+    work = dist.all_reduce(bucket.storage(), group=process_group, async_op=True)
+    bucket.set_work(work)
+    return work.get_future()
 
 
 def _group(process_group):

@@ -184,9 +184,15 @@ class Reducer:
     def _wait_for(self, bucket: Bucket) -> None:
         """Wait for a bucket's comm hook; check its step tag; make sure its result is in the buffer."""
         what = f"the gradient all-reduce of bucket {bucket.index}"
-        value = self.guard.wait(self._futures[bucket.index], what)
-        self._futures[bucket.index] = None
-        result = value[0] if isinstance(value, (list, tuple)) else value
+        future, self._futures[bucket.index] = self._futures[bucket.index], None
+        facade = self._facades[bucket.index]
+        if facade._work is not None:  # reduced in place by a prescaled hook: wait on its Work
+            work, facade._work = facade._work, None
+            self.guard.wait_work(work, what)
+            result = None
+        else:
+            value = self.guard.wait(future, what)
+            result = value[0] if isinstance(value, (list, tuple)) else value
         if self._prescaled and self.guard.enabled and bucket.storage.device.type == "cpu":
             self.guard.check_sum(bucket.tag_slot.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
         if result is not None and result.data_ptr() != bucket.buffer.data_ptr():

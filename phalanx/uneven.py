@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,11 @@ class StepGuard:
         self.open = False  # the current step has issued a collective and not finalized yet
         self.enabled = True  # off inside join(): there, finished ranks legitimately lag behind
         self.timeout = stall_seconds()
+        first = min(PRESENCE_AFTER_SECONDS, self.timeout)
+        self._first_limit = timedelta(seconds=first)
+        self._second_limit = timedelta(seconds=max(0.001, self.timeout - first))
+        # NCCL: a timed wait would block the CPU on the GPU stream; NCCL's watchdog bounds hangs there.
+        self.bounded = dist.get_backend(group) != "nccl"
         self.world_size = group.size()
         self.ranks = dist.get_process_group_ranks(group)
 
@@ -57,7 +63,7 @@ class StepGuard:
 
     def wait(self, future, what: str):
         """future.wait(), but a stall past the timeout or a failed collective raises UnevenInputsError."""
-        if not future.done():
+        if self.bounded and not future.done():
             arrived = threading.Event()
             future.add_done_callback(lambda _: arrived.set())
             if not arrived.wait(min(PRESENCE_AFTER_SECONDS, self.timeout)):
@@ -69,12 +75,23 @@ class StepGuard:
         try:
             return future.wait()
         except RuntimeError as exc:  # Gloo: "Connection closed by peer", timeouts, ...
-            text = str(exc).strip().splitlines()
-            first = text[0].split(". ")[0] if text else type(exc).__name__  # Gloo appends advice; keep the fact
-            self.fail(what, f"the collective failed ({first})")
+            self.fail(what, _failure(exc))
 
     def wait_work(self, work, what: str) -> None:
-        self.wait(work.get_future(), what)
+        """work.wait() with the same bounds as wait(): the timed wait is C++'s, no Python callback."""
+        if not self.bounded:
+            work.wait()
+            return
+        for limit in (self._first_limit, self._second_limit):
+            try:
+                work.wait(limit)
+                return
+            except RuntimeError as exc:
+                if work.is_completed() or "timed out" not in str(exc).lower():
+                    self.fail(what, _failure(exc))
+            if limit is self._first_limit:
+                self._note_presence()  # see wait()
+        self.fail(what, f"no answer within {self.timeout:.0f}s")
 
     def check_sum(self, seen: float, own: int, what: str) -> None:
         """An all-reduced tag must be world_size times this rank's own tag."""
@@ -149,6 +166,12 @@ class DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
+
+
+def _failure(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0].split(". ")[0] if text else type(exc).__name__  # Gloo appends advice; keep the fact
+    return f"the collective failed ({first})"
 
 
 def count_active_ranks(join_work) -> int:
