@@ -5,11 +5,14 @@
     model = px.DistributedDataParallel(net)    # one changed import from torch DDP
 """
 
-from . import metrics
+from . import hooks, metrics
 from .checkpoint import Checkpointer
+from .ddp import DDP, DistributedDataParallel
 from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointValueError,
-                     CheckpointWriteError, DataConfigError, MasterUnreachableError, PhalanxError, PortInUseError,
-                     RankFailedError, RanksTimedOutError, ResumeStateError, UnsafeCheckpointError, WorldConfigError)
+                     CheckpointWriteError, DataConfigError, MasterUnreachableError, NoTrainableParametersError,
+                     ParameterMismatchError, PhalanxError, PortInUseError, RankFailedError, RanksTimedOutError,
+                     ResumeStateError, UnevenInputsError, UnsafeCheckpointError, UnusedParameterError,
+                     WorldConfigError)
 from .loader import DataLoader
 from .sampler import DistributedSampler
 from .spawn import spawn

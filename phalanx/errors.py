@@ -107,3 +107,33 @@ class CheckpointMismatchError(CheckpointError, ValueError):
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
+
+
+class ParameterMismatchError(PhalanxError, ValueError):
+    """Ranks wrapped models whose parameters (names, shapes or dtypes) differ."""
+
+    def __init__(self, message: str, name: str = "", ranks=()):
+        super().__init__(message)
+        self.name = name
+        self.ranks = sorted(ranks)
+
+
+class NoTrainableParametersError(PhalanxError):
+    """DistributedDataParallel was given a module with no parameter that requires a gradient."""
+
+
+class UnusedParameterError(PhalanxError):
+    """Parameters received no gradient in a synchronized backward pass and find_unused_parameters is off."""
+
+    def __init__(self, message: str, names=()):
+        super().__init__(message)
+        self.names = list(names)
+
+
+class UnevenInputsError(PhalanxError):
+    """Ranks fell out of step in DDP's collectives (typically: some ran out of data without `join()`)."""
+
+    def __init__(self, message: str, step: int = -1, missing_ranks=()):
+        super().__init__(message)
+        self.step = step
+        self.missing_ranks = sorted(missing_ranks)

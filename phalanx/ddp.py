@@ -1,0 +1,281 @@
+"""`phalanx.DistributedDataParallel`: torch's DDP interface on phalanx's own gradient engine.
+
+The constructor checks that every rank holds the same model and copies rank 0's parameters and
+buffers to all; forward broadcasts buffers and prepares the reducer (reducer.py), which averages
+gradients during backward. `join()` (uneven.py) lets ranks with fewer batches finish early.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
+
+from . import hooks
+from .errors import NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
+from .buckets import FIRST_BUCKET_BYTES
+from .reducer import Reducer
+from .replicas import broadcast_coalesced, check_same_signature, comm_device
+from .uneven import DDPJoinHook, StepGuard, count_active_ranks
+
+DEFAULT_BUCKET_CAP_MB = 25
+_instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
+
+
+class DistributedDataParallel(torch.nn.Module, Joinable):
+    """Synchronous data parallelism: every rank holds a replica, gradients are averaged in backward.
+
+    Drop-in for `torch.nn.parallel.DistributedDataParallel` (same arguments, same behaviour).
+
+    >>> import phalanx, torch                                   # doctest: +SKIP
+    >>> phalanx.init()
+    >>> model = phalanx.DistributedDataParallel(torch.nn.Linear(8, 2))
+    >>> model(torch.randn(4, 8)).sum().backward()               # grads now averaged over ranks
+    """
+
+    def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, **unsupported):
+        super().__init__()
+        Joinable.__init__(self)
+        if unsupported:
+            raise TypeError(f"phalanx.DistributedDataParallel does not support {sorted(unsupported)}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise WorldConfigError(explain(
+                "DistributedDataParallel needs a process group", seen="torch.distributed not initialized",
+                fix="Call phalanx.init() (or torch.distributed.init_process_group) before wrapping the model."))
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise NoTrainableParametersError(explain(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
+                "a gradient", rank=dist.get_rank(), seen=f"{type(module).__name__} with no trainable parameter",
+                expected="at least one parameter with requires_grad=True",
+                fix="Wrap a model with trainable parameters, or run it without DDP."))
+        _reject_sparse_gradients(module)
+        devices = {p.device for _, p in named}
+        self.device = next(iter(devices)) if len(devices) == 1 else None
+        self.device_ids = _check_device_ids(device_ids, devices)
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        # As torch: 25 MiB buckets, and a 1 MiB first bucket unless the user chose a cap.
+        self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
+        first_cap = min(FIRST_BUCKET_BYTES, self.bucket_bytes_cap) if bucket_cap_mb is None else self.bucket_bytes_cap
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._group_rank0 = dist.get_global_rank(self.process_group, 0)
+        self._control_device = comm_device(self.process_group, next(iter(devices)))
+        check_same_signature(module, self.process_group, self._control_device)
+        if init_sync:
+            broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self._group_rank0,
+                                self.process_group)
+        self._guard = StepGuard(self.process_group, next(_instances))
+        # static_graph: torch then tolerates parameters that never get a gradient; so do we.
+        self._reducer = Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
+                                self.bucket_bytes_cap, first_cap, tolerate_unused=find_unused_parameters or static_graph,
+                                as_view=gradient_as_bucket_view, guard=self._guard,
+                                control_device=self._control_device)
+        self._reducer.set_comm_hook(*self._default_comm_hook())
+        # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
+        # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
+        weakref.finalize(self, self._reducer.remove)
+        self._hook_registered = False
+        # Listing buffers walks every submodule: skip it on each forward of a model that has none.
+        self._has_buffers = any(True for _ in module.buffers())
+        self._divide_by_initial_world_size = True
+        self._join_scratch: dict = {}
+
+    def _default_comm_hook(self):
+        """(state, hook) used when the user registers none: the one place a faster transport plugs in."""
+        return self.process_group, hooks.sum_prescaled_hook
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        reducer = self._reducer
+        if reducer.unready_error:
+            names, reducer.unready_error = reducer.unready_error, None
+            raise _unused_error(names, self._guard.step)
+        will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        syncs_buffers = will_sync and self.module.training and self.broadcast_buffers
+        joining = self._join_config.enable
+        self._guard.enabled = not joining
+        if joining:
+            join_work = Join.notify_join_context(self)
+            self._announce_sync(int(will_sync) | (2 if syncs_buffers else 0))
+        if will_sync:
+            reducer.divisor = (count_active_ranks(join_work) if joining and join_work is not None
+                               and not self._divide_by_initial_world_size else self.process_group.size())
+            if syncs_buffers and self._has_buffers:
+                self._sync_buffers(joining)
+            reducer.prepare_for_backward()
+        else:
+            reducer.armed = False
+        self.require_forward_param_sync = will_sync
+        if self.device_ids:
+            inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
+        return self.module(*inputs, **kwargs)
+
+    def _sync_buffers(self, joining: bool, src: int | None = None) -> None:
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        self._guard.begin()
+        if src is None:
+            src = self._find_common_rank(dist.get_rank(), True) if joining else self._group_rank0
+        # The tag check reads a value back: free on CPU, a stream sync on GPU, so only on CPU.
+        tagged = not joining and self._control_device.type == "cpu"
+        tags = broadcast_coalesced(buffers, src, self.process_group, tag=self._guard.step if tagged else None,
+                                   wait=self._guard.wait_work)
+        if tags is not None:
+            self._guard.check_equal(*tags, "the broadcast of module buffers")
+
+    def _all_reduce_max(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64, device=self._control_device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
+        self._guard.wait_work(work, "a join control all-reduce")
+        return tensor.tolist()
+
+    def _find_common_rank(self, rank: int, candidate: bool) -> int:
+        return self._all_reduce_max([rank if candidate else -1])[0]
+
+    # -- the usual DDP surface -------------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) inside this context.
+
+        >>> with model.no_sync():                          # doctest: +SKIP
+        ...     model(micro_batch_1).sum().backward()
+        >>> model(micro_batch_2).sum().backward()          # averages the sum of both
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state, hook) -> None:
+        """Average gradient buckets with `hook(state, bucket) -> Future[Tensor]` instead of the default.
+
+        >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks   # doctest: +SKIP
+        >>> model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        """
+        if self._hook_registered:
+            raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel.")
+        if not callable(hook):
+            raise TypeError(f"a comm hook must be callable as hook(state, bucket); got {type(hook).__name__}")
+        self._hook_registered = True
+        self._reducer.set_comm_hook(state, hook)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load either this wrapper's keys ('module.x') or the bare module's ('x')."""
+        own = set(self.module.state_dict(keep_vars=True).keys())
+        bare = sum(key in own for key in state_dict)
+        prefixed = sum(key.startswith("module.") and key[len("module."):] in own for key in state_dict)
+        if bare > prefixed:
+            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    # -- uneven inputs (torch's Joinable interface) ----------------------------------------------
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for ranks with different numbers of batches (as torch's).
+
+        >>> with model.join():                              # doctest: +SKIP
+        ...     for batch in my_shard:                      # ranks may differ in length
+        ...         model(batch).sum().backward(); optimizer.step()
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._control_device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _announce_sync(self, flags: int) -> int:
+        """Tell joined ranks what this iteration synchronizes: bit 0 gradients, bit 1 buffers."""
+        return self._all_reduce_max([flags])[0]
+
+    def _shadow_iteration(self) -> None:
+        """On a rank out of data: mirror one iteration of the ranks still training."""
+        self._guard.enabled = False
+        flags = self._announce_sync(0)
+        if flags & 2 and self._has_buffers:
+            self._sync_buffers(True, src=self._find_common_rank(-1, False))
+        if flags & 1:
+            self._reducer.shadow_backward(self._join_scratch)
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """After join: every rank adopts the model of the (highest) last rank to finish."""
+        src, step = self._all_reduce_max([dist.get_rank() if is_last_joiner else -1, self._guard.step])
+        broadcast_coalesced(list(self.module.parameters()) + list(self.module.buffers()), src,
+                            self.process_group, wait=self._guard.wait_work)
+        self._guard.step = step
+        self._guard.end()
+        self._guard.enabled = True
+        self._join_scratch.clear()
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+
+
+DDP = DistributedDataParallel
+
+
+def _unused_error(names: list[str], step: int) -> UnusedParameterError:
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return UnusedParameterError(explain(
+        f"parameters received no gradient in the backward of step {step}: {shown}", rank=dist.get_rank(),
+        seen=f"{len(names)} parameter(s) without a gradient", expected="every trainable parameter to get one",
+        fix="Pass find_unused_parameters=True to DistributedDataParallel if some parameters are legitimately "
+            "unused in some steps, freeze them (requires_grad=False), or make them take part in the loss."),
+        names=names)
+
+
+def _check_device_ids(device_ids, devices: set) -> list | None:
+    if not device_ids:
+        return None
+    if len(devices) > 1 or next(iter(devices)).type == "cpu" or len(device_ids) != 1:
+        raise ValueError(explain(
+            "device_ids only applies to a module on a single GPU", seen=f"device_ids={device_ids}, "
+            f"parameters on {sorted(str(d) for d in devices)}", expected="device_ids=None or [the GPU index]",
+            fix="Leave device_ids=None for CPU and multi-device modules."))
+    return [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
+
+
+def _reject_sparse_gradients(module: torch.nn.Module) -> None:
+    for name, sub in module.named_modules():
+        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
+            raise ValueError(explain(f"module {name!r} produces sparse gradients", seen="sparse=True",
+                                     expected="dense gradients", fix="Use sparse=False with phalanx DDP."))
+
+
+def _move_to(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_move_to(v, device) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_move_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _move_to(v, device) for k, v in value.items()}
+    return value

@@ -1,0 +1,286 @@
+"""The gradient engine: count gradients ready, launch full buckets in order, finalize after backward.
+
+A post-accumulate-grad hook per parameter counts it ready; when the next bucket in index order is
+complete it is launched through the comm hook (async, overlapping the rest of backward), so every
+rank issues the same collectives in the same order. An autograd engine callback at the end of
+backward waits for all buckets and writes the averaged gradients back. After the first
+synchronized iteration the buckets are rebuilt once, in the order rank 0 saw gradients arrive.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from . import hooks
+from .buckets import Bucket, GradBucket, plan_buckets
+from .replicas import tag_modulus
+
+_engine = torch.autograd.Variable._execution_engine
+
+
+class Reducer:
+    """Averages the gradients of `params` over `group` during backward (see the module docstring)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], group, cap_bytes: int,
+                 first_cap_bytes: int, *,
+                 tolerate_unused: bool, as_view: bool, guard, control_device: torch.device):
+        self.params, self.names, self.group = params, names, group
+        self.world_size = group.size()
+        self.cap_bytes, self.first_cap_bytes = cap_bytes, first_cap_bytes
+        self.tolerate_unused = tolerate_unused
+        self.as_view = as_view
+        self.guard = guard
+        self.control_device = control_device
+        self.set_comm_hook(group, hooks.sum_prescaled_hook)
+        self.divisor = self.world_size  # the default hook averages over this many ranks (join changes it)
+        self.armed = False  # a synchronized backward is expected (set by DDP's forward)
+        self.rebuilt = False
+        self.unready_error: list[str] | None = None
+        self._queued = False
+        self._ready = bytearray(len(params))  # got a gradient since the last synchronized backward
+        self._order: list[int] = []  # the ready order of the first synchronized backward
+        self._used = torch.zeros(len(params) + 1, dtype=torch.int32, device=control_device)
+        self._build(list(reversed(range(len(params)))))
+        # partial, not a closure: autograd then calls straight into _mark_ready (one Python frame per grad)
+        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._mark_ready, i))
+                         for i, p in enumerate(params)]
+
+    # -- plan ---------------------------------------------------------------------------------
+
+    def _build(self, order: list[int]) -> None:
+        plan = plan_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes)
+        self.buckets = [Bucket(k, indices, self.params) for k, indices in enumerate(plan)]
+        self._bucket_of = [None] * len(self.params)
+        for bucket in self.buckets:
+            for i in bucket.indices:
+                self._bucket_of[i] = bucket
+        last = len(self.buckets) - 1
+        self._facades = [GradBucket(b, b.index == last) for b in self.buckets]
+        self._tag_mod = [tag_modulus(b.storage.dtype, self.world_size) for b in self.buckets]
+        self._futures: list = [None] * len(self.buckets)
+        self._complete = [True] * len(self.buckets)
+        self._next = 0
+
+    def plan(self) -> list[list[int]]:
+        return [list(b.indices) for b in self.buckets]
+
+    def set_comm_hook(self, state, hook) -> None:
+        self.hook_state, self.hook = state, hook
+        # A prescaled hook only sums: the engine divides while copying in and fills the step tag.
+        self._prescaled = getattr(hook, "_phalanx_prescaled", False)
+
+    # -- during backward ------------------------------------------------------------------------
+
+    def _mark_ready(self, index: int, param=None) -> None:
+        """Autograd accumulated parameter `index`'s gradient: count it, launch what is complete."""
+        self._ready[index] = 1
+        if not self.armed:  # no_sync(), or a backward DDP's forward did not prepare: accumulate locally
+            return
+        if not self._queued:
+            self._queued = True
+            self.guard.begin()
+            _engine.queue_callback(self._finalize)
+        if not self.rebuilt:
+            self._order.append(index)
+        bucket = self._bucket_of[index]
+        bucket.pending -= 1
+        if bucket.pending == 0 and bucket.index == self._next:
+            buckets = self.buckets
+            while self._next < len(buckets) and buckets[self._next].pending == 0:
+                self._launch(buckets[self._next], complete=True)
+                self._next += 1
+
+    @torch.no_grad()
+    def _launch(self, bucket: Bucket, complete: bool) -> None:
+        self._complete[bucket.index] = complete
+        scale = 1.0 / self.divisor if self._prescaled and self.divisor != 1 else None
+        if self.as_view:
+            self._fill_views(bucket, scale)
+        else:
+            self._fill_copies(bucket, scale, complete)
+        if self._prescaled:
+            bucket.tag_slot.fill_(self.guard.tag(self._tag_mod[bucket.index]))
+        facade = self._facades[bucket.index]
+        facade._buffer = bucket.buffer  # undo a set_buffer() of the previous step
+        self._futures[bucket.index] = self.hook(self.hook_state, facade)
+
+    def _fill_views(self, bucket: Bucket, scale) -> None:
+        for p, view in zip(bucket.params, bucket.views):
+            grad = p.grad
+            if grad is view:  # accumulated in place into the bucket: nothing to copy
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+                p.grad = view
+        if scale is not None:
+            bucket.buffer.mul_(scale)
+
+    def _fill_copies(self, bucket: Bucket, scale, complete: bool) -> None:
+        grads = [p.grad for p in bucket.params]
+        if not complete:  # finalize with unused parameters: they take part with zeros
+            for grad, view in zip(grads, bucket.views):
+                view.zero_() if grad is None else view.copy_(grad)
+            if scale is not None:
+                bucket.buffer.mul_(scale)
+        elif scale is None:
+            torch._foreach_copy_(bucket.views, grads)
+        elif bucket.fused_scale:
+            for grad, view in zip(grads, bucket.views):
+                torch.mul(grad, scale, out=view)
+        else:
+            torch._foreach_copy_(bucket.views, grads)
+            bucket.buffer.mul_(scale)
+
+    # -- after backward -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
+        self._queued = False
+        self.armed = False
+        buckets = self.buckets
+        if self._next < len(buckets):
+            if not self.tolerate_unused:
+                # The other ranks launched the same buckets (if their unused set is ours): drain them,
+                # then report at the next forward, where the user can still act on it.
+                self._wait(self._next)
+                self.unready_error = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+                self._reset()
+                self.guard.end()
+                return
+            for bucket in buckets[self._next:]:
+                self._launch(bucket, complete=all(self._ready[i] for i in bucket.indices))
+            self._next = len(buckets)
+        if self.tolerate_unused:  # which parameters got a gradient anywhere decides what is written back
+            used = self._launch_used_map()
+            self._wait(len(buckets))
+            self.guard.wait(used, "the all-reduce of the used-parameter map")
+            self.guard.check_sum(int(self._used[-1]), self.guard.tag(2 ** 20), "the used-parameter map")
+            used = self._used[:-1].tolist()
+            for bucket in buckets:
+                self._write_back(bucket, used)
+        else:
+            for bucket in buckets:  # copy each bucket back while the later ones are still in flight
+                self._wait_for(bucket)
+                self._write_back(bucket, None)
+        if not self.rebuilt:
+            self._rebuild()
+        self._reset()
+        self.guard.end()
+
+    def _launch_used_map(self):
+        self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8))
+        self._used[-1] = self.guard.tag(2 ** 20)
+        return dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
+
+    def _wait(self, count: int) -> None:
+        for bucket in self.buckets[:count]:
+            self._wait_for(bucket)
+
+    def _wait_for(self, bucket: Bucket) -> None:
+        """Wait for a bucket's comm hook; check its step tag; make sure its result is in the buffer."""
+        what = f"the gradient all-reduce of bucket {bucket.index}"
+        future, self._futures[bucket.index] = self._futures[bucket.index], None
+        facade = self._facades[bucket.index]
+        if facade._work is not None:  # reduced in place by a prescaled hook: wait on its Work
+            work, facade._work = facade._work, None
+            self.guard.wait_work(work, what)
+            result = None
+        else:
+            value = self.guard.wait(future, what)
+            result = value[0] if isinstance(value, (list, tuple)) else value
+        if self._prescaled and self.guard.enabled and bucket.storage.device.type == "cpu":
+            self.guard.check_sum(bucket.tag_slot.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
+        if result is not None and result.data_ptr() != bucket.buffer.data_ptr():
+            bucket.buffer.copy_(result[:bucket.numel] if result.numel() > bucket.numel else result)
+
+    def _write_back(self, bucket: Bucket, used) -> None:
+        """Averaged bucket contents -> param.grad; a parameter unused on every rank keeps its grad."""
+        if self._complete[bucket.index] and not self.as_view:
+            torch._foreach_copy_([p.grad for p in bucket.params], bucket.views)
+            return
+        for i, p, view in zip(bucket.indices, bucket.params, bucket.views):
+            if used is not None and not used[i]:
+                continue
+            if self.as_view:
+                if p.grad is not view:
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self._next = 0
+        self._ready = bytearray(len(self.params))
+
+    def prepare_for_backward(self) -> None:
+        """Called by DDP's forward when gradients will be synchronized in the coming backward."""
+        if self._queued and torch._C._current_autograd_node() is not None:
+            self.armed = True  # a forward run inside backward (reentrant checkpointing): keep counting
+            return
+        # A backward that raised never reached _finalize: start this one from a clean count.
+        self._queued = False
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self._next = 0
+        self.armed = True
+
+    def _rebuild(self) -> None:
+        """Adopt rank 0's observed ready order for the buckets (once; every rank takes part)."""
+        seen = set(self._order)
+        order = self._order + [i for bucket in self.plan() for i in bucket if i not in seen]
+        self.rebuilt = True
+        self._order = []
+        message = torch.tensor(order + [self.guard.tag(2 ** 30)], dtype=torch.int64, device=self.control_device)
+        sender = dist.get_global_rank(self.group, 0)
+        own_tag = int(message[-1])
+        work = dist.broadcast(message, sender, group=self.group, async_op=True)
+        self.guard.wait_work(work, "the broadcast of the bucket order")
+        self.guard.check_equal(int(message[-1]), own_tag, "the broadcast of the bucket order")
+        self.rebuild_with_order(message[:-1].tolist())
+
+    @torch.no_grad()
+    def rebuild_with_order(self, order: list[int]) -> None:
+        if plan_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes) == self.plan():
+            return
+        self._build(order)
+        if self.as_view:  # move existing gradients into the new buffers
+            for bucket in self.buckets:
+                for p, view in zip(bucket.params, bucket.views):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
+
+    # -- join: a rank out of data mirrors the others' backward -----------------------------------
+
+    @torch.no_grad()
+    def shadow_backward(self, scratch: dict) -> None:
+        """Issue the collectives of one synchronized backward with zero gradients."""
+        futures = []
+        for bucket, facade in zip(self.buckets, self._facades):
+            storage = scratch.get(bucket.index)
+            if storage is None or storage.numel() != bucket.storage.numel():
+                storage = scratch[bucket.index] = torch.zeros_like(bucket.storage)
+            storage.zero_()
+            shadow = GradBucket(bucket, facade.is_last(), storage=storage)
+            futures.append(self.hook(self.hook_state, shadow))
+        for index, future in enumerate(futures):
+            self.guard.wait(future, f"the shadow all-reduce of bucket {index}")
+        if self.tolerate_unused:
+            self._used.zero_()
+            self.guard.wait(dist.all_reduce(self._used, group=self.group, async_op=True).get_future(),
+                            "the shadow all-reduce of the used-parameter map")
+        if not self.rebuilt:
+            self._ready = bytearray(len(self.params))
+            self._rebuild()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

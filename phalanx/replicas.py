@@ -1,0 +1,128 @@
+"""Keeping model replicas identical: the cross-rank signature check and coalesced broadcasts.
+
+A replica is described by a signature (names, shapes, dtypes of parameters and buffers); ranks
+compare a digest of it in one all-gather. Tensors are broadcast flattened per (device, dtype), one
+collective per group rather than one per tensor; a step tag can ride along in a trailing slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from .errors import ParameterMismatchError, explain
+
+BROADCAST_CAP_BYTES = 250 * 1024 * 1024  # per flat chunk: bounds the extra memory of a broadcast
+
+
+def comm_device(group, fallback: torch.device) -> torch.device:
+    """The device a backend wants small control tensors on (CUDA for NCCL, else CPU)."""
+    if dist.get_backend(group) == "nccl":
+        return fallback if fallback.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def replica_signature(module: torch.nn.Module) -> list[str]:
+    """One line per parameter and buffer: what must agree across ranks for DDP to be meaningful."""
+    lines = [f"parameter {name} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+             for name, p in module.named_parameters()]
+    lines += [f"buffer {name} {tuple(b.shape)} {b.dtype}" for name, b in module.named_buffers()]
+    return lines
+
+
+def check_same_signature(module: torch.nn.Module, group, device: torch.device) -> None:
+    """Raise ParameterMismatchError naming the first differing parameter if ranks hold different models."""
+    lines = replica_signature(module)
+    digest = hashlib.sha256("\n".join(lines).encode()).digest()
+    mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    if all(torch.equal(g, gathered[0]) for g in gathered):
+        return
+    # Error path only: exchange the full signatures to say exactly what differs.
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, lines, group=group)
+    raise _mismatch_error(everyone, dist.get_rank(group))
+
+
+def _mismatch_error(signatures: list[list[str]], rank: int) -> ParameterMismatchError:
+    reference = signatures[0]
+    length = max(len(s) for s in signatures)
+    for position in range(length):
+        entries = [s[position] if position < len(s) else "<nothing>" for s in signatures]
+        if all(entry == entries[0] for entry in entries):
+            continue
+        differing = [r for r, entry in enumerate(entries) if entry != entries[0]]
+        name = next(e.split(" ")[1] for e in entries if e != "<nothing>")
+        seen = "; ".join(f"rank {r}: {entries[r]}" for r in differing)
+        return ParameterMismatchError(explain(
+            f"ranks {differing} hold a different model than rank 0 at {name!r}", rank=rank,
+            seen=seen, expected=f"rank 0: {reference[position] if position < len(reference) else '<nothing>'}",
+            fix="Build the same model (same architecture, shapes and dtypes) on every rank before wrapping it "
+                "in DistributedDataParallel."), name=name, ranks=differing)
+    return ParameterMismatchError(explain("ranks disagree on the model signature", rank=rank), ranks=[])
+
+
+def _groups(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Split tensors into chunks of one (device, dtype), each at most cap_bytes (or one tensor)."""
+    by_key: dict = {}
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    chunks = []
+    for members in by_key.values():
+        chunk, size = [], 0
+        for t in members:
+            nbytes = t.numel() * t.element_size()
+            if chunk and size + nbytes > cap_bytes:
+                chunks.append(chunk)
+                chunk, size = [], 0
+            chunk.append(t)
+            size += nbytes
+        chunks.append(chunk)
+    return chunks
+
+
+def tag_modulus(dtype: torch.dtype, world_size: int = 1) -> int:
+    """Largest modulus m such that tags in [1, m] summed over world_size ranks stay exact in dtype."""
+    if dtype.is_floating_point:
+        exact = int(2 / torch.finfo(dtype).eps)  # every integer up to this is representable
+    elif dtype == torch.bool:
+        return 1
+    else:
+        exact = 2 ** (torch.iinfo(dtype).bits - 2)
+    return max(1, min(exact // max(1, world_size), 2 ** 30))
+
+
+@torch.no_grad()
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group, *, tag: int | None = None,
+                        wait=None, cap_bytes: int = BROADCAST_CAP_BYTES) -> tuple[int, int] | None:
+    """Copy `tensors` from global rank `src` to every rank of `group`, one collective per flat chunk.
+
+    With `tag`, src's tag travels in a trailing slot of the first chunk; returns (tag received,
+    own tag), both reduced to what the slot's dtype holds exactly, so a caller can check that every
+    rank was at the same step. `wait(work, what)` waits for a collective (default: `work.wait()`).
+    """
+    tags = None
+    me = dist.get_rank()
+    for index, chunk in enumerate(_groups([t for t in tensors if t.numel() > 0], cap_bytes)):
+        extra = 1 if (tag is not None and index == 0) else 0
+        sizes = [t.numel() for t in chunk]
+        if me == src:
+            flat = torch.cat([t.reshape(-1) for t in chunk] + ([chunk[0].new_zeros(1)] if extra else []))
+        else:
+            flat = torch.empty(sum(sizes) + extra, dtype=chunk[0].dtype, device=chunk[0].device)
+        if extra:
+            own = tag % tag_modulus(flat.dtype)
+            if me == src:
+                flat[-1] = own
+        work = dist.broadcast(flat, src, group=group, async_op=True)
+        work.wait() if wait is None else wait(work, "the broadcast of module buffers")
+        if extra:
+            tags = (int(flat[-1].item()), own)
+        if me != src:
+            pieces = flat[:sum(sizes)].split(sizes)
+            torch._foreach_copy_(chunk, [piece.view_as(t) for piece, t in zip(pieces, chunk)])
+    return tags

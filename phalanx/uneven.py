@@ -1,0 +1,181 @@
+"""Uneven inputs: the typed error when ranks fall out of step, and the `join()` shadowing.
+
+Without `join()` every DDP collective carries a step tag and every wait on one is bounded; only a
+wait over a second touches the rendezvous store (the rank notes it is in the step), and on a stall,
+failure or tag mismatch those notes name the ranks that are missing. With `join()`,
+`DDPJoinHook` makes ranks that ran out of data shadow the others' collectives instead.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+from .errors import UnevenInputsError, explain
+
+DEFAULT_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (PHALANX_DDP_STALL_TIMEOUT)
+PRESENCE_AFTER_SECONDS = 1.0  # a wait this long is unusual: note in the store that this rank is in the step
+NAMING_GRACE_SECONDS = 1.0  # how long a rank that detected the problem waits for the others' notes
+
+
+def stall_seconds() -> float:
+    return float(os.environ.get("PHALANX_DDP_STALL_TIMEOUT", DEFAULT_STALL_SECONDS))
+
+
+class StepGuard:
+    """Counts synchronized steps, tags collectives with them, bounds every wait on them."""
+
+    def __init__(self, group, instance: int):
+        self.group = group
+        self.instance = instance
+        # Steps that issued collectives (a buffer broadcast or gradient buckets). Counting forwards
+        # instead would let ranks that ran different numbers of validation forwards disagree.
+        self.step = 0
+        self.open = False  # the current step has issued a collective and not finalized yet
+        self.enabled = True  # off inside join(): there, finished ranks legitimately lag behind
+        self.timeout = stall_seconds()
+        first = min(PRESENCE_AFTER_SECONDS, self.timeout)
+        self._first_limit = timedelta(seconds=first)
+        self._second_limit = timedelta(seconds=max(0.001, self.timeout - first))
+        # NCCL: a timed wait would block the CPU on the GPU stream; NCCL's watchdog bounds hangs there.
+        self.bounded = dist.get_backend(group) != "nccl"
+        self.world_size = group.size()
+        self.ranks = dist.get_process_group_ranks(group)
+
+    def begin(self) -> None:
+        """Called before a step's first collective (idempotent within the step)."""
+        if not self.open:
+            self.step += 1
+            self.open = True
+
+    def end(self) -> None:
+        self.open = False
+
+    def tag(self, modulus: int) -> int:
+        """This step as a non-zero integer below `modulus` (0 means 'no tag', e.g. inside join)."""
+        return self.step % (modulus - 1) + 1 if self.enabled and modulus > 1 else 0
+
+    def wait(self, future, what: str):
+        """future.wait(), but a stall past the timeout or a failed collective raises UnevenInputsError."""
+        if self.bounded and not future.done():
+            arrived = threading.Event()
+            future.add_done_callback(lambda _: arrived.set())
+            if not arrived.wait(min(PRESENCE_AFTER_SECONDS, self.timeout)):
+                # Slow, so the store round trip costs nothing noticeable; should this end in an error,
+                # the ranks that fail later know this one was here.
+                self._note_presence()
+                if not arrived.wait(max(0.0, self.timeout - PRESENCE_AFTER_SECONDS)):
+                    self.fail(what, f"no answer within {self.timeout:.0f}s")
+        try:
+            return future.wait()
+        except RuntimeError as exc:  # Gloo: "Connection closed by peer", timeouts, ...
+            self.fail(what, _failure(exc))
+
+    def wait_work(self, work, what: str) -> None:
+        """work.wait() with the same bounds as wait(): the timed wait is C++'s, no Python callback."""
+        if not self.bounded:
+            work.wait()
+            return
+        for limit in (self._first_limit, self._second_limit):
+            try:
+                work.wait(limit)
+                return
+            except RuntimeError as exc:
+                if work.is_completed() or "timed out" not in str(exc).lower():
+                    self.fail(what, _failure(exc))
+            if limit is self._first_limit:
+                self._note_presence()  # see wait()
+        self.fail(what, f"no answer within {self.timeout:.0f}s")
+
+    def check_sum(self, seen: float, own: int, what: str) -> None:
+        """An all-reduced tag must be world_size times this rank's own tag."""
+        if self.enabled and own and seen != own * self.world_size:
+            self.fail(what, f"its step tags summed to {seen:g} instead of {own * self.world_size} "
+                            f"(another rank was at a different step or in a different collective)")
+
+    def check_equal(self, seen: int, own: int, what: str) -> None:
+        """A broadcast tag must equal this rank's own tag."""
+        if self.enabled and seen != own:
+            self.fail(what, f"the sender was at a different step (tag {seen}, this rank's {own})")
+
+    def fail(self, what: str, cause: str):
+        me = dist.get_rank()
+        missing = self._absent_ranks(me)
+        who = (f"ranks {missing} did not take part" if missing
+               else "another rank was not in step (could not ask the store which)")
+        raise UnevenInputsError(explain(
+            f"{what} of DDP step {self.step} did not complete: {who}", rank=me,
+            seen=f"{cause}; every rank completed step {self.step - 1} together",
+            expected=f"all {self.world_size} ranks in step {self.step}",
+            fix="If ranks have different numbers of batches, wrap the training loop in `with model.join():` "
+                "or give every rank the same number of batches (phalanx.data's sampler does); otherwise read the "
+                "named ranks' logs: they crashed, hang, or took a different code path. "
+                "PHALANX_DDP_STALL_TIMEOUT sets how long to wait."),
+            step=self.step, missing_ranks=missing or ()) from None
+
+    def _store(self):
+        try:
+            from . import world
+
+            return world.store()
+        except Exception:  # noqa: BLE001 - a user-made group: no store of ours to ask
+            return None
+
+    def _presence_key(self, rank: int) -> str:
+        return f"ddp{self.instance}/step{self.step}/{rank}"
+
+    def _note_presence(self) -> None:
+        store = self._store()
+        if store is not None:
+            store.set(self._presence_key(dist.get_rank()), b"1")
+
+    def _absent_ranks(self, me: int) -> list[int] | None:
+        """Ranks that did not note being at this step in the store (None when there is no store)."""
+        store = self._store()
+        if store is None:
+            return None
+        store.set(self._presence_key(me), b"1")
+        deadline = time.monotonic() + min(NAMING_GRACE_SECONDS, self.timeout)
+        while True:
+            absent = [r for r in self.ranks if not store.check([self._presence_key(r)])]
+            if not absent or time.monotonic() > deadline:
+                return absent
+            time.sleep(0.05)
+
+
+class DDPJoinHook(JoinHook):
+    """Lets a rank that ran out of data shadow the collectives of the ranks still training.
+
+    Per iteration of the others it mirrors their forward (sync flags, buffer broadcast) and
+    backward (one zero bucket per gradient bucket, through the comm hook); once all ranks are done
+    the model of the last rank to finish is broadcast, so replicas end identical.
+    """
+
+    def __init__(self, ddp, divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.ddp._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._sync_final_model(is_last_joiner)
+
+
+def _failure(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0].split(". ")[0] if text else type(exc).__name__  # Gloo appends advice; keep the fact
+    return f"the collective failed ({first})"
+
+
+def count_active_ranks(join_work) -> int:
+    """The number of ranks still training, from the all-reduce Join.notify_join_context launched."""
+    value = join_work.get_future().wait()
+    tensor = value[0] if isinstance(value, list) else value
+    return max(1, int(torch.as_tensor(tensor).item()))
