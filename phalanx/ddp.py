@@ -121,7 +121,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 self._sync_buffers(joining)
             reducer.prepare_for_backward()
         else:
-            reducer.armed = False
+            reducer.disarm()
         self.require_forward_param_sync = will_sync
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
