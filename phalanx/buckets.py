@@ -72,9 +72,6 @@ class Bucket:
         # Few large tensors: scale while copying (one pass); many small ones: copy all, then scale.
         self.fused_scale = self.numel >= 16384 * len(self.params)
 
-    def nbytes(self) -> int:
-        return self.numel * self.storage.element_size()
-
 
 class GradBucket:
     """What a comm hook receives: torch's `dist.GradBucket` interface over a phalanx bucket.

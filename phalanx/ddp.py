@@ -83,7 +83,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._guard = StepGuard(self.process_group, next(_instances))
         # static_graph: torch then tolerates parameters that never get a gradient; so do we.
         self._reducer = Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
-                                self.bucket_bytes_cap, first_cap, tolerate_unused=find_unused_parameters or static_graph,
+                                self.bucket_bytes_cap, first_cap,
+                                tolerate_unused=find_unused_parameters or static_graph,
                                 as_view=gradient_as_bucket_view, guard=self._guard,
                                 control_device=self._control_device)
         self._reducer.set_comm_hook(*self._default_comm_hook())
@@ -121,7 +122,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 self._sync_buffers(joining)
             reducer.prepare_for_backward()
         else:
-            reducer.armed = False
+            reducer.disarm()
         self.require_forward_param_sync = will_sync
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)

@@ -9,8 +9,6 @@ synchronized iteration the buckets are rebuilt once, in the order rank 0 saw gra
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 
@@ -40,23 +38,27 @@ class Reducer:
         self.rebuilt = False
         self.unready_error: list[str] | None = None
         self._queued = False
-        self._ready = bytearray(len(params))  # got a gradient since the last synchronized backward
+        self._steady = False  # armed, finalize queued, buckets rebuilt: the hooks' fast path applies
+        self._ready = bytearray(len(params))  # got a gradient since the last synchronized backward (reset in place)
+        self._no_ready = bytes(len(params))
         self._order: list[int] = []  # the ready order of the first synchronized backward
         self._used = torch.zeros(len(params) + 1, dtype=torch.int32, device=control_device)
         self._build(list(reversed(range(len(params)))))
-        # partial, not a closure: autograd then calls straight into _mark_ready (one Python frame per grad)
-        self._handles = [p.register_post_accumulate_grad_hook(functools.partial(self._mark_ready, i))
-                         for i, p in enumerate(params)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
 
     # -- plan ---------------------------------------------------------------------------------
 
     def _build(self, order: list[int]) -> None:
         plan = plan_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes)
         self.buckets = [Bucket(k, indices, self.params) for k, indices in enumerate(plan)]
-        self._bucket_of = [None] * len(self.params)
+        bucket_of = [None] * len(self.params)
         for bucket in self.buckets:
             for i in bucket.indices:
-                self._bucket_of[i] = bucket
+                bucket_of[i] = bucket
+        if hasattr(self, "_bucket_of"):
+            self._bucket_of[:] = bucket_of  # in place: the hooks hold this list
+        else:
+            self._bucket_of = bucket_of
         last = len(self.buckets) - 1
         self._facades = [GradBucket(b, b.index == last) for b in self.buckets]
         self._tag_mod = [tag_modulus(b.storage.dtype, self.world_size) for b in self.buckets]
@@ -74,24 +76,41 @@ class Reducer:
 
     # -- during backward ------------------------------------------------------------------------
 
-    def _mark_ready(self, index: int, param=None) -> None:
-        """Autograd accumulated parameter `index`'s gradient: count it, launch what is complete."""
-        self._ready[index] = 1
-        if not self.armed:  # no_sync(), or a backward DDP's forward did not prepare: accumulate locally
-            return
+    def _make_hook(self, index: int):
+        # Runs once per parameter per backward: the steady state touches a handful of names only.
+        ready, bucket_of = self._ready, self._bucket_of
+
+        def on_grad_accumulated(_param):
+            ready[index] = 1
+            if self._steady:
+                bucket = bucket_of[index]
+                bucket.pending -= 1
+                if not bucket.pending and bucket.index == self._next:
+                    self._launch_ready()
+            elif self.armed:  # else: no_sync(), or a backward no DDP forward prepared: accumulate locally
+                self._mark_ready_first(index)
+        return on_grad_accumulated
+
+    def _mark_ready_first(self, index: int) -> None:
+        """The slow path: first gradient of a backward (queue finalize), or recording the first order."""
         if not self._queued:
             self._queued = True
             self.guard.begin()
             _engine.queue_callback(self._finalize)
+            self._steady = self.rebuilt
         if not self.rebuilt:
             self._order.append(index)
         bucket = self._bucket_of[index]
         bucket.pending -= 1
-        if bucket.pending == 0 and bucket.index == self._next:
-            buckets = self.buckets
-            while self._next < len(buckets) and buckets[self._next].pending == 0:
-                self._launch(buckets[self._next], complete=True)
-                self._next += 1
+        if not bucket.pending and bucket.index == self._next:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch the next buckets in index order, as long as they are complete."""
+        buckets = self.buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            self._launch(buckets[self._next], complete=True)
+            self._next += 1
 
     @torch.no_grad()
     def _launch(self, bucket: Bucket, complete: bool) -> None:
@@ -108,31 +127,49 @@ class Reducer:
         self._futures[bucket.index] = self.hook(self.hook_state, facade)
 
     def _fill_views(self, bucket: Bucket, scale) -> None:
+        """gradient_as_bucket_view: gradients accumulated in place stay; new ones move into the bucket."""
+        new_grads, new_views, new_params, in_place = [], [], [], []
         for p, view in zip(bucket.params, bucket.views):
             grad = p.grad
             if grad is view:  # accumulated in place into the bucket: nothing to copy
-                continue
-            if grad is None:
+                in_place.append(view)
+            elif grad is None:
                 view.zero_()
             else:
-                view.copy_(grad)
-                p.grad = view
-        if scale is not None:
-            bucket.buffer.mul_(scale)
+                new_grads.append(grad)
+                new_views.append(view)
+                new_params.append(p)
+        if len(new_grads) == len(bucket.params):  # after zero_grad(set_to_none=True): the usual case
+            self._copy_in(bucket, new_grads, scale)
+        elif len(in_place) == len(bucket.params):  # after zero_grad(set_to_none=False)
+            if scale is not None:
+                bucket.buffer.mul_(scale)
+        else:
+            for grad, view in zip(new_grads, new_views):
+                view.copy_(grad) if scale is None else torch.mul(grad, scale, out=view)
+            if scale is not None:
+                torch._foreach_mul_(in_place, scale)
+        for p, view in zip(new_params, new_views):
+            p.grad = view
 
     def _fill_copies(self, bucket: Bucket, scale, complete: bool) -> None:
         grads = [p.grad for p in bucket.params]
-        if not complete:  # finalize with unused parameters: they take part with zeros
-            for grad, view in zip(grads, bucket.views):
-                view.zero_() if grad is None else view.copy_(grad)
-            if scale is not None:
-                bucket.buffer.mul_(scale)
-        elif scale is None:
+        if complete:
+            self._copy_in(bucket, grads, scale)
+            return
+        for grad, view in zip(grads, bucket.views):  # finalize with unused parameters: they add zeros
+            view.zero_() if grad is None else view.copy_(grad)
+        if scale is not None:
+            bucket.buffer.mul_(scale)
+
+    def _copy_in(self, bucket: Bucket, grads: list, scale) -> None:
+        """Every parameter's gradient into the bucket, times `scale`, in the cheapest way for its shape."""
+        if scale is None:
             torch._foreach_copy_(bucket.views, grads)
-        elif bucket.fused_scale:
+        elif bucket.fused_scale:  # few large tensors: one pass each
             for grad, view in zip(grads, bucket.views):
                 torch.mul(grad, scale, out=view)
-        else:
+        else:  # many small tensors: per-tensor calls cost more than a second pass over the flat buffer
             torch._foreach_copy_(bucket.views, grads)
             bucket.buffer.mul_(scale)
 
@@ -141,7 +178,7 @@ class Reducer:
     @torch.no_grad()
     def _finalize(self) -> None:
         self._queued = False
-        self.armed = False
+        self.armed = self._steady = False
         buckets = self.buckets
         if self._next < len(buckets):
             if not self.tolerate_unused:
@@ -218,7 +255,11 @@ class Reducer:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         self._next = 0
-        self._ready = bytearray(len(self.params))
+        self._ready[:] = self._no_ready
+
+    def disarm(self) -> None:
+        """The coming backward is not synchronized (no_sync, or no grad): hooks only note readiness."""
+        self.armed = self._steady = False
 
     def prepare_for_backward(self) -> None:
         """Called by DDP's forward when gradients will be synchronized in the coming backward."""
@@ -226,7 +267,7 @@ class Reducer:
             self.armed = True  # a forward run inside backward (reentrant checkpointing): keep counting
             return
         # A backward that raised never reached _finalize: start this one from a clean count.
-        self._queued = False
+        self._queued = self._steady = False
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         self._next = 0
@@ -278,7 +319,7 @@ class Reducer:
             self.guard.wait(dist.all_reduce(self._used, group=self.group, async_op=True).get_future(),
                             "the shadow all-reduce of the used-parameter map")
         if not self.rebuilt:
-            self._ready = bytearray(len(self.params))
+            self._ready[:] = self._no_ready
             self._rebuild()
 
     def remove(self) -> None:

@@ -68,10 +68,12 @@ def batch(case: str, step: int, rank: int, micro: int = 0):
     """This rank's inputs and targets for a step (a deterministic function of step, rank, micro)."""
     g = torch.Generator().manual_seed(10_000 * step + 100 * rank + micro)
     if case == "cnn_bn_eval":
-        return torch.randn(PER_RANK, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (PER_RANK,), generator=g)
+        images = torch.randn(PER_RANK, 3, 8, 8, generator=g, dtype=torch.float64)
+        return images, torch.randint(0, 3, (PER_RANK,), generator=g)
     if case == "tied":
         return torch.randint(0, 20, (PER_RANK, 5), generator=g), torch.randint(0, 20, (PER_RANK,), generator=g)
-    return torch.randn(PER_RANK, 8, generator=g, dtype=torch.float64), torch.randn(PER_RANK, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(PER_RANK, 8, generator=g, dtype=torch.float64)
+    return x, torch.randn(PER_RANK, 4, generator=g, dtype=torch.float64)
 
 
 def loss_of(case: str, model, x, y, rank: int):

@@ -32,7 +32,7 @@ def test_matches_single_process_on_concatenated_batch(results, case, opt):
     for rank, per_rank in enumerate(results):
         outcome = per_rank[(case, opt)]
         assert outcome["moved"] > 1e-3, "training must change the parameters for the comparison to mean anything"
-        assert outcome["max_diff"] < 1e-9, f"rank {rank}: {case}/{opt} drifted {outcome['max_diff']:.3g} from the reference"
+        assert outcome["max_diff"] < 1e-9, f"rank {rank}: {case}/{opt} is {outcome['max_diff']:.3g} from the reference"
         assert outcome["identical"], f"rank {rank}: replicas differ bitwise after some step"
 
 

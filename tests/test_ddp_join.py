@@ -78,11 +78,13 @@ def _join_cases(rank: int) -> dict:
     ]:
         model = wrapper(_model(True))
         _train(model, rank, context)
-        results[name] = torch.cat([flat_params(model.module)] + [b.double().reshape(-1) for b in model.module.buffers()])
+        buffers = [b.double().reshape(-1) for b in model.module.buffers()]
+        results[name] = torch.cat([flat_params(model.module)] + buffers)
         out[f"{name}_identical"] = replicas_identical(model.module)
     out["phalanx_vs_torch"] = (results["phalanx_join"] - results["torch_join"]).abs().max().item()
     out["generic_vs_method"] = (results["phalanx_generic_join"] - results["phalanx_join"]).abs().max().item()
-    out["moved"] = (results["phalanx_join"][:len(flat_params(_model(True)))] - flat_params(_model(True))).abs().max().item()
+    initial = flat_params(_model(True))
+    out["moved"] = (results["phalanx_join"][:len(initial)] - initial).abs().max().item()
     return out
 
 
@@ -105,7 +107,7 @@ def test_training_continues_normally_after_join(joined):
 def test_join_matches_torch_ddp_join_with_buffers(joined):
     for rank, outcome in enumerate(joined):
         assert outcome["moved"] > 1e-3
-        assert outcome["phalanx_vs_torch"] < 1e-10, f"rank {rank}: differs from torch's join by {outcome['phalanx_vs_torch']:.3g}"
+        assert outcome["phalanx_vs_torch"] < 1e-10, f"rank {rank}: {outcome['phalanx_vs_torch']:.3g} from torch's join"
         assert outcome["phalanx_join_identical"] and outcome["torch_join_identical"]
 
 
