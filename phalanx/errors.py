@@ -58,3 +58,7 @@ class RankFailedError(PhalanxError):
         self.rank = rank
         self.traceback_text = traceback_text
         self.exitcode = exitcode
+
+
+class BenchConfigError(PhalanxError, ValueError):
+    """`phalanx bench` was asked for something this machine or install cannot run."""
