@@ -291,8 +291,13 @@ def run_rank(rank: int, config: BenchConfig) -> dict | None:
 
 
 def _run_in_world(config: BenchConfig) -> dict | None:
+    joined_here = not world.is_initialized()
     world.init(device=config.device)
-    return run_rank(world.rank(), config)
+    try:
+        return run_rank(world.rank(), config)
+    finally:
+        if joined_here:  # leave a world the caller made (e.g. a test harness) as it was
+            world.shutdown()
 
 
 def _rank_env(config: BenchConfig) -> dict:
@@ -328,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         config = parse_config(argv)
+    except SystemExit as exc:  # argparse: --help, or a malformed flag (its message is already printed)
+        return exc.code if isinstance(exc.code, int) else 2
+    except BenchConfigError as exc:
+        print(f"phalanx bench: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
         if _inside_world():
             results = _run_in_world(config)
         else:
@@ -338,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                             env=_rank_env(config))[0]
     except PhalanxError as exc:
         print(f"phalanx bench: {exc}", file=sys.stderr, flush=True)
-        return 2 if isinstance(exc, BenchConfigError) else 1
+        return 1
     if results is not None:
         report(results, Path(config.out))
     return 0
