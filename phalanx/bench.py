@@ -251,7 +251,9 @@ def _allreduce_section(config: BenchConfig) -> dict:
 def _environment(device: torch.device) -> dict:
     info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": socket.gethostname(),
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads_per_process": torch.get_num_threads()}
+            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads_per_process": torch.get_num_threads(),
+            # Other work on the host inflates every variant; a high load says to take the run with salt.
+            "load_average_1min_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda

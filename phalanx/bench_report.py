@@ -59,6 +59,10 @@ def format_table(results: dict) -> str:
     title = (f"phalanx bench: {config['nproc']} process(es) x {config['threads']} thread(s), {config['backend']} on "
              f"{config['device']}; {config['blocks']} interleaved blocks x {config['steps']} timed steps "
              f"(+{config['warmup']} warm-up) per variant; median step time in ms, slowest rank per step")
+    environment = results.get("environment", {})
+    if environment.get("load_average_1min_at_end") is not None:
+        title += (f"\nhost: {environment['cpu_count']} cores, load average {environment['load_average_1min_at_end']:.1f} "
+                  "at the end (a load above the core count means other work shared the cores)")
     header = ["model", "params", "tensors", "batch"] + [VARIANT_LABELS[v] + " ms" for v in variants]
     ratio_names = [f"{a}/{b}" for a, b in RATIOS if a in variants and b in variants]
     header += ratio_names
