@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from . import world
 from .bench_models import MODELS, count_parameters, make_batches
-from .bench_report import SCHEMA, VARIANT_LABELS, format_table, ratios, summarize, write_chart, write_json
+from .bench_report import (SCHEMA, VARIANT_LABELS, format_table, paired_ratios, ratios, summarize, write_chart,
+                           write_json)
 from .errors import BenchConfigError, PhalanxError, explain
 from .spawn import spawn
 
@@ -58,10 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         "in interleaved blocks, in one launch, and report median step times and their ratios.")
     parser.add_argument("--models", help=f"comma-separated, from {','.join(MODELS)} "
                         "(default: wide,deep,gpt on cpu, gpt-large on cuda)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of torch,phalanx,compute")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of torch,phalanx,compute (default: all)")
     parser.add_argument("--steps", type=int, help="timed steps per block (default 20; 3 with --quick)")
     parser.add_argument("--blocks", type=int, help="interleaved blocks per variant (default 5; 2 with --quick)")
-    parser.add_argument("--warmup", type=int, help="untimed steps at the start of each block (default 3; 1 with --quick)")
+    parser.add_argument("--warmup", type=int,
+                        help="untimed steps at the start of each block (default 3; 1 with --quick)")
     parser.add_argument("--nproc", type=int, help="processes to launch (default 2 on cpu, 1 on cuda); "
                         "ignored when already inside a world, e.g. under `phalanx run`")
     parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads per process (default 1)")
@@ -230,7 +233,8 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
     variants = {variant: summarize(blocks[variant]) for variant in config.variants}
     del built
     return {"name": name, "description": bench_model.description, "params": params, "tensors": tensors,
-            "batch_per_rank": bench_model.batch, "variants": variants, "ratios": ratios(variants)}
+            "batch_per_rank": bench_model.batch, "variants": variants, "ratios": ratios(variants),
+            "paired_ratios": paired_ratios(variants)}
 
 
 def _allreduce_section(config: BenchConfig) -> dict:

@@ -35,13 +35,28 @@ def ratios(variants: dict) -> dict:
             for top, bottom in RATIOS if top in variants and bottom in variants}
 
 
+def paired_ratios(variants: dict) -> dict:
+    """Each ratio taken per round (block medians of the same round) and then the median over rounds.
+
+    Blocks of one round ran back to back, so this pairs like with like when the host's speed drifts.
+    """
+    paired = {}
+    for top, bottom in RATIOS:
+        if top in variants and bottom in variants:
+            per_round = [a / b for a, b in zip(variants[top]["block_medians_ms"], variants[bottom]["block_medians_ms"])]
+            paired[f"{top}/{bottom}"] = statistics.median(per_round)
+    return paired
+
+
 def _millions(count: int) -> str:
     return f"{count / 1e6:.2f}M"
 
 
 def _grid(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    lines = ["  ".join(cell.rjust(width) if i else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths)))
+    # first column (the name) left-aligned, numbers right-aligned
+    lines = ["  ".join(cell.ljust(width) if i == 0 else cell.rjust(width)
+                       for i, (cell, width) in enumerate(zip(row, widths)))
              for row in [header, ["-" * w for w in widths], *rows]]
     return "\n".join(lines)
 
@@ -61,8 +76,9 @@ def format_table(results: dict) -> str:
              f"(+{config['warmup']} warm-up) per variant; median step time in ms, slowest rank per step")
     environment = results.get("environment", {})
     if environment.get("load_average_1min_at_end") is not None:
-        title += (f"\nhost: {environment['cpu_count']} cores, load average {environment['load_average_1min_at_end']:.1f} "
-                  "at the end (a load above the core count means other work shared the cores)")
+        load = environment["load_average_1min_at_end"]
+        title += (f"\nhost: {environment['cpu_count']} cores, load average {load:.1f} at the end "
+                  "(a load above the core count means other work shared the cores)")
     header = ["model", "params", "tensors", "batch"] + [VARIANT_LABELS[v] + " ms" for v in variants]
     ratio_names = [f"{a}/{b}" for a, b in RATIOS if a in variants and b in variants]
     header += ratio_names
@@ -125,7 +141,8 @@ def write_chart(results: dict, path: Path) -> Path | None:
     ax.set_xticks(range(len(models)), [model["name"] for model in models])
     ax.set_ylabel(f"median step time / {VARIANT_LABELS[baseline]}")
     config = results["config"]
-    ax.set_title(f"{config['nproc']} x {config['threads']} thread(s), {config['backend']}, {config['device']}", fontsize=9)
+    ax.set_title(f"{config['nproc']} x {config['threads']} thread(s), {config['backend']}, {config['device']}",
+                 fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import torch
 
 import phalanx
 from phalanx import bench
-from phalanx.bench_report import format_table, ratios, summarize
+from phalanx.bench_report import format_table, paired_ratios, ratios, summarize
 from phalanx.testing import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +42,7 @@ def _check_results(results: dict, variants: list[str]) -> None:
     for name, value in model["ratios"].items():
         top, bottom = name.split("/")
         assert value == pytest.approx(model["variants"][top]["median_ms"] / model["variants"][bottom]["median_ms"])
+    assert set(model["paired_ratios"]) == set(model["ratios"])
 
 
 # -- single process ----------------------------------------------------------------------------
@@ -87,6 +88,8 @@ def test_report_ratios_are_medians_over_all_blocks():
     variants = {"torch": summarize([[4.0, 9.0, 5.0], [6.0, 1.0, 7.0]]), "compute": summarize([[2.0, 3.0], [2.5, 9.0]])}
     assert variants["torch"]["median_ms"] == 5.5 and variants["torch"]["block_medians_ms"] == [5.0, 6.0]
     assert ratios(variants) == {"torch/compute": pytest.approx(5.5 / 2.75)}
+    # per round: 5.0 / 2.5 and 6.0 / 5.75, then their median
+    assert paired_ratios(variants) == {"torch/compute": pytest.approx((2.0 + 6.0 / 5.75) / 2)}
     results = {"config": {"variants": ["torch", "compute"], "nproc": 2, "threads": 1, "backend": "gloo",
                           "device": "cpu", "blocks": 2, "steps": 3, "warmup": 1},
                "models": [{"name": "deep", "params": 998_400, "tensors": 180, "batch_per_rank": 64,
