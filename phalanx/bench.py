@@ -231,7 +231,7 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
             world.print0(f"[bench] {name} block {round_ + 1}/{config.blocks} {VARIANT_LABELS[variant]:<13} "
                          f"median {median:8.2f} ms")
     variants = {variant: summarize(blocks[variant]) for variant in config.variants}
-    del built
+    del built, module, optimizer  # free this model's copies (and DDP buffers) before the next model
     return {"name": name, "description": bench_model.description, "params": params, "tensors": tensors,
             "batch_per_rank": bench_model.batch, "variants": variants, "ratios": ratios(variants),
             "paired_ratios": paired_ratios(variants)}
