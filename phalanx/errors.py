@@ -137,3 +137,7 @@ class UnevenInputsError(PhalanxError):
         super().__init__(message)
         self.step = step
         self.missing_ranks = sorted(missing_ranks)
+
+
+class BenchConfigError(PhalanxError, ValueError):
+    """`phalanx bench` was asked for something this machine or install cannot run."""
