@@ -27,7 +27,7 @@ def main() -> None:
     summary = train(WineConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                                out=args.out, fresh=args.fresh))
     px.print0(f"held-out accuracy: {summary['heldout_accuracy']:.2f}")
-    px.print0(f"checkpoints: {summary['checkpoint_dir']}")
+    px.print0(f"checkpoint: {summary['checkpoint'] or summary['checkpoint_dir']}")
     px.shutdown()
 
 

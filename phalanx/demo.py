@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     summary = spawn(train_on_rank, nprocs=nproc, args=(config,))[0]
 
     print(f"held-out accuracy: {summary['heldout_accuracy']:.2f}")
-    print(f"checkpoints: {summary['checkpoint_dir']} (run again to resume, or pass --fresh to start over)")
+    print(f"checkpoint: {summary['checkpoint'] or summary['checkpoint_dir']} "
+          "(run again to resume, or pass --fresh to start over)")
     if summary["history"]["loss"]:
         title = f"phalanx demo: wine classifier, {summary['world_size']} processes on {summary['device'].split(':')[0]}"
         # Mark where this run took over from the checkpoint (nothing to mark if it trained no epoch).

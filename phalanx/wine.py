@@ -7,8 +7,10 @@ and loss and accuracy are averaged over the samples of all ranks (phalanx.metric
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +73,7 @@ def evaluate(model: nn.Module, dataset, device) -> float:
     lengths cannot leave a rank waiting.
     """
     loader = px.DataLoader(dataset, batch_size=64, sampler=px.DistributedSampler(dataset, shuffle=False, pad=False))
-    accuracy = px.metrics.WeightedMean()
+    accuracy = px.metrics.Mean()
     model.eval()
     with torch.no_grad():
         for x, y in loader:
@@ -89,6 +91,18 @@ def _progress_bar(total: int, done: int, enabled: bool):
     # disable=None: no bar when stderr is not a terminal (a log file would fill with redraws).
     return tqdm(total=total, initial=done, unit="step", desc="training", file=sys.stderr, dynamic_ncols=True,
                 disable=None)
+
+
+@contextmanager
+def _warnings_only_while_drawn(bar):
+    """While the bar is drawn, the Checkpointer's INFO line per save would tear it: keep warnings only."""
+    level = px.logger.level
+    if bar is not None and not bar.disable:
+        px.logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        px.logger.setLevel(level)
 
 
 def _say(bar, text: str) -> None:
@@ -136,38 +150,41 @@ def train(config: WineConfig) -> dict:
         px.print0(("--fresh: " if config.fresh else "") + f"starting a new run in {config.out} "
                   f"on {px.world_size()} process(es), device {device}")
 
+    last_checkpoint = checkpointer.checkpoints()[-1] if resumed else None
     steps_per_epoch = len(loader)
     bar = _progress_bar(config.epochs * steps_per_epoch, start_epoch * steps_per_epoch,
                         enabled=config.progress and px.is_main())
-    for epoch in range(start_epoch, config.epochs):
-        loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        loss_mean, accuracy_mean = px.metrics.WeightedMean(), px.metrics.WeightedMean()
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            logits = model(x)
-            loss = F.cross_entropy(logits, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # DDP averages the gradients over all ranks here
-            optimizer.step()
-            # Weighted by batch size: a short last batch counts for what it holds, not as a full one.
-            loss_mean.update(loss.detach(), weight=len(y))
-            accuracy_mean.update((logits.argmax(dim=1) == y).float().mean(), weight=len(y))
-            if bar is not None:
-                bar.update(1)
-        history = state["history"]
-        history["loss"].append(loss_mean.compute())
-        history["accuracy"].append(accuracy_mean.compute())
-        history["heldout"].append(evaluate(model.module, heldout_set, device))
-        _say(bar, f"epoch {epoch + 1:3d}/{config.epochs}  loss {history['loss'][-1]:.4f}  "
-                  f"accuracy {history['accuracy'][-1]:.3f}  held-out {history['heldout'][-1]:.3f}")
-        state["epoch"] = epoch + 1
-        checkpointer.save(state)
+    with _warnings_only_while_drawn(bar):
+        for epoch in range(start_epoch, config.epochs):
+            loader.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+            loss_mean, accuracy_mean = px.metrics.Mean(), px.metrics.Mean()
+            for x, y in loader:
+                x, y = x.to(device), y.to(device)
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()  # DDP averages the gradients over all ranks here
+                optimizer.step()
+                # Weighted by batch size: a short last batch counts for what it holds, not as a full one.
+                loss_mean.update(loss.detach(), weight=len(y))
+                accuracy_mean.update((logits.argmax(dim=1) == y).float().mean(), weight=len(y))
+                if bar is not None:
+                    bar.update(1)
+            history = state["history"]
+            history["loss"].append(loss_mean.compute())
+            history["accuracy"].append(accuracy_mean.compute())
+            history["heldout"].append(evaluate(model.module, heldout_set, device))
+            _say(bar, f"epoch {epoch + 1:3d}/{config.epochs}  loss {history['loss'][-1]:.4f}  "
+                      f"accuracy {history['accuracy'][-1]:.3f}  held-out {history['heldout'][-1]:.3f}")
+            state["epoch"] = epoch + 1
+            last_checkpoint = checkpointer.save(state)
     if bar is not None:
         bar.close()
 
     heldout_accuracy = evaluate(model.module, heldout_set, device)
     return {"heldout_accuracy": heldout_accuracy, "history": state["history"], "start_epoch": start_epoch,
             "resumed": resumed, "epochs": config.epochs, "checkpoint_dir": str(checkpoint_dir),
+            "checkpoint": str(last_checkpoint) if last_checkpoint else None,
             "world_size": px.world_size(), "device": str(device)}
 
 

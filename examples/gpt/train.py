@@ -49,6 +49,14 @@ def unigram_entropy(text: str) -> float:
     return -sum(n / total * math.log(n / total) for n in counts.values())
 
 
+def warmup_then_cosine(step: int, warmup: int, total: int) -> float:
+    """Learning-rate factor: a linear ramp over `warmup` steps, then a cosine down to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 def micro_batch_groups(loader, size: int):
     """Lists of `size` consecutive batches (the last one of an epoch may be shorter): one step each."""
     batches = iter(loader)
@@ -56,7 +64,7 @@ def micro_batch_groups(loader, size: int):
         yield group
 
 
-def train_step(model, group, optimizer, scaler, autocast, device) -> torch.Tensor:
+def train_step(model, group, optimizer, scheduler, scaler, autocast, device) -> torch.Tensor:
     """One optimizer step over a group of micro-batches; returns the mean loss (a tensor)."""
     optimizer.zero_grad(set_to_none=True)
     mean_loss = torch.zeros((), device=device)
@@ -72,6 +80,7 @@ def train_step(model, group, optimizer, scaler, autocast, device) -> torch.Tenso
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
     scaler.update()
+    scheduler.step()
     return mean_loss
 
 
@@ -79,7 +88,7 @@ def train_step(model, group, optimizer, scaler, autocast, device) -> torch.Tenso
 def validation_loss(model, dataset, batch_size, autocast, device) -> float:
     """Mean loss per character over `dataset`, every window counted once across the ranks."""
     sampler = px.DistributedSampler(dataset, shuffle=False, pad=False)  # disjoint shards, no duplicates
-    mean = px.metrics.WeightedMean()
+    mean = px.metrics.Mean()
     model.eval()
     for x, y in px.DataLoader(dataset, batch_size=batch_size, sampler=sampler):
         with autocast:
@@ -102,6 +111,7 @@ def parse_args():
     run.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
     run.add_argument("--lr", type=float, default=3e-3)
     run.add_argument("--max-steps", type=int, default=400, help="optimizer steps in the whole run")
+    run.add_argument("--warmup-steps", type=int, default=20)
     run.add_argument("--log-every", type=int, default=25)
     run.add_argument("--checkpoint-every", type=int, default=100)
     run.add_argument("--seed", type=int, default=0)
@@ -131,6 +141,8 @@ def main() -> None:
     config = GPTConfig(len(vocab), args.block_size, args.n_layer, args.n_head, args.d_model, args.dropout)
     model = px.DistributedDataParallel(GPT(config).to(device), device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, args.max_steps))
     # fp16 autocast + loss scaling on GPUs; full precision on the CPU (both objects are no-ops there).
     use_amp = device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.float16, enabled=use_amp)
@@ -151,22 +163,23 @@ def main() -> None:
             shutil.rmtree(checkpoint_dir, ignore_errors=True)
         px.barrier()
     checkpointer = px.Checkpointer(checkpoint_dir, keep=2)
-    state = {"model": model, "optimizer": optimizer, "scaler": scaler, "loader": loader, "step": 0, "epoch": 0}
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "loader": loader,
+             "step": 0, "epoch": 0}
     if checkpointer.restore(state):
         px.print0(f"resumed from {checkpoint_dir} at step {state['step']} of {args.max_steps}")
 
-    loss_since_log, started = px.metrics.WeightedMean(), time.perf_counter()
+    loss_since_log, started = px.metrics.Mean(), time.perf_counter()
     while state["step"] < args.max_steps:
         loader.set_epoch(state["epoch"])
         for group in micro_batch_groups(loader, args.grad_accum):
-            loss = train_step(model, group, optimizer, scaler, autocast, device)
+            loss = train_step(model, group, optimizer, scheduler, scaler, autocast, device)
             loss_since_log.update(loss, weight=len(group))
             state["step"] += 1
             step = state["step"]
             if step % args.log_every == 0 or step == args.max_steps:
                 px.print0(f"step {step:5d}/{args.max_steps}  loss {loss_since_log.compute():.3f}  "
                           f"({time.perf_counter() - started:.0f}s)")
-                loss_since_log = px.metrics.WeightedMean()
+                loss_since_log = px.metrics.Mean()
             if step % args.checkpoint_every == 0 or step == args.max_steps:
                 checkpointer.save(state)
             if step >= args.max_steps:
