@@ -75,7 +75,7 @@ def checkpoint_round_trip(ddp_model: nn.Module, path: Path) -> None:
 
     restored = ToyModel().to(px.device())
     restored.load_state_dict(state)  # the same file into a plain, unwrapped model
-    matches = all(torch.equal(a, b) for a, b in zip(restored.parameters(), ddp_model.module.parameters()))
+    matches = all(torch.equal(a, b) for a, b in zip(restored.parameters(), ddp_model.module.parameters(), strict=True))
     px.print0(f"checkpoint round trip exact: {matches and identical_on_all_ranks(restored)}")
 
 

@@ -24,11 +24,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="phalanx demo", description=(
         "Train a small classifier on scikit-learn's wine data with phalanx DDP, DistributedSampler "
         "and Checkpointer, on several processes. A second run resumes from the checkpoint."))
-    parser.add_argument("--epochs", type=int, default=WineConfig.epochs, help="total epochs of the run (default: %(default)s)")
+    parser.add_argument("--epochs", type=int, default=WineConfig.epochs,
+                        help="total epochs of the run, counting those of a resumed run (default: %(default)s)")
     parser.add_argument("--nproc", type=int, default=None,
                         help="processes to start (default: one per GPU, else 2 on the CPU)")
     parser.add_argument("--fresh", action="store_true", help="start over: delete the checkpoints of an earlier run")
-    parser.add_argument("--out", default=WineConfig.out, help="output folder for checkpoints and the plot (default: %(default)s)")
+    parser.add_argument("--out", default=WineConfig.out,
+                        help="folder for the checkpoints and the plot (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 

@@ -143,9 +143,10 @@ def train(config: WineConfig) -> dict:
     resumed = checkpointer.restore(state)
     start_epoch = state["epoch"]
     if resumed:
-        px.print0(f"resuming from the checkpoint in {checkpoint_dir}: {start_epoch} of {config.epochs} epochs done"
-                  + ("" if start_epoch < config.epochs else
-                     f" (nothing left to train: pass --epochs {config.epochs + 10} to go on, or --fresh to start over)"))
+        done = "" if start_epoch < config.epochs else \
+            f" (nothing left to train: pass --epochs {config.epochs + 10} to go on, or --fresh to start over)"
+        px.print0(f"resuming from the checkpoint in {checkpoint_dir}: "
+                  f"{start_epoch} of {config.epochs} epochs done{done}")
     else:
         px.print0(("--fresh: " if config.fresh else "") + f"starting a new run in {config.out} "
                   f"on {px.world_size()} process(es), device {device}")

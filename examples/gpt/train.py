@@ -24,7 +24,8 @@ import torch
 from torch.utils.data import Dataset
 
 import phalanx as px
-from model import GPT, GPTConfig
+
+from model import GPT, GPTConfig  # model.py, beside this file
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "shakespeare.txt"
 
@@ -150,8 +151,8 @@ def main() -> None:
     loader = px.DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
                            sampler=px.DistributedSampler(train_set, shuffle=True, seed=args.seed))
     parameters = sum(p.numel() for p in model.parameters())
-    px.print0(f"model: {parameters / 1e6:.2f}M parameters, {args.n_layer} layers, {args.n_head} heads, "
-              f"d_model {args.d_model}, block {args.block_size}; {px.world_size()} process(es) on {device}"
+    px.print0(f"model: {parameters / 1e6:.2f}M parameters (n_layer {args.n_layer}, n_head {args.n_head}, "
+              f"d_model {args.d_model}, block {args.block_size}); {px.world_size()} process(es) on {device}"
               f"{', fp16 autocast' if use_amp else ''}")
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum * px.world_size()
     px.print0(f"each step: {args.grad_accum} micro-batches x {args.batch_size} x {args.block_size} chars "
@@ -166,7 +167,7 @@ def main() -> None:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "loader": loader,
              "step": 0, "epoch": 0}
     if checkpointer.restore(state):
-        px.print0(f"resumed from {checkpoint_dir} at step {state['step']} of {args.max_steps}")
+        px.print0(f"resuming at step {state['step']} of {args.max_steps} (checkpoints in {checkpoint_dir})")
 
     loss_since_log, started = px.metrics.Mean(), time.perf_counter()
     while state["step"] < args.max_steps:
