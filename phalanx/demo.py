@@ -8,6 +8,7 @@ loss-curve PNG. Run it twice: the second run resumes from the checkpoint unless 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -63,8 +64,21 @@ def plot_history(history: dict, path: Path, title: str, resumed_at: int | None =
     return path
 
 
+def missing_packages() -> list[str]:
+    """The demo's extra packages (phalanx[examples]) that are not installed."""
+    import importlib.util
+
+    return [name for module, name in (("sklearn", "scikit-learn"), ("matplotlib", "matplotlib"), ("tqdm", "tqdm"))
+            if importlib.util.find_spec(module) is None]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    missing = missing_packages()
+    if missing:
+        print(f"phalanx demo needs {', '.join(missing)}: pip install 'phalanx[examples]' "
+              f"(or pip install {' '.join(missing)})", file=sys.stderr)
+        return 2
     nproc = args.nproc or default_nproc()
     config = WineConfig(epochs=args.epochs, out=args.out, fresh=args.fresh, progress=not args.no_progress)
     summary = spawn(train_on_rank, nprocs=nproc, args=(config,))[0]

@@ -73,27 +73,33 @@ def _accuracy(output: str) -> float:
     return float(found[0])
 
 
-def _epochs_trained(output: str) -> list[int]:
-    return [int(n) for n in re.findall(r"^.*epoch\s+(\d+)/\d+\s+loss", output, flags=re.MULTILINE)]
+def _epoch_lines(output: str) -> dict[int, str]:
+    """{epoch: 'loss ... accuracy ... held-out ...'} from the per-epoch lines rank 0 prints."""
+    return {int(n): rest for n, rest in re.findall(r"epoch\s+(\d+)/\d+\s+(loss .*)$", output, flags=re.MULTILINE)}
 
 
-def test_demo_learns_writes_a_plot_and_resumes(tmp_path):
-    """World size 2 (phalanx.spawn). Fresh run, a resumed run that goes on, then --fresh."""
+def test_demo_learns_writes_a_plot_and_resumes_exactly(tmp_path):
+    """World size 2 (phalanx.spawn). A 20-epoch run, a second run that resumes it to 30 epochs, and a
+    --fresh 30-epoch run: the resumed epochs print the same metrics as the uninterrupted run's."""
     out = tmp_path / "demo"
     first = _run([*PHALANX, "demo", "--epochs", "20", "--out", out], cwd=tmp_path)
     assert "on 2 process(es)" in first
-    assert _epochs_trained(first) == list(range(1, 21))
+    assert list(_epoch_lines(first)) == list(range(1, 21))
     assert _accuracy(first) >= 0.90
     plot = out / "loss.png"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
 
-    second = _run([*PHALANX, "demo", "--epochs", "30", "--out", out], cwd=tmp_path)
-    assert "resuming from the checkpoint" in second and "20 of 30 epochs done" in second
-    assert _epochs_trained(second) == list(range(21, 31)), second
-    assert _accuracy(second) >= 0.90
+    resumed = _run([*PHALANX, "demo", "--epochs", "30", "--out", out], cwd=tmp_path)
+    assert "resuming from the checkpoint" in resumed and "20 of 30 epochs done" in resumed
+    assert list(_epoch_lines(resumed)) == list(range(21, 31)), resumed
+    assert _accuracy(resumed) >= 0.90
 
-    third = _run([*PHALANX, "demo", "--epochs", "2", "--fresh", "--out", out], cwd=tmp_path)
-    assert "--fresh: starting a new run" in third and _epochs_trained(third) == [1, 2]
+    fresh = _run([*PHALANX, "demo", "--epochs", "30", "--fresh", "--out", out], cwd=tmp_path)
+    assert "--fresh: starting a new run" in fresh
+    uninterrupted = _epoch_lines(fresh)
+    assert list(uninterrupted) == list(range(1, 31))
+    assert {epoch: uninterrupted[epoch] for epoch in range(21, 31)} == _epoch_lines(resumed)
+    assert {epoch: uninterrupted[epoch] for epoch in range(1, 21)} == _epoch_lines(first)
 
 
 def test_wine_example_reaches_the_accuracy_of_the_demo(tmp_path):
