@@ -150,6 +150,9 @@ def main() -> None:
     scaler = torch.amp.GradScaler(device.type, enabled=use_amp)
     loader = px.DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
                            sampler=px.DistributedSampler(train_set, shuffle=True, seed=args.seed))
+    if len(loader) == 0:  # else the training loop below would wait forever for a batch
+        raise SystemExit(f"{args.text} is too short for one batch of {args.batch_size} x {args.block_size} "
+                         f"characters on each of {px.world_size()} process(es): lower --batch-size or --block-size")
     parameters = sum(p.numel() for p in model.parameters())
     px.print0(f"model: {parameters / 1e6:.2f}M parameters (n_layer {args.n_layer}, n_head {args.n_head}, "
               f"d_model {args.d_model}, block {args.block_size}); {px.world_size()} process(es) on {device}"
