@@ -1,0 +1,207 @@
+"""Train a character-level GPT on Shakespeare with phalanx DDP, then sample from it.
+
+    phalanx run --nproc-per-node 2 examples/gpt/train.py        # CPU: a few minutes, loss ~1.9 nats/char
+    python examples/gpt/train.py --max-steps 100                 # one process
+    phalanx run --nproc-per-node 8 examples/gpt/train.py --n-layer 6 --n-head 6 --d-model 384 \\
+        --block-size 256 --batch-size 64 --max-steps 5000       # GPUs: a model that writes verse
+
+Shows: mixed precision on GPU (autocast + GradScaler), gradient accumulation that exchanges gradients
+once per step (`no_sync` on the other micro-batches), checkpoints and resume (run the same command
+again: it continues from the last checkpoint; `--fresh` starts over), and sampling at the end.
+It prints the character unigram entropy of the text: what a model that ignores context scores.
+"""
+
+import argparse
+import itertools
+import math
+import shutil
+import time
+from collections import Counter
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+import phalanx as px
+
+from model import GPT, GPTConfig  # model.py, beside this file
+
+DEFAULT_TEXT = Path(__file__).parent / "data" / "shakespeare.txt"
+
+
+class CharChunks(Dataset):
+    """Consecutive windows of `block_size + 1` characters: the input, and the same shifted by one."""
+
+    def __init__(self, data: torch.Tensor, block_size: int):
+        self.data, self.block_size = data, block_size
+
+    def __len__(self):
+        return (len(self.data) - 1) // self.block_size
+
+    def __getitem__(self, i):
+        chunk = self.data[i * self.block_size: (i + 1) * self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+def unigram_entropy(text: str) -> float:
+    """Entropy of the character frequencies in nats: the loss of the best context-free model."""
+    counts, total = Counter(text), len(text)
+    return -sum(n / total * math.log(n / total) for n in counts.values())
+
+
+def warmup_then_cosine(step: int, warmup: int, total: int) -> float:
+    """Learning-rate factor: a linear ramp over `warmup` steps, then a cosine down to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def micro_batch_groups(loader, size: int):
+    """Lists of `size` consecutive batches (the last one of an epoch may be shorter): one step each."""
+    batches = iter(loader)
+    while group := list(itertools.islice(batches, size)):
+        yield group
+
+
+def train_step(model, group, optimizer, scheduler, scaler, autocast, device) -> torch.Tensor:
+    """One optimizer step over a group of micro-batches; returns the mean loss (a tensor)."""
+    optimizer.zero_grad(set_to_none=True)
+    mean_loss = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(group):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        # Accumulate locally under no_sync; the last micro-batch's backward exchanges the sum once.
+        with nullcontext() if i == len(group) - 1 else model.no_sync():
+            with autocast:
+                _, loss = model(x, y)
+            scaler.scale(loss / len(group)).backward()
+        mean_loss += loss.detach() / len(group)
+    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
+    scaler.update()
+    scheduler.step()
+    return mean_loss
+
+
+@torch.no_grad()
+def validation_loss(model, dataset, batch_size, autocast, device) -> float:
+    """Mean loss per character over `dataset`, every window counted once across the ranks."""
+    sampler = px.DistributedSampler(dataset, shuffle=False, pad=False)  # disjoint shards, no duplicates
+    mean = px.metrics.Mean()
+    model.eval()
+    for x, y in px.DataLoader(dataset, batch_size=batch_size, sampler=sampler):
+        with autocast:
+            _, loss = model(x.to(device), y.to(device))
+        mean.update(loss, weight=y.numel())
+    model.train()
+    return mean.compute()
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model = parser.add_argument_group("model")
+    model.add_argument("--n-layer", type=int, default=4)
+    model.add_argument("--n-head", type=int, default=4)
+    model.add_argument("--d-model", type=int, default=128)
+    model.add_argument("--block-size", type=int, default=64, help="context length in characters")
+    model.add_argument("--dropout", type=float, default=0.0)
+    run = parser.add_argument_group("training")
+    run.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per process")
+    run.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
+    run.add_argument("--lr", type=float, default=3e-3)
+    run.add_argument("--max-steps", type=int, default=400, help="optimizer steps in the whole run")
+    run.add_argument("--warmup-steps", type=int, default=20)
+    run.add_argument("--log-every", type=int, default=25)
+    run.add_argument("--checkpoint-every", type=int, default=100)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    run.add_argument("--out", type=Path, default=Path("runs/gpt"))
+    run.add_argument("--fresh", action="store_true", help="delete earlier checkpoints and start over")
+    run.add_argument("--sample-chars", type=int, default=300)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    px.init()
+    device = px.device()
+
+    text = args.text.read_text(encoding="utf-8")
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    data = torch.tensor([index[c] for c in text])
+    split = int(0.9 * len(data))  # the last 10% is never trained on
+    train_set, val_set = CharChunks(data[:split], args.block_size), CharChunks(data[split:], args.block_size)
+    entropy = unigram_entropy(text)
+    px.print0(f"text: {args.text.name}, {len(text):,} characters, {len(vocab)} distinct")
+    px.print0(f"unigram entropy of the text: {entropy:.3f} nats/char")
+
+    torch.manual_seed(args.seed)
+    config = GPTConfig(len(vocab), args.block_size, args.n_layer, args.n_head, args.d_model, args.dropout)
+    model = px.DistributedDataParallel(GPT(config).to(device), device_ids=[device] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, args.max_steps))
+    # fp16 autocast + loss scaling on GPUs; full precision on the CPU (both objects are no-ops there).
+    use_amp = device.type == "cuda"
+    autocast = torch.autocast(device.type, dtype=torch.float16, enabled=use_amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=use_amp)
+    loader = px.DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
+                           sampler=px.DistributedSampler(train_set, shuffle=True, seed=args.seed))
+    if len(loader) == 0:  # else the training loop below would wait forever for a batch
+        raise SystemExit(f"{args.text} is too short for one batch of {args.batch_size} x {args.block_size} "
+                         f"characters on each of {px.world_size()} process(es): lower --batch-size or --block-size")
+    parameters = sum(p.numel() for p in model.parameters())
+    px.print0(f"model: {parameters / 1e6:.2f}M parameters (n_layer {args.n_layer}, n_head {args.n_head}, "
+              f"d_model {args.d_model}, block {args.block_size}); {px.world_size()} process(es) on {device}"
+              f"{', fp16 autocast' if use_amp else ''}")
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum * px.world_size()
+    px.print0(f"each step: {args.grad_accum} micro-batches x {args.batch_size} x {args.block_size} chars "
+              f"x {px.world_size()} process(es) = {tokens_per_step:,} characters")
+
+    checkpoint_dir = args.out / "checkpoints"
+    if args.fresh:
+        if px.is_main():
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        px.barrier()
+    checkpointer = px.Checkpointer(checkpoint_dir, keep=2)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "loader": loader,
+             "step": 0, "epoch": 0}
+    if checkpointer.restore(state):
+        px.print0(f"resuming at step {state['step']} of {args.max_steps} (checkpoints in {checkpoint_dir})")
+
+    loss_since_log, started = px.metrics.Mean(), time.perf_counter()
+    while state["step"] < args.max_steps:
+        loader.set_epoch(state["epoch"])
+        for group in micro_batch_groups(loader, args.grad_accum):
+            loss = train_step(model, group, optimizer, scheduler, scaler, autocast, device)
+            loss_since_log.update(loss, weight=len(group))
+            state["step"] += 1
+            step = state["step"]
+            if step % args.log_every == 0 or step == args.max_steps:
+                px.print0(f"step {step:5d}/{args.max_steps}  loss {loss_since_log.compute():.3f}  "
+                          f"({time.perf_counter() - started:.0f}s)")
+                loss_since_log = px.metrics.Mean()
+            if step % args.checkpoint_every == 0 or step == args.max_steps:
+                checkpointer.save(state)
+            if step >= args.max_steps:
+                break
+        else:
+            state["epoch"] += 1  # the loader ran dry: the next pass reshuffles
+
+    val = validation_loss(model.module, val_set, args.batch_size, autocast, device)
+    px.print0(f"validation loss: {val:.3f} nats/char (unigram entropy {entropy:.3f}; lower means it learned context)")
+
+    if px.is_main():
+        generator = torch.Generator(device=device).manual_seed(args.seed)
+        prompt = torch.tensor([[index["\n"]]], device=device)
+        with autocast:
+            sample = model.module.generate(prompt, args.sample_chars, generator=generator)[0].tolist()
+        print("sample:\n" + "".join(vocab[i] for i in sample).strip(), flush=True)
+    px.shutdown()
+
+
+if __name__ == "__main__":
+    main()
