@@ -117,7 +117,7 @@ class PhaseBarrier:
             if _reached(value, phase):
                 return
             _futex_wait(address, value, LIVENESS_INTERVAL)
-            self._check_aborts(what)  # cheap, and an aborting peer wakes us: notice at once
+            self._check_aborts(j, what)  # cheap, and an aborting peer wakes us: notice at once
             now = time.monotonic()
             if now - checked >= LIVENESS_INTERVAL:
                 checked = now
@@ -125,9 +125,10 @@ class PhaseBarrier:
                 if now - start > self.timeout:
                     self._raise_timeout(phase, what)
 
-    def _check_aborts(self, what: str) -> None:
+    def _check_aborts(self, awaited: int, what: str) -> None:
         for j, line in enumerate(self.lines):
             if j != self.rank and line.abort:
+                self._check_alive(awaited, what)  # a peer gave up because ours died: say so
                 raise PeerFailedError(explain(
                     f"rank {j} abandoned the shared-memory {what}", rank=self.rank, seen="its abort flag set",
                     expected="every rank to finish the exchange", fix=f"Rank {j}'s own error explains why: see its log."),
