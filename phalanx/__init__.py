@@ -5,8 +5,10 @@
     model = px.DistributedDataParallel(net)    # one changed import from torch DDP
 """
 
-from .errors import (MasterUnreachableError, PhalanxError, PortInUseError, RankFailedError, RanksTimedOutError,
-                     WorldConfigError)
+from .errors import (CollectiveMismatchError, MasterUnreachableError, PeerDiedError, PeerFailedError, PhalanxError,
+                     PortInUseError, RankFailedError, RanksTimedOutError, ShmUnavailableError, WorldConfigError)
+from .shm import ShmCommunicator, shm_allreduce_hook, shm_communicator, shm_enabled
+from .shm_segment import sweep_stale_segments
 from .spawn import spawn
 from .world import (barrier, device, init, is_initialized, is_main, local_rank, local_world_size, logger, print0,
                     rank, shutdown, world_size)
