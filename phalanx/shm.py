@@ -17,24 +17,16 @@ import torch.distributed as dist
 
 from .errors import CollectiveMismatchError, ShmUnavailableError, explain
 from .shm_segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
+from .shm_reduce import BLOCK_BYTES, DTYPE_CODES, WIDENED, chunk_bounds, reduce_chunk, round_up
 from .shm_sync import LINE_BYTES, PhaseBarrier, futex_supported
 
-# The wire code of each dtype we reduce; it is also compared across ranks before every exchange.
-_DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int64: 5,
-                torch.int32: 6, torch.int16: 7, torch.int8: 8, torch.uint8: 9}
-_WIDENED = (torch.float16, torch.bfloat16)  # summed in fp32: n half-precision gradients can overflow
-_ALIGN_BYTES = 64  # chunk borders on cache lines: two ranks never write into one line
-_BLOCK_BYTES = 1 << 20  # reduce in blocks that stay in L2: the sum, the division and the copies hit cache
 _DEFAULT_TIMEOUT = 600.0
+_DEFAULT_STAGING_BYTES = 32 * 2**20
 
 
 def shm_enabled() -> bool:
     """False when the environment turns the shared-memory transport off (`PHALANX_SHM=0`)."""
     return os.environ.get("PHALANX_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _group_timeout(group) -> float:
@@ -49,7 +41,23 @@ def _local_facts() -> dict:
     facts = host_identity()
     facts.update(pid=os.getpid(), start_time=process_start_time(os.getpid()), enabled=shm_enabled(),
                  shm_dir=os.access(SHM_DIR, os.W_OK), futex=futex_supported())
+    try:
+        usage = os.statvfs(SHM_DIR)
+        facts["shm_free"] = usage.f_bavail * usage.f_frsize
+    except OSError:
+        facts["shm_free"] = 0
     return facts
+
+
+def _staging_bytes(requested_mb: float | None, facts: list[dict]) -> int:
+    """Slot size: as asked, or 32 MB (a default 25 MB DDP bucket in one round) capped at a quarter of
+    the free /dev/shm (a container's is often 64 MB), from numbers every rank shares so all agree."""
+    if requested_mb is not None:
+        wanted = int(requested_mb * 2**20)
+    else:
+        room = min(f["shm_free"] for f in facts) // (4 * len(facts))
+        wanted = min(_DEFAULT_STAGING_BYTES, room)
+    return round_up(max(wanted, PAGE), PAGE)
 
 
 def _unusable_reason(facts: list[dict]) -> str | None:
@@ -65,35 +73,6 @@ def _unusable_reason(facts: list[dict]) -> str | None:
     if unable:
         return f"ranks {unable} have no writable {SHM_DIR} or no futex on {facts[unable[0]]['machine']} (x86-64 Linux only)"
     return None
-
-
-def _chunk_bounds(numel: int, element_size: int, parts: int) -> list[int]:
-    """Borders of `parts` near-equal chunks, on cache-line boundaries."""
-    align = max(1, _ALIGN_BYTES // element_size)
-    return [min(numel, _round_up(numel * j // parts, align)) for j in range(parts)] + [numel]
-
-
-def _reduce_chunk(parts: list[torch.Tensor], average: bool, scratch: torch.Tensor | None) -> None:
-    """Sum `parts` (rank order), divide if averaging, and write the result into every part."""
-    block = max(1, _BLOCK_BYTES // parts[0].element_size())
-    for start in range(0, parts[0].numel(), block):
-        views = [part[start:start + block] for part in parts]
-        if scratch is None:  # sum straight into the first part, then copy it to the others
-            total = views[0]
-            torch.add(views[0], views[1], out=total)
-            for view in views[2:]:
-                total.add_(view)
-            targets = views[1:]
-        else:
-            total = scratch[:views[0].numel()]
-            total.copy_(views[0])
-            for view in views[1:]:  # added in fp32: the scratch's dtype wins the promotion
-                total.add_(view)
-            targets = views
-        if average:
-            total.div_(len(parts))
-        for target in targets:
-            target.copy_(total)
 
 
 class _Allocation:
@@ -119,7 +98,7 @@ class ShmCommunicator:
     >>> comm.allreduce_(grads).wait()               # averaged in place, same bits on every rank
     """
 
-    def __init__(self, process_group=None, *, staging_mb: float = 16, timeout: float | None = None,
+    def __init__(self, process_group=None, *, staging_mb: float | None = None, timeout: float | None = None,
                  threaded: bool = True, spin_us: float = 50.0):
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
@@ -140,8 +119,8 @@ class ShmCommunicator:
         sweep_stale_segments()
         self.segment_names: list[str] = []
         self._pid = os.getpid()
-        self._staging_bytes = _round_up(max(int(staging_mb * 2**20), PAGE), PAGE)
-        control_bytes = _round_up(self.world_size * LINE_BYTES, PAGE)
+        self._staging_bytes = _staging_bytes(staging_mb, gathered)
+        control_bytes = round_up(self.world_size * LINE_BYTES, PAGE)
         segment = self._create_shared(control_bytes + self.world_size * self._staging_bytes)
         peers = [(f["pid"], f["start_time"]) for f in gathered]
         self._barrier = PhaseBarrier(segment.memory, 0, self.rank, peers, self.timeout)
@@ -204,7 +183,7 @@ class ShmCommunicator:
         >>> bucket = comm.alloc(6_250_000)    # doctest: +SKIP  (25 MB of fp32 gradients)
         """
         element_size = torch.empty((), dtype=dtype).element_size()
-        slot_bytes = _round_up(max(numel * element_size, 1), PAGE)
+        slot_bytes = round_up(max(numel * element_size, 1), PAGE)
         segment = self._create_shared(self.world_size * slot_bytes, signature=(int(numel), str(dtype)))
         memory = torch.frombuffer(segment.memory, dtype=torch.uint8)
         slots = [memory[j * slot_bytes:][:slot_bytes] for j in range(self.world_size)]
@@ -249,8 +228,8 @@ class ShmCommunicator:
             raise TypeError(explain("shared-memory all-reduce takes CPU tensors", rank=self.rank,
                                     seen=getattr(tensor, "device", type(tensor).__name__), expected="device cpu",
                                     fix="Use the process group for GPU tensors."))
-        if tensor.dtype not in _DTYPE_CODES or (average and not tensor.dtype.is_floating_point):
-            wanted = "a floating dtype (average=True)" if average else f"one of {sorted(map(str, _DTYPE_CODES))}"
+        if tensor.dtype not in DTYPE_CODES or (average and not tensor.dtype.is_floating_point):
+            wanted = "a floating dtype (average=True)" if average else f"one of {sorted(map(str, DTYPE_CODES))}"
             raise TypeError(explain("tensor.dtype cannot be all-reduced here", rank=self.rank, seen=tensor.dtype,
                                     expected=wanted, fix="Convert the tensor, or pass average=False for integers."))
 
@@ -285,7 +264,7 @@ class ShmCommunicator:
     def _allreduce_now(self, tensor: torch.Tensor, average: bool) -> None:
         if self.world_size == 1 or tensor.numel() == 0:
             return
-        code, element_size = _DTYPE_CODES[tensor.dtype], tensor.element_size()
+        code, element_size = DTYPE_CODES[tensor.dtype], tensor.element_size()
         found = self._locate(tensor)
         if found is not None:
             allocation, offset = found
@@ -316,7 +295,7 @@ class ShmCommunicator:
     def _exchange(self, own: torch.Tensor, slots: list[torch.Tensor], what: tuple, copy: bool) -> None:
         """One all-reduce round of `own` through `slots` (slots[rank] is own when `copy` is False)."""
         ident, code, offset, average = what
-        rank, bounds = self.rank, _chunk_bounds(own.numel(), own.element_size(), self.world_size)
+        rank, bounds = self.rank, chunk_bounds(own.numel(), own.element_size(), self.world_size)
         chunks = [(bounds[j], bounds[j + 1]) for j in range(self.world_size)]
         if copy:  # our own chunk is read straight from `own`; the peers read the rest from our slot
             for j, (lo, hi) in enumerate(chunks):
@@ -329,7 +308,7 @@ class ShmCommunicator:
         lo, hi = chunks[rank]
         if hi > lo:
             parts = [own[lo:hi] if j == rank else slots[j][lo:hi] for j in range(self.world_size)]
-            _reduce_chunk(parts, average, self._scratch_for(own.dtype))
+            reduce_chunk(parts, average, self._scratch_for(own.dtype))
         # The second phase: once every rank is here, every chunk of every slot holds the result,
         # and no peer touches our slot again before we arrive at the next exchange.
         phase = self._barrier.arrive()
@@ -340,10 +319,10 @@ class ShmCommunicator:
                     own[lo:hi].copy_(slots[rank][lo:hi])
 
     def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor | None:
-        if dtype not in _WIDENED:
+        if dtype not in WIDENED:
             return None
         if self._scratch is None:
-            self._scratch = torch.empty(_BLOCK_BYTES // 2, dtype=torch.float32)
+            self._scratch = torch.empty(BLOCK_BYTES // 2, dtype=torch.float32)
         return self._scratch
 
     def close(self) -> None:

@@ -114,9 +114,8 @@ class PhaseBarrier:
         checked = time.monotonic()
         while True:
             value = line.phase
-            if _reached(value, phase):
+            if _reached(value, phase):  # before the abort flags: a peer may arrive, then give up
                 return
-            _futex_wait(address, value, LIVENESS_INTERVAL)
             self._check_aborts(j, what)  # cheap, and an aborting peer wakes us: notice at once
             now = time.monotonic()
             if now - checked >= LIVENESS_INTERVAL:
@@ -124,6 +123,7 @@ class PhaseBarrier:
                 self._check_alive(j, what)
                 if now - start > self.timeout:
                     self._raise_timeout(phase, what)
+            _futex_wait(address, value, LIVENESS_INTERVAL)
 
     def _check_aborts(self, awaited: int, what: str) -> None:
         for j, line in enumerate(self.lines):

@@ -166,7 +166,7 @@ def _victim_or_survivor(rank: int, world: int, port: int, results) -> None:
     comm = ShmCommunicator(timeout=120.0)
     comm.allreduce_(torch.ones(1000), async_op=False)
     if rank == world - 1:
-        shm_module._reduce_chunk = _kill_self_midway  # dies after arriving, before finishing its chunk
+        shm_module.reduce_chunk = _kill_self_midway  # dies after arriving, before finishing its chunk
     started = time.monotonic()
     try:
         comm.allreduce_(torch.ones(100_000)).wait()

@@ -6,7 +6,8 @@ import stat
 
 import pytest
 
-from phalanx.shm import _chunk_bounds, shm_enabled
+from phalanx.shm import shm_enabled
+from phalanx.shm_reduce import chunk_bounds
 from phalanx.shm_segment import (PREFIX, SHM_DIR, Segment, job_segments, process_alive, process_start_time,
                                  sweep_stale_segments)
 
@@ -95,7 +96,7 @@ def test_process_alive_tells_a_recycled_pid_from_the_original():
 
 @pytest.mark.parametrize("numel,size,parts", [(0, 4, 2), (5, 4, 2), (17, 4, 3), (1000, 4, 3), (100_003, 2, 2)])
 def test_chunks_cover_everything_once_on_cache_lines(numel, size, parts):
-    bounds = _chunk_bounds(numel, size, parts)
+    bounds = chunk_bounds(numel, size, parts)
     assert bounds[0] == 0 and bounds[-1] == numel and len(bounds) == parts + 1
     assert all(a <= b for a, b in zip(bounds, bounds[1:]))
     assert all(b * size % 64 == 0 for b in bounds[:-1] if b < numel)
