@@ -27,8 +27,13 @@ def chunk_bounds(numel: int, element_size: int, parts: int) -> list[int]:
 
 
 def reduce_chunk(parts: list[torch.Tensor], average: bool, scratch: torch.Tensor | None) -> None:
-    """Sum `parts` (rank order), divide if averaging, and write the result into every part."""
+    """Sum `parts` (rank order), divide if averaging, and write the result into every part.
+
+    `scratch` (float32) is where half-precision parts are summed; None sums in the parts' dtype.
+    """
     block = max(1, BLOCK_BYTES // parts[0].element_size())
+    if scratch is not None:
+        block = min(block, scratch.numel())
     for start in range(0, parts[0].numel(), block):
         views = [part[start:start + block] for part in parts]
         if scratch is None:  # sum straight into the first part, then copy it to the others
