@@ -99,7 +99,7 @@ class ShmCommunicator:
     """
 
     def __init__(self, process_group=None, *, staging_mb: float | None = None, timeout: float | None = None,
-                 threaded: bool = True, spin_us: float = 50.0):
+                 threaded: bool = True, spin_us: float = 10.0):
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
