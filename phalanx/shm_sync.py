@@ -2,7 +2,8 @@
 
 Each rank only ever writes its own line (a phase counter, an abort flag and a description of the
 operation it is in), so no atomic read-modify-write is needed: x86-64 keeps each rank's stores in
-order, so a peer that sees the new phase also sees the data and description written before it.
+order (glibc's non-temporal copies end with a fence), so a peer that sees the new phase also sees
+the data and description written before it. Other architectures are refused (futex_supported).
 Waiters spin briefly, then sleep in futex(2) with a short timeout: asleep they cost no CPU, and
 between sleeps they check that the peer they wait for is alive and that the deadline has not passed.
 """
