@@ -129,13 +129,17 @@ def _stuck_and_mismatched_peers(rank: int) -> list:
         mismatched.allreduce_(torch.ones(10)).wait()
     except CollectiveMismatchError:
         seen.append(("still failed",))
+    try:
+        stuck.alloc(100 + rank)
+    except CollectiveMismatchError:
+        seen.append(("alloc mismatch",))
     return seen
 
 
-def test_stuck_peer_times_out_and_mismatched_sizes_fail_on_every_rank():
+def test_stuck_peer_times_out_and_mismatched_sizes_or_allocs_fail_on_every_rank():
     seen = run_ranks(_stuck_and_mismatched_peers, 2)
-    assert seen[0] == [("timeout", [1]), ("mismatch", 1), ("still failed",)]
-    assert seen[1] == [("mismatch", 0), ("still failed",)]
+    assert seen[0] == [("timeout", [1]), ("mismatch", 1), ("still failed",), ("alloc mismatch",)]
+    assert seen[1] == [("mismatch", 0), ("still failed",), ("alloc mismatch",)]
 
 
 def _factory_decisions(rank: int) -> list:
