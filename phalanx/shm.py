@@ -191,6 +191,15 @@ class ShmCommunicator:
         self._allocations.append(allocation)
         return slots[self.rank][:numel * element_size].view(dtype)
 
+    def release(self, tensor: torch.Tensor) -> None:
+        """Forget the allocation `tensor` came from (e.g. when DDP rebuilds its buckets); not collective.
+
+        Its memory is freed once no tensor uses it; until then it is an ordinary tensor to `allreduce_`.
+        """
+        found = self._locate(tensor)
+        if found is not None:
+            self._allocations.remove(found[0])
+
     # -- all-reduce -------------------------------------------------------------------------------
 
     def allreduce_(self, tensor: torch.Tensor, average: bool = True, async_op: bool = True):

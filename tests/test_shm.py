@@ -60,6 +60,10 @@ def _exchange_everything(rank: int) -> dict:
         piece.copy_(_data(rank, numel, torch.float32, salt=offset))
         expected = _gloo_average(piece)
         results[("alloc", offset)] = (other.allreduce_(piece).wait().clone(), expected)
+    other.release(shared)  # from now on an ordinary tensor: copied in and out
+    shared.copy_(_data(rank, 100_003, torch.float32, salt=1))
+    expected = _gloo_average(shared)
+    results["released"] = (other.allreduce_(shared).wait().clone(), expected)
 
     class Bucket:  # what a DDP engine hands to a comm hook
         def buffer(self):
