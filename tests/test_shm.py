@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import phalanx
 from phalanx import shm as shm_module
-from phalanx.errors import CollectiveMismatchError, PeerDiedError, PeerFailedError, RanksTimedOutError
+from phalanx.errors import CollectiveMismatchError, PeerFailedError, RanksTimedOutError
 from phalanx.shm import ShmCommunicator, shm_allreduce_hook, shm_communicator
 from phalanx.shm_segment import SHM_DIR, job_segments
 from phalanx.testing import run_ranks
