@@ -1,7 +1,8 @@
 """All-reduce bandwidth: shared memory vs the process group (Gloo), measured in one run.
 
 Each repeat times every variant back to back, so a noisy neighbour slows them alike and the
-ratios stay meaningful. A rank's time for one all-reduce is the slowest rank's (a MAX over ranks).
+ratios stay meaningful; each all-reduce gets a freshly written tensor, as DDP's buckets are. The
+time of one all-reduce is the slowest rank's (a MAX over ranks).
 
     python -m phalanx.bench_allreduce --nproc 2          # spawns the ranks itself
     phalanx run --nproc-per-node 2 -m phalanx.bench_allreduce
@@ -45,9 +46,10 @@ def allreduce_bandwidth(sizes_mb=(1, 4, 25, 34), repeats: int = 20, warmup: int 
     rows = []
     for size_mb in sizes_mb:
         numel = int(size_mb * 2**20) // 4
-        private = torch.randn(numel)
+        gradients = torch.randn(numel)
+        private = torch.empty(numel)
         shared = comm.alloc(numel)
-        shared.copy_(private)
+        tensors = {"gloo": private, "shm": private, "shm_alloc": shared}
         runs = {
             "gloo": lambda: (dist.all_reduce(private, group=group), private.div_(world)),
             "shm": lambda: comm.allreduce_(private, async_op=False),
@@ -56,6 +58,7 @@ def allreduce_bandwidth(sizes_mb=(1, 4, 25, 34), repeats: int = 20, warmup: int 
         times = torch.zeros(len(VARIANTS), repeats)
         for step in range(warmup + repeats):
             for index, name in enumerate(VARIANTS):
+                tensors[name].copy_(gradients)  # as DDP fills a bucket right before it is all-reduced
                 dist.barrier(group=group)
                 elapsed = _timed(runs[name])
                 if step >= warmup:
