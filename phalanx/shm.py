@@ -363,8 +363,10 @@ def shm_communicator(process_group=None, **options) -> ShmCommunicator | None:
         return None
 
 
-def shm_allreduce_hook(state: ShmCommunicator, bucket) -> torch.futures.Future:
+def shm_allreduce_hook(state, bucket):  # unannotated: torch DDP rejects the string annotations of this module
     """DDP comm hook: average `bucket.buffer()` across ranks through shared memory.
+
+    `state` is a ShmCommunicator; returns a torch.futures.Future holding the averaged buffer.
 
     >>> model.register_comm_hook(shm_communicator(), shm_allreduce_hook)   # doctest: +SKIP
     """

@@ -87,6 +87,33 @@ def test_same_bits_on_every_rank_and_close_to_gloo(world_size):
             assert torch.equal(per_rank[rank][key][0], result), f"rank {rank} differs on {key}"
 
 
+def _train_torch_ddp(rank: int, steps: int) -> list:
+    # torch's own DDP, once with its default all-reduce and once with our hook: same training.
+    results = []
+    comm = ShmCommunicator()
+    for use_hook in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+        model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.01)  # several buckets
+        if use_hook:
+            model.register_comm_hook(comm, shm_allreduce_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(8, 33, generator=generator)).square().mean().backward()
+            optimizer.step()
+        results.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
+    comm.close()
+    return results
+
+
+def test_torch_ddp_with_the_shm_hook_trains_like_its_default_all_reduce():
+    (default_0, hooked_0), (default_1, hooked_1) = run_ranks(_train_torch_ddp, 2, args=(5,))
+    torch.testing.assert_close(hooked_0, default_0)
+    assert torch.equal(hooked_0, hooked_1) and torch.equal(default_0, default_1)
+
+
 def _back_to_back_with_a_slow_rank(rank: int, rounds: int) -> list:
     comm = ShmCommunicator(staging_mb=0.05)
     shared = comm.alloc(50_000)
