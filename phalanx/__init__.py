@@ -9,12 +9,14 @@ from . import hooks, metrics
 from .checkpoint import Checkpointer
 from .ddp import DDP, DistributedDataParallel
 from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointValueError,
-                     CheckpointWriteError, DataConfigError, MasterUnreachableError, NoTrainableParametersError,
-                     ParameterMismatchError, PhalanxError, PortInUseError, RankFailedError, RanksTimedOutError,
-                     ResumeStateError, UnevenInputsError, UnsafeCheckpointError, UnusedParameterError,
-                     WorldConfigError)
+                     CheckpointWriteError, CollectiveMismatchError, DataConfigError, MasterUnreachableError,
+                     NoTrainableParametersError, ParameterMismatchError, PeerDiedError, PeerFailedError, PhalanxError,
+                     PortInUseError, RankFailedError, RanksTimedOutError, ResumeStateError, ShmUnavailableError,
+                     UnevenInputsError, UnsafeCheckpointError, UnusedParameterError, WorldConfigError)
 from .loader import DataLoader
 from .sampler import DistributedSampler
+from .shm import ShmCommunicator, shm_allreduce_hook, shm_communicator, shm_enabled
+from .shm_segment import sweep_stale_segments
 from .spawn import spawn
 from .world import (barrier, device, init, is_initialized, is_main, local_rank, local_world_size, logger, print0,
                     rank, shutdown, world_size)

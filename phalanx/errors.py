@@ -141,3 +141,27 @@ class UnevenInputsError(PhalanxError):
 
 class BenchConfigError(PhalanxError, ValueError):
     """`phalanx bench` was asked for something this machine or install cannot run."""
+
+
+class PeerFailedError(PhalanxError, ConnectionError):
+    """A peer rank abandoned a shared-memory exchange (it failed; its own log says why)."""
+
+    def __init__(self, message: str, peer_rank: int | None = None):
+        super().__init__(message)
+        self.peer_rank = peer_rank
+
+
+class PeerDiedError(PeerFailedError):
+    """A peer rank's process ended (crash, SIGKILL, out of memory) while this rank waited for it."""
+
+
+class CollectiveMismatchError(PhalanxError, ValueError):
+    """Ranks issued different collectives (another size, dtype or order) at the same point."""
+
+    def __init__(self, message: str, peer_rank: int | None = None):
+        super().__init__(message)
+        self.peer_rank = peer_rank
+
+
+class ShmUnavailableError(PhalanxError):
+    """The shared-memory transport cannot serve this process group (ranks on several hosts, disabled, ...)."""

@@ -1,0 +1,246 @@
+"""Multi-process tests of the shared-memory all-reduce (2 and 3 CPU ranks over Gloo, one host).
+
+The backbone is equivalence: the same bits on every rank, and allclose to Gloo's all-reduce.
+Failure tests check that a dead, stuck or mismatched peer becomes a typed error, never a hang.
+"""
+
+import multiprocessing as mp
+import os
+import queue as queue_module
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import phalanx
+from phalanx import shm as shm_module
+from phalanx.errors import CollectiveMismatchError, PeerFailedError, RanksTimedOutError
+from phalanx.shm import ShmCommunicator, shm_allreduce_hook, shm_communicator
+from phalanx.shm_segment import SHM_DIR, job_segments
+from phalanx.testing import run_ranks
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
+
+SIZES = (0, 1, 5, 17, 1000, 100_003)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(10_000 * rank + numel + salt)
+    return torch.randn(numel, generator=generator).to(dtype)
+
+
+def _gloo_average(tensor: torch.Tensor) -> torch.Tensor:
+    expected = tensor.double().clone()  # .double() of a float64 tensor is the tensor itself
+    dist.all_reduce(expected)
+    return expected / dist.get_world_size()
+
+
+def _exchange_everything(rank: int) -> dict:
+    # staging_mb tiny: tensors larger than one page go through the slots in several rounds.
+    comm = ShmCommunicator(staging_mb=0.01)
+    other = ShmCommunicator()  # a second communicator on the same group keeps its own state
+    results = {}
+    for dtype in DTYPES:
+        for numel in SIZES:
+            tensor = _data(rank, numel, dtype)
+            expected = _gloo_average(tensor)
+            future = comm.allreduce_(tensor)
+            results[("staged", dtype, numel)] = (future.wait(), expected)
+    grid = _data(rank, 3 * 7 * 5, torch.float32).view(7, 15)[:, ::3]  # not contiguous
+    results["strided"] = (other.allreduce_(grid, async_op=False).clone(), _gloo_average(grid))
+    counts = torch.arange(10, dtype=torch.int64)
+    expected = (counts * sum(range(1, dist.get_world_size() + 1))).double()
+    results["int sum"] = (comm.allreduce_(counts * (rank + 1), average=False).wait(), expected)
+    shared = other.alloc(100_003)
+    for offset, numel in ((0, 100_003), (64, 999)):  # the whole allocation, and a slice of it
+        piece = shared[offset:offset + numel]
+        piece.copy_(_data(rank, numel, torch.float32, salt=offset))
+        expected = _gloo_average(piece)
+        results[("alloc", offset)] = (other.allreduce_(piece).wait().clone(), expected)
+    other.release(shared)  # from now on an ordinary tensor: copied in and out
+    shared.copy_(_data(rank, 100_003, torch.float32, salt=1))
+    expected = _gloo_average(shared)
+    results["released"] = (other.allreduce_(shared).wait().clone(), expected)
+
+    class Bucket:  # what a DDP engine hands to a comm hook
+        def buffer(self):
+            return bucket_tensor
+
+    bucket_tensor = _data(rank, 4099, torch.float32)
+    expected = _gloo_average(bucket_tensor)
+    results["hook"] = (shm_allreduce_hook(comm, Bucket()).wait(), expected)
+    comm.close()
+    other.close()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_same_bits_on_every_rank_and_close_to_gloo(world_size):
+    per_rank = run_ranks(_exchange_everything, world_size)
+    for key, (result, expected) in per_rank[0].items():
+        tolerance = 1e-2 if result.dtype in (torch.float16, torch.bfloat16) else 1e-6
+        torch.testing.assert_close(result.double(), expected, rtol=tolerance, atol=tolerance, msg=str(key))
+        for rank in range(1, world_size):
+            assert torch.equal(per_rank[rank][key][0], result), f"rank {rank} differs on {key}"
+
+
+def _train_torch_ddp(rank: int, steps: int) -> list:
+    # torch's own DDP, once with its default all-reduce and once with our hook: same training.
+    results = []
+    comm = ShmCommunicator()
+    for use_hook in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+        model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.01)  # several buckets
+        if use_hook:
+            model.register_comm_hook(comm, shm_allreduce_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(8, 33, generator=generator)).square().mean().backward()
+            optimizer.step()
+        results.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
+    comm.close()
+    return results
+
+
+def test_torch_ddp_with_the_shm_hook_trains_like_its_default_all_reduce():
+    (default_0, hooked_0), (default_1, hooked_1) = run_ranks(_train_torch_ddp, 2, args=(5,))
+    torch.testing.assert_close(hooked_0, default_0)
+    assert torch.equal(hooked_0, hooked_1) and torch.equal(default_0, default_1)
+
+
+def _back_to_back_with_a_slow_rank(rank: int, rounds: int) -> list:
+    comm = ShmCommunicator(staging_mb=0.05)
+    shared = comm.alloc(50_000)
+    world = dist.get_world_size()
+    wrong = []
+    for step in range(rounds):
+        if rank == 1 and step % 3 == 0:
+            time.sleep(0.003)  # the slow rank: a fast peer must not overwrite what it still reads
+        # Many ops in flight at once, staged and in shared memory, launched before any wait.
+        staged = [torch.full((n,), float(rank + step + i)) for i, n in enumerate((10, 30_000, 7))]
+        shared.fill_(float(rank * step))
+        futures = [comm.allreduce_(t) for t in staged] + [comm.allreduce_(shared)]
+        for future in futures:
+            future.wait()
+        for i, tensor in enumerate(staged):
+            if not torch.all(tensor == sum(r + step + i for r in range(world)) / world):
+                wrong.append((step, i))
+        if not torch.all(shared == sum(r * step for r in range(world)) / world):
+            wrong.append((step, "shared"))
+    comm.close()
+    return wrong
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_back_to_back_async_ops_with_a_slow_rank(world_size):
+    assert run_ranks(_back_to_back_with_a_slow_rank, world_size, args=(60,)) == [[]] * world_size
+
+
+def _stuck_and_mismatched_peers(rank: int) -> list:
+    seen = []
+    stuck = ShmCommunicator(timeout=1.0)
+    if rank == 0:  # rank 1 never joins this all-reduce
+        try:
+            stuck.allreduce_(torch.ones(10), async_op=False)
+        except RanksTimedOutError as exc:
+            seen.append(("timeout", exc.missing_ranks))
+    dist.barrier()
+    mismatched = ShmCommunicator(timeout=30.0)
+    try:
+        mismatched.allreduce_(torch.ones(10 + rank)).wait()
+    except CollectiveMismatchError as exc:
+        seen.append(("mismatch", exc.peer_rank))
+    try:  # after a failure the communicator stays failed instead of exchanging garbage
+        mismatched.allreduce_(torch.ones(10)).wait()
+    except CollectiveMismatchError:
+        seen.append(("still failed",))
+    try:
+        stuck.alloc(100 + rank)
+    except CollectiveMismatchError:
+        seen.append(("alloc mismatch",))
+    return seen
+
+
+def test_stuck_peer_times_out_and_mismatched_sizes_or_allocs_fail_on_every_rank():
+    seen = run_ranks(_stuck_and_mismatched_peers, 2)
+    assert seen[0] == [("timeout", [1]), ("mismatch", 1), ("still failed",), ("alloc mismatch",)]
+    assert seen[1] == [("mismatch", 0), ("still failed",), ("alloc mismatch",)]
+
+
+def _factory_decisions(rank: int) -> list:
+    decisions = [shm_communicator() is not None]
+    if rank == 1:
+        os.environ["PHALANX_SHM"] = "0"
+    decisions.append(shm_communicator() is not None)  # off on one rank: off on all, and nobody hangs
+    return decisions
+
+
+def test_factory_respects_phalanx_shm_zero_on_any_rank():
+    assert run_ranks(_factory_decisions, 2) == [[True, False], [True, False]]
+
+
+# -- a rank SIGKILLed mid-exchange ------------------------------------------------------------------
+# phalanx.testing stops every rank as soon as one dies; here the survivor must keep running to
+# report what it saw, so these ranks are started by hand.
+
+def _kill_self_midway(parts, average, scratch):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _victim_or_survivor(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PHALANX_STORE_HOSTED="1",
+                      PHALANX_BACKEND="gloo", OMP_NUM_THREADS="1")
+    phalanx.init()
+    comm = ShmCommunicator(timeout=120.0)
+    comm.allreduce_(torch.ones(1000), async_op=False)
+    if rank == world - 1:
+        shm_module.reduce_chunk = _kill_self_midway  # dies after arriving, before finishing its chunk
+    started = time.monotonic()
+    try:
+        comm.allreduce_(torch.ones(100_000)).wait()
+        outcome = "no error"
+    except PeerFailedError as exc:
+        outcome = type(exc).__name__
+    results.put((rank, outcome, time.monotonic() - started, comm.segment_names))
+    comm.close()
+    phalanx.shutdown()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_killed_mid_exchange_fails_the_others_and_leaves_no_segment(world_size):
+    server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    ranks = [context.Process(target=_victim_or_survivor, args=(r, world_size, server.port, results))
+             for r in range(world_size)]
+    for process in ranks:
+        process.start()
+    reports = []
+    try:
+        deadline = time.monotonic() + 100  # below the communicator's 120 s: a timeout would not count
+        while len(reports) < world_size - 1 and time.monotonic() < deadline:
+            try:
+                reports.append(results.get(timeout=0.5))
+            except queue_module.Empty:
+                if all(process.exitcode is not None for process in ranks):
+                    break
+        if len(reports) < world_size - 1:
+            pytest.fail(f"only {len(reports)} of {world_size - 1} survivors reported: {reports}")
+    finally:
+        for process in ranks:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert ranks[-1].exitcode == -signal.SIGKILL
+    # Every survivor waits on the dead rank and names it, well before the 120 s timeout.
+    assert sorted(outcome for _, outcome, _, _ in reports) == ["PeerDiedError"] * (world_size - 1)
+    for name in reports[0][3]:
+        assert job_segments(name) == []
