@@ -57,14 +57,17 @@ class Bucket:
     __slots__ = ("index", "indices", "params", "storage", "buffer", "tag_slot", "views", "numel",
                  "pending", "fused_scale")
 
-    def __init__(self, index: int, indices: list[int], params: list[torch.Tensor]):
+    def __init__(self, index: int, indices: list[int], params: list[torch.Tensor], allocator=None):
         self.index = index
         self.indices = indices
         self.params = [params[i] for i in indices]
         first = self.params[0]
         sizes = [p.numel() for p in self.params]
         self.numel = sum(sizes)
-        self.storage = torch.zeros(self.numel + 1, dtype=first.dtype, device=first.device)
+        if allocator is not None:  # e.g. shared memory, so the transport reduces the bucket where it lies
+            self.storage = allocator.alloc(self.numel + 1, first.dtype)
+        else:
+            self.storage = torch.zeros(self.numel + 1, dtype=first.dtype, device=first.device)
         self.buffer = self.storage[:self.numel]
         self.tag_slot = self.storage[self.numel:]
         self.views = [piece.view(p.shape) for piece, p in zip(self.buffer.split(sizes), self.params)]

@@ -19,6 +19,8 @@ from . import hooks
 from .errors import NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
 from .buckets import FIRST_BUCKET_BYTES
 from .reducer import Reducer
+from .shm import shm_communicator, shm_sum_prescaled_hook
+from .shm_reduce import DTYPE_CODES
 from .replicas import broadcast_coalesced, check_same_signature, comm_device
 from .uneven import DDPJoinHook, StepGuard, count_active_ranks
 
@@ -81,12 +83,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self._group_rank0,
                                 self.process_group)
         self._guard = StepGuard(self.process_group, next(_instances))
+        self._shm = _shared_memory_transport(self.process_group, [p for _, p in named])
+        if self._shm is not None:
+            weakref.finalize(self, self._shm.close)
         # static_graph: torch then tolerates parameters that never get a gradient; so do we.
         self._reducer = Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
                                 self.bucket_bytes_cap, first_cap,
                                 tolerate_unused=find_unused_parameters or static_graph,
                                 as_view=gradient_as_bucket_view, guard=self._guard,
-                                control_device=self._control_device)
+                                control_device=self._control_device, allocator=self._shm)
         self._reducer.set_comm_hook(*self._default_comm_hook())
         # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
         # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
@@ -99,6 +104,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def _default_comm_hook(self):
         """(state, hook) used when the user registers none: the one place a faster transport plugs in."""
+        if self._shm is not None:
+            return self._shm, shm_sum_prescaled_hook
         return self.process_group, hooks.sum_prescaled_hook
 
     # -- forward ---------------------------------------------------------------------------------
@@ -240,6 +247,21 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
 
 DDP = DistributedDataParallel
+
+
+SHM_DTYPES = frozenset(dtype for dtype in DTYPE_CODES if dtype.is_floating_point)
+
+
+def _shared_memory_transport(group, params: list[torch.Tensor]):
+    """A shared-memory communicator when every rank of `group` is on this host and the gradients are on
+    the CPU in a dtype it reduces; else None (the process group's backend carries the buckets).
+
+    Collective: the conditions below are the same on every rank (check_same_signature ran), so
+    either all ranks call the factory, which agrees on one answer, or none does.
+    """
+    if group.size() == 1 or any(p.device.type != "cpu" or p.dtype not in SHM_DTYPES for p in params):
+        return None
+    return shm_communicator(group)
 
 
 def _unused_error(names: list[str], step: int) -> UnusedParameterError:

@@ -24,8 +24,9 @@ class Reducer:
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], group, cap_bytes: int,
                  first_cap_bytes: int, *,
-                 tolerate_unused: bool, as_view: bool, guard, control_device: torch.device):
+                 tolerate_unused: bool, as_view: bool, guard, control_device: torch.device, allocator=None):
         self.params, self.names, self.group = params, names, group
+        self.allocator = allocator  # alloc(numel, dtype) / release(tensor) for bucket storage; None: torch.zeros
         self.world_size = group.size()
         self.cap_bytes, self.first_cap_bytes = cap_bytes, first_cap_bytes
         self.tolerate_unused = tolerate_unused
@@ -50,7 +51,12 @@ class Reducer:
 
     def _build(self, order: list[int]) -> None:
         plan = plan_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes)
-        self.buckets = [Bucket(k, indices, self.params) for k, indices in enumerate(plan)]
+        previous = getattr(self, "buckets", [])
+        # Allocation may be collective (shared memory): every rank builds the same plan in the same order.
+        self.buckets = [Bucket(k, indices, self.params, self.allocator) for k, indices in enumerate(plan)]
+        if self.allocator is not None:
+            for bucket in previous:
+                self.allocator.release(bucket.storage)
         bucket_of = [None] * len(self.params)
         for bucket in self.buckets:
             for i in bucket.indices:
@@ -306,9 +312,18 @@ class Reducer:
         """Issue the collectives of one synchronized backward with zero gradients."""
         futures = []
         for bucket, facade in zip(self.buckets, self._facades):
-            storage = scratch.get(bucket.index)
-            if storage is None or storage.numel() != bucket.storage.numel():
-                storage = scratch[bucket.index] = torch.zeros_like(bucket.storage)
+            if self.allocator is not None:
+                # Shared-memory buckets are reduced where they lie, so the peers read this rank's
+                # zeros from the bucket itself; gradients that view it keep their values in a copy.
+                if self.as_view:
+                    for p, view in zip(bucket.params, bucket.views):
+                        if p.grad is view:
+                            p.grad = view.clone()
+                storage = bucket.storage
+            else:
+                storage = scratch.get(bucket.index)
+                if storage is None or storage.numel() != bucket.storage.numel():
+                    storage = scratch[bucket.index] = torch.zeros_like(bucket.storage)
             storage.zero_()
             shadow = GradBucket(bucket, facade.is_last(), storage=storage)
             futures.append(self.hook(self.hook_state, shadow))

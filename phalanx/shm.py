@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CollectiveMismatchError, ShmUnavailableError, explain
+from .hooks import prescaled
 from .shm_segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
 from .shm_reduce import BLOCK_BYTES, DTYPE_CODES, WIDENED, chunk_bounds, reduce_chunk, round_up
 from .shm_sync import LINE_BYTES, PhaseBarrier, futex_supported
@@ -361,6 +362,15 @@ def shm_communicator(process_group=None, **options) -> ShmCommunicator | None:
 
         logger.info("shared-memory all-reduce off: %s", exc)
         return None
+
+
+@prescaled
+def shm_sum_prescaled_hook(state, bucket):  # unannotated, as below
+    """phalanx DDP's default on one host: sum the pre-divided bucket and its step tag through shared memory.
+
+    When the bucket's storage came from `state.alloc()` (DDP allocates it so) nothing is copied in or out.
+    """
+    return state.allreduce_(bucket.storage(), average=False)
 
 
 def shm_allreduce_hook(state, bucket):  # unannotated: torch DDP rejects the string annotations of this module

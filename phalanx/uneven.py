@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from .errors import UnevenInputsError, explain
+from .errors import PhalanxError, UnevenInputsError, explain
 
 DEFAULT_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (PHALANX_DDP_STALL_TIMEOUT)
 PRESENCE_AFTER_SECONDS = 1.0  # a wait this long is unusual: note in the store that this rank is in the step
@@ -74,6 +74,8 @@ class StepGuard:
                     self.fail(what, f"no answer within {self.timeout:.0f}s")
         try:
             return future.wait()
+        except PhalanxError:  # already typed and precise (e.g. the shared-memory transport's PeerDiedError)
+            raise
         except RuntimeError as exc:  # Gloo: "Connection closed by peer", timeouts, ...
             self.fail(what, _failure(exc))
 

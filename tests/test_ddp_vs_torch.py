@@ -145,12 +145,20 @@ def _compare_everything(rank: int) -> dict:
     theirs, _, _, _, _ = _train(torch.nn.parallel.DistributedDataParallel, "default", rank, {},
                                 powerSGD_hook.powerSGD_hook, _powersgd_state)
     out["torch_powersgd"] = {"vs_torch_same_hook": _max_diff(ours, theirs), "identical": identical, "calls": calls}
+    out["transport"] = "shm" if model._shm is not None else "process group"
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    return run_ranks(_compare_everything, 2, timeout=240)
+# Every comparison runs over both transports: shared memory (the default on one host) and the
+# process group's backend (Gloo), which is what ranks on several hosts use.
+TRANSPORTS = {"shm": {}, "process group": {"PHALANX_SHM": "0"}}
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+def results(request):
+    outcome = run_ranks(_compare_everything, 2, timeout=240, env=TRANSPORTS[request.param])
+    assert [r["transport"] for r in outcome] == [request.param] * 2, "DDP did not use the expected transport"
+    return outcome
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
