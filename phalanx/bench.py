@@ -28,7 +28,9 @@ from .bench_report import (SCHEMA, VARIANT_LABELS, format_table, paired_ratios, 
 from .errors import BenchConfigError, PhalanxError, explain
 from .spawn import spawn
 
-VARIANTS = ("torch", "phalanx", "compute")
+# "phalanx" is phalanx DDP as a user gets it (shared memory between ranks on one host);
+# "phalanx-gloo" is the same engine with the transport off, against torch's reducer on equal terms.
+VARIANTS = ("torch", "phalanx", "phalanx-gloo", "compute")
 ALLREDUCE_SIZES_MB = (1, 4, 25, 34)
 BATCHES_PER_RANK = 4  # a few distinct batches, cycled: real data movement without a data loader
 LEARNING_RATE = 1e-3
@@ -133,7 +135,7 @@ def _check_device(config: BenchConfig) -> None:
 
 
 def _check_phalanx_ddp(config: BenchConfig) -> None:
-    if "phalanx" in config.variants and _phalanx_ddp() is None:
+    if {"phalanx", "phalanx-gloo"} & set(config.variants) and _phalanx_ddp() is None:
         raise BenchConfigError(explain(
             "phalanx.DistributedDataParallel is not available in this install",
             seen="no attribute DistributedDataParallel on the phalanx package", expected="the phalanx DDP engine",
@@ -176,8 +178,17 @@ def _build_variant(variant: str, bench_model, config: BenchConfig, device: torch
     if variant == "torch":
         module = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
                                                           bucket_cap_mb=config.bucket_cap_mb)
-    elif variant == "phalanx":
-        module = _phalanx_ddp()(module, device_ids=device_ids, bucket_cap_mb=config.bucket_cap_mb)
+    elif variant in ("phalanx", "phalanx-gloo"):
+        saved = os.environ.get("PHALANX_SHM")
+        if variant == "phalanx-gloo":
+            os.environ["PHALANX_SHM"] = "0"  # read at construction, by every rank alike
+        try:
+            module = _phalanx_ddp()(module, device_ids=device_ids, bucket_cap_mb=config.bucket_cap_mb)
+        finally:
+            if saved is None:
+                os.environ.pop("PHALANX_SHM", None)
+            else:
+                os.environ["PHALANX_SHM"] = saved
     return module, torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
 
 

@@ -11,9 +11,10 @@ import statistics
 from pathlib import Path
 
 SCHEMA = "phalanx-bench/1"
-VARIANT_LABELS = {"torch": "torch DDP", "phalanx": "phalanx DDP", "compute": "compute-only"}
+VARIANT_LABELS = {"torch": "torch DDP", "phalanx": "phalanx DDP", "phalanx-gloo": "phalanx (Gloo)",
+                  "compute": "compute-only"}
 # numerator, denominator: phalanx against torch's C++ reducer, and against the no-communication floor
-RATIOS = (("phalanx", "torch"), ("phalanx", "compute"), ("torch", "compute"))
+RATIOS = (("phalanx", "torch"), ("phalanx-gloo", "torch"), ("phalanx", "compute"), ("torch", "compute"))
 
 
 def summarize(blocks_ms: list[list[float]]) -> dict:

@@ -125,14 +125,13 @@ def _bench_inside_world(rank: int, out: str) -> int:
     return bench.main([*QUICK, "--no-allreduce", "--out", out])
 
 
-def test_bench_inside_a_world_compares_all_three_variants(tmp_path, capfd):
-    """World size 2, already initialized (as under `phalanx run`): rank 0 reports all three variants."""
-    if getattr(phalanx, "DistributedDataParallel", None) is None:
-        pytest.skip("phalanx.DistributedDataParallel is not in this branch yet (the DDP engine, issue 3)")
+def test_bench_inside_a_world_compares_every_variant(tmp_path, capfd):
+    """World size 2, already initialized (as under `phalanx run`): rank 0 reports every variant."""
     out = tmp_path / "bench.json"
     assert run_ranks(_bench_inside_world, 2, args=(str(out),), timeout=120) == [0, 0]
     results = json.loads(out.read_text())
-    _check_results(results, ["torch", "phalanx", "compute"])
-    assert set(results["models"][0]["ratios"]) == {"phalanx/torch", "phalanx/compute", "torch/compute"}
+    _check_results(results, ["torch", "phalanx", "phalanx-gloo", "compute"])
+    assert set(results["models"][0]["ratios"]) == {"phalanx/torch", "phalanx-gloo/torch", "phalanx/compute",
+                                                   "torch/compute"}
     assert results["allreduce"]["status"] == "skipped"
     assert "phalanx/torch" in capfd.readouterr().out
