@@ -6,10 +6,11 @@ alike. Register one with `model.register_comm_hook(process_group, hook)`; state 
 model's process group.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
+
+# Annotations are evaluated (no `from __future__ import annotations`): torch DDP's register_comm_hook
+# accepts a return annotation only if it is the object torch.futures.Future[torch.Tensor].
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "prescaled"]
 
@@ -34,7 +35,7 @@ def _group(process_group):
     return process_group if process_group is not None else dist.group.WORLD
 
 
-def allreduce_hook(process_group, bucket) -> torch.futures.Future:
+def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket by all-reduce: the same result as running without a hook.
 
     >>> model.register_comm_hook(None, phalanx.hooks.allreduce_hook)   # doctest: +SKIP
@@ -47,7 +48,7 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future:
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _compressed_allreduce(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future:
+def _compressed_allreduce(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     group = _group(process_group)
     buffer = bucket.buffer()
     compressed = buffer.to(dtype).div_(group.size())
@@ -60,7 +61,7 @@ def _compressed_allreduce(dtype: torch.dtype, process_group, bucket) -> torch.fu
     return work.get_future().then(decompress)
 
 
-def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
+def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Send gradients as float16 (half the bytes), averaged, and write them back in full precision.
 
     >>> model.register_comm_hook(None, phalanx.hooks.fp16_compress_hook)   # doctest: +SKIP
@@ -68,7 +69,7 @@ def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
     return _compressed_allreduce(torch.float16, process_group, bucket)
 
 
-def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
+def bf16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """Send gradients as bfloat16 (float32's range, half the bytes), averaged, written back in full.
 
     >>> model.register_comm_hook(None, phalanx.hooks.bf16_compress_hook)   # doctest: +SKIP

@@ -213,3 +213,18 @@ def test_torch_powersgd_hook_runs_unchanged(results):
         outcome = per_rank["torch_powersgd"]
         assert outcome["calls"] >= STEPS and outcome["identical"]
         assert outcome["vs_torch_same_hook"] < 1e-6
+
+
+def _register_ours_on_torch_ddp(rank: int) -> list[str]:
+    registered = []
+    # Not bf16_compress_hook: torch DDP refuses any hook of that *name* without CUDA and NCCL (its own too).
+    for name in ("allreduce_hook", "fp16_compress_hook"):
+        model = torch.nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+        model.register_comm_hook(None, getattr(phalanx.hooks, name))  # torch checks the hook's annotations
+        model(torch.randn(3, 4)).sum().backward()
+        registered.append(name)
+    return registered
+
+
+def test_phalanx_hooks_register_on_torch_ddp_as_they_are():
+    assert run_ranks(_register_ours_on_torch_ddp, 2) == [["allreduce_hook", "fp16_compress_hook"]] * 2
