@@ -9,58 +9,25 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from commands import run_command
+
 from phalanx.testing import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PHALANX = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
-NEEDED = ("DistributedDataParallel", "DistributedSampler", "DataLoader", "Checkpointer", "metrics")
 
 pytestmark = pytest.mark.slow
 
 
-def _missing_pieces() -> list[str]:
-    import phalanx
-
-    missing = [f"phalanx.{name}" for name in NEEDED if not hasattr(phalanx, name)]
-    try:
-        import phalanx.cli  # noqa: F401 - `phalanx run` and `phalanx demo`
-    except ImportError:
-        missing.append("phalanx.cli")
-    return missing
-
-
-@pytest.fixture(autouse=True)
-def _requires_phalanx_pieces():
-    missing = _missing_pieces()
-    if missing:
-        pytest.skip(f"not merged yet: {', '.join(missing)} (the examples need them)")
-
-
 def _run(command: list, *, cwd: Path, timeout: float = 150, env: dict | None = None) -> str:
-    """Run `command`, return stdout+stderr; fail with the output on a non-zero exit or a timeout."""
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                   **(env or {})}
-    # A session of its own, so that a timeout can stop the launcher and every worker it started.
-    process = subprocess.Popen([str(c) for c in command], cwd=cwd, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{command} did not finish within {timeout}s; output:\n{output}")
-    assert process.returncode == 0, f"{command} exited with {process.returncode}; output:\n{output}"
-    return output
+    return run_command(command, cwd, env=env, timeout=timeout)
 
 
 def _launch(script: Path, *args, cwd: Path, timeout: float = 150) -> str:

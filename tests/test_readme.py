@@ -14,12 +14,12 @@ import platform
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from commands import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -94,22 +94,7 @@ def shell_commands() -> list[list[str]]:
 
 # -- running commands --------------------------------------------------------------------------------
 
-def run(command: list, cwd: Path, *, env: dict | None = None, timeout: float = 60) -> str:
-    """Run `command`; return stdout+stderr; fail with the output on a non-zero exit or a timeout."""
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                   **(env or {})}
-    # A session of its own, so that a timeout stops the launcher and every worker it started.
-    process = subprocess.Popen([str(c) for c in command], cwd=cwd, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{command} did not finish within {timeout}s; output:\n{output}")
-    assert process.returncode == 0, f"{command} exited with {process.returncode}; output:\n{output}"
-    return output
+run = run_command  # the README tests read as the commands they run
 
 
 def epoch_losses(output: str) -> dict[int, list[str]]:
