@@ -125,8 +125,9 @@ class TestOpening:
             pytest.skip("make is not installed")
         for target, last in (("demo", "phalanx demo"), ("test", "-m pytest")):
             # -n prints the commands without running them; -B as on a fresh clone, with nothing installed.
-            printed = subprocess.run(["make", "-n", "-B", target, "TORCH_SPEC=torch==2.6.0"], cwd=ROOT,
-                                     capture_output=True, text=True, check=True).stdout
+            # --no-print-directory: under `make test` this make is nested and would add Entering/Leaving lines.
+            printed = subprocess.run(["make", "--no-print-directory", "-n", "-B", target, "TORCH_SPEC=torch==2.6.0"],
+                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout
             steps = printed.splitlines()
             venv = next(i for i, s in enumerate(steps) if "-m venv" in s)
             torch_first = next(i for i, s in enumerate(steps) if "pip install" in s and '"torch==2.6.0"' in s)
