@@ -84,12 +84,6 @@ def _own_device() -> torch.device:
     return world.device() if world.is_initialized() else torch.device("cpu")
 
 
-def _collective_device() -> torch.device:
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _map_location(device: torch.device):
     """Tensors saved from any GPU go to this rank's device; tensors saved on the CPU stay there."""
     if device.type == "cpu":
@@ -144,7 +138,7 @@ class Checkpointer:
         """Write `state` and every rank's random state as a new checkpoint; returns its path on every rank."""
         kinds = {name: _kind(name, value) for name, value in state.items()}  # same check, same error, on all ranks
         device = _own_device()
-        states = random_state.gather(random_state.capture(device), _collective_device())
+        states = random_state.gather(random_state.capture(device), world.collective_device())
         path, failure = None, None
         if _rank() == 0:
             try:
@@ -209,7 +203,7 @@ class Checkpointer:
         sequence = safe_io.sequence_of(path.name) if path is not None else -1
         if _world_size() == 1:
             return code, sequence
-        message = torch.tensor([code, sequence], dtype=torch.int64, device=_collective_device())
+        message = torch.tensor([code, sequence], dtype=torch.int64, device=world.collective_device())
         dist.broadcast(message, src=0)
         return int(message[0]), int(message[1])
 

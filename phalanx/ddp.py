@@ -21,7 +21,8 @@ from .buckets import FIRST_BUCKET_BYTES
 from .reducer import Reducer
 from .shm import shm_communicator, shm_sum_prescaled_hook
 from .shm_reduce import DTYPE_CODES
-from .replicas import broadcast_coalesced, check_same_signature, comm_device
+from .replicas import broadcast_coalesced, check_same_signature
+from .world import collective_device
 from .uneven import DDPJoinHook, StepGuard, count_active_ranks
 
 DEFAULT_BUCKET_CAP_MB = 25
@@ -77,7 +78,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._group_rank0 = dist.get_global_rank(self.process_group, 0)
-        self._control_device = comm_device(self.process_group, next(iter(devices)))
+        self._control_device = collective_device(self.process_group, next(iter(devices)))
         check_same_signature(module, self.process_group, self._control_device)
         if init_sync:
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self._group_rank0,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .errors import DataConfigError, explain
 from .sampler import DistributedSampler
+from .world import collective_device
 
 
 def _world_size(group) -> int:
@@ -25,19 +26,12 @@ def _rank(group) -> int:
     return dist.get_rank(group) if _world_size(group) > 1 else 0
 
 
-def _comm_device(group) -> torch.device:
-    # NCCL only moves CUDA tensors; every other backend phalanx uses takes CPU tensors.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _all_reduce(value, op, group):
     """All-reduce a number or tensor; returns the same kind (a Python number for a number)."""
     is_number = not isinstance(value, torch.Tensor)
     tensor = torch.as_tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
     if _world_size(group) > 1:
-        result = tensor.detach().to(_comm_device(group), copy=True)
+        result = tensor.detach().to(collective_device(group), copy=True)
         dist.all_reduce(result, op=op, group=group)
         tensor = result.to(tensor.device)
     return tensor.item() if is_number else tensor
@@ -174,7 +168,7 @@ def _gather_tensor_rows(local: torch.Tensor, replicas: int, positions: int, grou
     longest = -(-positions // replicas)  # rank 0's shard is never shorter than another's
     padded = local.new_zeros((longest, *local.shape[1:]))
     padded[:len(local)] = local
-    device = _comm_device(group)
+    device = collective_device(group)
     padded = padded.to(device)
     pieces = [torch.empty_like(padded) for _ in range(replicas)]
     dist.all_gather(pieces, padded, group=group)

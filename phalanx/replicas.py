@@ -17,13 +17,6 @@ from .errors import ParameterMismatchError, explain
 BROADCAST_CAP_BYTES = 250 * 1024 * 1024  # per flat chunk: bounds the extra memory of a broadcast
 
 
-def comm_device(group, fallback: torch.device) -> torch.device:
-    """The device a backend wants small control tensors on (CUDA for NCCL, else CPU)."""
-    if dist.get_backend(group) == "nccl":
-        return fallback if fallback.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def replica_signature(module: torch.nn.Module) -> list[str]:
     """One line per parameter and buffer: what must agree across ranks for DDP to be meaningful."""
     lines = [f"parameter {name} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"

@@ -86,6 +86,16 @@ def _share_cores(spec: WorldSpec, device: torch.device) -> None:
         torch.set_num_threads(max(1, _usable_cores() // spec.local_world_size))
 
 
+def collective_device(group=None, preferred: torch.device | None = None) -> torch.device:
+    """Where a backend wants the small tensors of a collective: CUDA for NCCL (`preferred` if it is a
+    CUDA device, else the current one), the CPU for every other backend and outside a world."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        if preferred is not None and preferred.type == "cuda":
+            return preferred
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _choose_backend(device: torch.device, backend: str | None) -> str:
     backend = backend or os.environ.get("PHALANX_BACKEND")
     if backend:
