@@ -9,6 +9,8 @@ The engine that fills and launches buckets is in reducer.py.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # as torch: a small first bucket starts the exchange early in backward
@@ -54,7 +56,7 @@ class Bucket:
     one slot for the step tag. `views[k]` is parameter k's gradient inside `buffer`.
     """
 
-    __slots__ = ("index", "indices", "params", "storage", "buffer", "tag_slot", "views", "numel",
+    __slots__ = ("index", "indices", "params", "storage", "buffer", "tag_slot", "views", "offsets", "numel",
                  "pending", "fused_scale")
 
     def __init__(self, index: int, indices: list[int], params: list[torch.Tensor], allocator=None):
@@ -64,6 +66,7 @@ class Bucket:
         first = self.params[0]
         sizes = [p.numel() for p in self.params]
         self.numel = sum(sizes)
+        self.offsets = list(itertools.accumulate(sizes[:-1], initial=0))  # of each gradient in the buffer
         if allocator is not None:  # e.g. shared memory, so the transport reduces the bucket where it lies
             self.storage = allocator.alloc(self.numel + 1, first.dtype)
         else:

@@ -5,6 +5,10 @@ complete it is launched through the comm hook (async, overlapping the rest of ba
 rank issues the same collectives in the same order. An autograd engine callback at the end of
 backward waits for all buckets and writes the averaged gradients back. After the first
 synchronized iteration the buckets are rebuilt once, in the order rank 0 saw gradients arrive.
+
+With the shared-memory transport on two or three ranks the exchange is posted instead (shm.py):
+a full bucket is only published, and at the end of backward each rank sums all ranks' copies
+straight into its gradients, which saves a pass over the gradients and a copy back.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class Reducer:
         self.as_view = as_view
         self.guard = guard
         self.control_device = control_device
+        self._posted = False  # the exchange is posted (claim, post, gather_sum), not a comm hook call
+        self._tag_total = torch.zeros(1, dtype=torch.float64)  # the summed step tag of a posted bucket
         self.set_comm_hook(group, hooks.sum_prescaled_hook)
         self.divisor = self.world_size  # the default hook averages over this many ranks (join changes it)
         self.armed = False  # a synchronized backward is expected (set by DDP's forward)
@@ -68,7 +74,8 @@ class Reducer:
         last = len(self.buckets) - 1
         self._facades = [GradBucket(b, b.index == last) for b in self.buckets]
         self._tag_mod = [tag_modulus(b.storage.dtype, self.world_size) for b in self.buckets]
-        self._futures: list = [None] * len(self.buckets)
+        self._futures: list = [None] * len(self.buckets)  # or posted tickets
+        self._totals: dict = {}  # bucket index -> (private sum buffer, its views): posted small gradients
         self._complete = [True] * len(self.buckets)
         self._next = 0
 
@@ -76,9 +83,16 @@ class Reducer:
         return [list(b.indices) for b in self.buckets]
 
     def set_comm_hook(self, state, hook) -> None:
+        if self._posted:  # our copies may still be read by a peer: wait before anything rewrites them
+            for bucket in self.buckets:
+                self.hook_state.claim(bucket.storage)
         self.hook_state, self.hook = state, hook
         # A prescaled hook only sums: the engine divides while copying in and fills the step tag.
         self._prescaled = getattr(hook, "_phalanx_prescaled", False)
+        # A hook that offers a posted exchange on its state, used when it moves fewer bytes; views
+        # (gradient_as_bucket_view) need the result in the bucket itself, which the hook provides.
+        self._posted = (getattr(hook, "_phalanx_posted", False) and not self.as_view
+                        and state.posted_exchange_pays())
 
     # -- during backward ------------------------------------------------------------------------
 
@@ -122,12 +136,17 @@ class Reducer:
     def _launch(self, bucket: Bucket, complete: bool) -> None:
         self._complete[bucket.index] = complete
         scale = 1.0 / self.divisor if self._prescaled and self.divisor != 1 else None
+        if self._posted:
+            self.hook_state.claim(bucket.storage)
         if self.as_view:
             self._fill_views(bucket, scale)
         else:
             self._fill_copies(bucket, scale, complete)
         if self._prescaled:
             bucket.tag_slot.fill_(self.guard.tag(self._tag_mod[bucket.index]))
+        if self._posted:
+            self._futures[bucket.index] = self.hook_state.post(bucket.storage)
+            return
         facade = self._facades[bucket.index]
         facade._buffer = bucket.buffer  # undo a set_buffer() of the previous step
         self._futures[bucket.index] = self.hook(self.hook_state, facade)
@@ -190,7 +209,7 @@ class Reducer:
             if not self.tolerate_unused:
                 # The other ranks launched the same buckets (if their unused set is ours): drain them,
                 # then report at the next forward, where the user can still act on it.
-                self._wait(self._next)
+                self._drain(self._next)
                 self.unready_error = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
                 self._reset()
                 self.guard.end()
@@ -198,31 +217,73 @@ class Reducer:
             for bucket in buckets[self._next:]:
                 self._launch(bucket, complete=all(self._ready[i] for i in bucket.indices))
             self._next = len(buckets)
-        if self.tolerate_unused:  # which parameters got a gradient anywhere decides what is written back
-            used = self._launch_used_map()
-            self._wait(len(buckets))
-            self.guard.wait(used, "the all-reduce of the used-parameter map")
-            self.guard.check_sum(int(self._used[-1]), self.guard.tag(2 ** 20), "the used-parameter map")
-            used = self._used[:-1].tolist()
-            for bucket in buckets:
-                self._write_back(bucket, used)
-        else:
-            for bucket in buckets:  # copy each bucket back while the later ones are still in flight
+        # With unused parameters, which got a gradient anywhere decides what is written back.
+        used = self._used_anywhere() if self.tolerate_unused else None
+        for bucket in buckets:  # bucket by bucket, while the later ones are still in flight
+            if self._posted:
+                self._gather(bucket, used)
+            else:
                 self._wait_for(bucket)
-                self._write_back(bucket, None)
+                self._write_back(bucket, used)
         if not self.rebuilt:
             self._rebuild()
         self._reset()
         self.guard.end()
 
-    def _launch_used_map(self):
+    def _used_anywhere(self) -> list[int]:
+        """Collective: per parameter, the number of ranks where it got a gradient this backward."""
         self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8))
         self._used[-1] = self.guard.tag(2 ** 20)
-        return dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
+        future = dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
+        self.guard.wait(future, "the all-reduce of the used-parameter map")
+        self.guard.check_sum(int(self._used[-1]), self.guard.tag(2 ** 20), "the used-parameter map")
+        return self._used[:-1].tolist()
 
-    def _wait(self, count: int) -> None:
+    def _drain(self, count: int) -> None:
+        """Finish the exchanges of the first `count` buckets, results unused."""
         for bucket in self.buckets[:count]:
-            self._wait_for(bucket)
+            if self._posted:
+                ticket, self._futures[bucket.index] = self._futures[bucket.index], None
+                self.hook_state.gather_sum(bucket.storage, ticket, [])
+            else:
+                self._wait_for(bucket)
+
+    def _gather(self, bucket: Bucket, used) -> None:
+        """Posted exchange: every rank's copy of the bucket summed straight into the gradients."""
+        ticket, self._futures[bucket.index] = self._futures[bucket.index], None
+        grads = []  # (position in the bucket, where the sum goes)
+        for i, p, start in zip(bucket.indices, bucket.params, bucket.offsets):
+            if used is not None and not used[i]:
+                continue  # unused on every rank: its gradient stays as it is (None stays None)
+            if p.grad is None:  # unused here only
+                p.grad = torch.empty(p.shape, dtype=bucket.storage.dtype, device=bucket.storage.device)
+            grads.append((start, p.grad))
+        if bucket.fused_scale:  # few large gradients: one pass each, straight into them
+            tag = self._tag_total
+            self.hook_state.gather_sum(bucket.storage, ticket, grads + [(bucket.numel, tag)])
+        else:  # many small ones: a single sum into a private buffer, then one batched copy
+            total, views = self._private_total(bucket)
+            self.hook_state.gather_sum(bucket.storage, ticket, [(0, total)])
+            tag = total[bucket.numel:]
+            if len(grads) == len(bucket.params):
+                torch._foreach_copy_([grad for _, grad in grads], views)
+            else:
+                chosen = set(start for start, _ in grads)
+                for start, grad, view in zip(bucket.offsets, [p.grad for p in bucket.params], views):
+                    if start in chosen:
+                        grad.copy_(view)
+        if self._prescaled and self.guard.enabled:
+            what = f"the gradient exchange of bucket {bucket.index}"
+            self.guard.check_sum(tag.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
+
+    def _private_total(self, bucket: Bucket):
+        found = self._totals.get(bucket.index)
+        if found is None:
+            total = torch.empty_like(bucket.storage)
+            views = [piece.view(p.shape) for piece, p in
+                     zip(total[:bucket.numel].split([p.numel() for p in bucket.params]), bucket.params)]
+            found = self._totals[bucket.index] = (total, views)
+        return found
 
     def _wait_for(self, bucket: Bucket) -> None:
         """Wait for a bucket's comm hook; check its step tag; make sure its result is in the buffer."""
@@ -310,6 +371,29 @@ class Reducer:
     @torch.no_grad()
     def shadow_backward(self, scratch: dict) -> None:
         """Issue the collectives of one synchronized backward with zero gradients."""
+        if self._posted:
+            self._shadow_posted()
+        else:
+            self._shadow_hooks(scratch)
+        if self.tolerate_unused:
+            self._used.zero_()
+            self.guard.wait(dist.all_reduce(self._used, group=self.group, async_op=True).get_future(),
+                            "the shadow all-reduce of the used-parameter map")
+        if not self.rebuilt:
+            self._ready[:] = self._no_ready
+            self._rebuild()
+
+    def _shadow_posted(self) -> None:
+        comm = self.hook_state
+        tickets = []
+        for bucket in self.buckets:
+            comm.claim(bucket.storage)
+            bucket.storage.zero_()
+            tickets.append(comm.post(bucket.storage))
+        for bucket, ticket in zip(self.buckets, tickets):
+            comm.gather_sum(bucket.storage, ticket, [])
+
+    def _shadow_hooks(self, scratch: dict) -> None:
         futures = []
         for bucket, facade in zip(self.buckets, self._facades):
             if self.allocator is not None:
@@ -329,13 +413,6 @@ class Reducer:
             futures.append(self.hook(self.hook_state, shadow))
         for index, future in enumerate(futures):
             self.guard.wait(future, f"the shadow all-reduce of bucket {index}")
-        if self.tolerate_unused:
-            self._used.zero_()
-            self.guard.wait(dist.all_reduce(self._used, group=self.group, async_op=True).get_future(),
-                            "the shadow all-reduce of the used-parameter map")
-        if not self.rebuilt:
-            self._ready[:] = self._no_ready
-            self._rebuild()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -4,6 +4,11 @@ Every rank owns a slot in a shared segment. An all-reduce is two phases: each ra
 in its slot and arrives; then rank r sums chunk r of every slot in rank order (one computation per
 element, so every rank gets the same bits), averages it and writes it back into every slot, and
 arrives again. Tensors from `alloc()` already live in a slot, so they skip the copies in and out.
+
+For two or three ranks a posted exchange moves fewer bytes when the result is wanted elsewhere
+(DDP's gradients): each rank `post()`s its part where it lies, then `gather_sum()` has every rank
+add up all ranks' copies (in rank order, so the bits agree) straight into its own outputs, with no
+second phase and no write-back of a result into the slots.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from .errors import CollectiveMismatchError, ShmUnavailableError, explain
 from .hooks import prescaled
 from .shm_segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
 from .shm_reduce import BLOCK_BYTES, DTYPE_CODES, WIDENED, chunk_bounds, reduce_chunk, round_up
-from .shm_sync import LINE_BYTES, PhaseBarrier, futex_supported
+from .shm_sync import LINE_BYTES, STAMP_FIELDS, PhaseBarrier, Stamp, futex_supported
 
 _DEFAULT_TIMEOUT = 600.0
 _DEFAULT_STAGING_BYTES = 32 * 2**20
+# Up to this many ranks, a posted exchange (each rank reads every copy once) moves no more bytes than
+# the two-phase all-reduce followed by a copy of the result to where it is wanted; beyond, it moves more.
+POSTED_MAX_RANKS = 3
+_POSTED = 2  # the "average" field of a line's description, for posts
 
 
 def shm_enabled() -> bool:
@@ -77,14 +86,17 @@ def _unusable_reason(facts: list[dict]) -> str | None:
 
 
 class _Allocation:
-    """A tensor per rank from `alloc()`, all in one segment; ours is `slots[rank]`."""
+    """A tensor per rank from `alloc()`, all in one segment; ours is `slots[rank]`, followed by our stamp."""
 
-    def __init__(self, ident: int, segment: Segment, slots: list[torch.Tensor], rank: int):
+    def __init__(self, ident: int, segment: Segment, slots: list[torch.Tensor], stamps: list[Stamp], rank: int):
         self.ident = ident
         self.segment = segment
         self.slots = slots
+        self.stamps = stamps
         self.start = slots[rank].data_ptr()
         self.end = self.start + slots[rank].numel()
+        self.posts = 0
+        self.read_phase: int | None = None  # peers may read our slot until they all reach this phase
 
 
 class ShmCommunicator:
@@ -130,6 +142,7 @@ class ShmCommunicator:
                          for j in range(self.world_size)]
         self._segment = segment
         self._allocations: list[_Allocation] = []
+        self._next_ident = 0
         self._spin = spin_us * 1e-6
         self._scratch: torch.Tensor | None = None
         self._ops = 0
@@ -184,11 +197,14 @@ class ShmCommunicator:
         >>> bucket = comm.alloc(6_250_000)    # doctest: +SKIP  (25 MB of fp32 gradients)
         """
         element_size = torch.empty((), dtype=dtype).element_size()
-        slot_bytes = round_up(max(numel * element_size, 1), PAGE)
+        data_bytes = round_up(max(numel * element_size, 1), LINE_BYTES)
+        slot_bytes = round_up(data_bytes + LINE_BYTES, PAGE)  # the data, then the slot's stamp
         segment = self._create_shared(self.world_size * slot_bytes, signature=(int(numel), str(dtype)))
         memory = torch.frombuffer(segment.memory, dtype=torch.uint8)
-        slots = [memory[j * slot_bytes:][:slot_bytes] for j in range(self.world_size)]
-        allocation = _Allocation(len(self._allocations) + 1, segment, slots, self.rank)
+        slots = [memory[j * slot_bytes:][:data_bytes] for j in range(self.world_size)]
+        stamps = [Stamp.from_buffer(segment.memory, j * slot_bytes + data_bytes) for j in range(self.world_size)]
+        self._next_ident += 1
+        allocation = _Allocation(self._next_ident, segment, slots, stamps, self.rank)
         self._allocations.append(allocation)
         return slots[self.rank][:numel * element_size].view(dtype)
 
@@ -261,14 +277,7 @@ class ShmCommunicator:
             future.set_result(result)
 
     def _run(self, tensor: torch.Tensor, average: bool) -> torch.Tensor:
-        if self._error is not None:
-            raise self._error  # one failed exchange leaves the slots in an unknown state: stay failed
-        try:
-            self._allreduce_now(tensor, average)
-        except BaseException as exc:
-            self._error = exc
-            self._barrier.abort()
-            raise
+        self._guarded(self._allreduce_now, tensor, average)
         return tensor
 
     def _allreduce_now(self, tensor: torch.Tensor, average: bool) -> None:
@@ -328,6 +337,98 @@ class ShmCommunicator:
                 if j != rank and hi > lo:
                     own[lo:hi].copy_(slots[rank][lo:hi])
 
+    # -- posted exchange ----------------------------------------------------------------------------
+
+    def posted_exchange_pays(self) -> bool:
+        """Whether post() + gather_sum() moves fewer bytes than allreduce_() plus copying the result out."""
+        return self.world_size <= POSTED_MAX_RANKS
+
+    def claim(self, tensor: torch.Tensor) -> None:
+        """Wait until no peer reads this rank's copy of `tensor` for an earlier gather_sum(); call it
+        before writing into a posted tensor again. Returns at once in the usual case (peers are done)."""
+        allocation, _ = self._posted_piece(tensor, "claim")
+        if allocation.read_phase is not None:
+            self._guarded(self._barrier.wait_all, allocation.read_phase, "exchange", self._spin)
+            allocation.read_phase = None
+
+    def post(self, tensor: torch.Tensor) -> int:
+        """Collective, in order: this rank's part is in `tensor` (a piece of an alloc() tensor); peers may
+        read it from now on. Returns the ticket that gather_sum() takes. Nothing is waited for.
+
+        >>> comm.claim(bucket); bucket.copy_(grads); ticket = comm.post(bucket)   # doctest: +SKIP
+        >>> comm.gather_sum(bucket, ticket, [(0, grads)])                           # grads = sum over ranks
+        """
+        allocation, offset = self._posted_piece(tensor, "post")
+        self._check_tensor(tensor, average=False)
+        stamp = allocation.stamps[self.rank]
+        allocation.posts += 1
+        stamp.posts, stamp.dtype, stamp.offset, stamp.numel = (allocation.posts, DTYPE_CODES[tensor.dtype], offset,
+                                                               tensor.numel())
+        self._ops += 1
+        description = (self._ops, allocation.ident, DTYPE_CODES[tensor.dtype], offset, tensor.numel(), _POSTED)
+        return self._guarded(self._barrier.arrive, description)  # after the data and the stamp (TSO)
+
+    def gather_sum(self, tensor: torch.Tensor, ticket: int, outputs: list[tuple[int, torch.Tensor]]) -> None:
+        """Collective, after post(tensor): wait for every rank's post, then write the sum over ranks (in
+        rank order: the same bits everywhere) of `tensor.view(-1)[start:start + out.numel()]` into each
+        `(start, out)` of `outputs` (any shapes and strides). Our copy stays readable until we return."""
+        allocation, offset = self._posted_piece(tensor, "gather_sum")
+        self._guarded(self._gather_sum, allocation, offset, tensor, ticket, outputs)
+
+    def _gather_sum(self, allocation: _Allocation, offset: int, tensor: torch.Tensor, ticket: int, outputs) -> None:
+        self._barrier.wait_all(ticket, "exchange", self._spin)
+        self._check_same_post(allocation)
+        nbytes = tensor.numel() * tensor.element_size()
+        copies = [slot[offset:offset + nbytes].view(tensor.dtype) for slot in allocation.slots]
+        widen = tensor.dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
+        for start, out in outputs:
+            parts = [copy[start:start + out.numel()].view(out.shape) for copy in copies]
+            if len(parts) == 1:
+                out.copy_(parts[0])
+                continue
+            total = parts[0].float() if widen else out
+            torch.add(parts[0], parts[1], out=total)
+            for part in parts[2:]:
+                total.add_(part)
+            if widen:
+                out.copy_(total)
+        allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
+
+    def _posted_piece(self, tensor: torch.Tensor, what: str):
+        found = self._locate(tensor)
+        if found is None:
+            raise TypeError(explain(f"{what}() takes a tensor from this communicator's alloc()", rank=self.rank,
+                                    seen="a tensor outside its allocations (or not contiguous)",
+                                    expected="a contiguous piece of an alloc() tensor",
+                                    fix="Allocate the tensor with comm.alloc(), or use allreduce_()."))
+        if self._pending:  # the worker thread would arrive at the same barrier concurrently
+            self.allreduce_(torch.zeros(0), average=False, async_op=False)  # drain it (keeps the order)
+        return found
+
+    def _check_same_post(self, allocation: _Allocation) -> None:
+        mine = tuple(getattr(allocation.stamps[self.rank], name) for name in STAMP_FIELDS)
+        for j, stamp in enumerate(allocation.stamps):
+            theirs = tuple(getattr(stamp, name) for name in STAMP_FIELDS)
+            if theirs != mine:
+                self._barrier.abort()
+                raise CollectiveMismatchError(explain(
+                    f"rank {j} posted something else than this rank", rank=self.rank,
+                    seen=f"rank {j}: " + ", ".join(f"{n}={v}" for n, v in zip(STAMP_FIELDS, theirs)),
+                    expected=", ".join(f"{n}={v}" for n, v in zip(STAMP_FIELDS, mine)),
+                    fix="Every rank must post the same pieces of the same allocations, in the same order."),
+                    peer_rank=j)
+
+    def _guarded(self, operation, *args):
+        """Run one step of an exchange on this thread; a failure leaves the slots unknown: stay failed."""
+        if self._error is not None:
+            raise self._error
+        try:
+            return operation(*args)
+        except BaseException as exc:
+            self._error = exc
+            self._barrier.abort()
+            raise
+
     def _scratch_for(self, dtype: torch.dtype) -> torch.Tensor | None:
         if dtype not in WIDENED:
             return None
@@ -371,6 +472,11 @@ def shm_sum_prescaled_hook(state, bucket):  # unannotated, as below
     When the bucket's storage came from `state.alloc()` (DDP allocates it so) nothing is copied in or out.
     """
     return state.allreduce_(bucket.storage(), average=False)
+
+
+# phalanx DDP may run this hook as a posted exchange on its state (post, then gather_sum straight into
+# the gradients) when that moves fewer bytes: the same sums, the same bits on every rank.
+shm_sum_prescaled_hook._phalanx_posted = True
 
 
 def shm_allreduce_hook(state, bucket):  # unannotated: torch DDP rejects the string annotations of this module

@@ -37,6 +37,18 @@ assert ctypes.sizeof(Line) == LINE_BYTES
 _DESCRIPTION = ("op", "alloc_id", "dtype", "offset", "numel", "average")
 
 
+class Stamp(ctypes.Structure):
+    """What a rank last posted from one allocation (ShmCommunicator.post): at the end of its slot, so a
+    peer reading the slot checks it against its own, however far ahead in other exchanges that rank is."""
+
+    _fields_ = [("posts", ctypes.c_uint64), ("dtype", ctypes.c_uint32), ("_pad0", ctypes.c_uint32),
+                ("offset", ctypes.c_uint64), ("numel", ctypes.c_uint64), ("_pad", ctypes.c_uint64 * 4)]
+
+
+assert ctypes.sizeof(Stamp) == LINE_BYTES
+STAMP_FIELDS = ("posts", "dtype", "offset", "numel")
+
+
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
