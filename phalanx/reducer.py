@@ -244,7 +244,7 @@ class Reducer:
         for bucket in self.buckets[:count]:
             if self._posted:
                 ticket, self._futures[bucket.index] = self._futures[bucket.index], None
-                self.hook_state.gather_sum(bucket.storage, ticket, [])
+                self._gather_posted(bucket, ticket, [], f"the gradient exchange of bucket {bucket.index}")
             else:
                 self._wait_for(bucket)
 
@@ -258,12 +258,13 @@ class Reducer:
             if p.grad is None:  # unused here only
                 p.grad = torch.empty(p.shape, dtype=bucket.storage.dtype, device=bucket.storage.device)
             grads.append((start, p.grad))
+        what = f"the gradient exchange of bucket {bucket.index}"
         if bucket.fused_scale:  # few large gradients: one pass each, straight into them
             tag = self._tag_total
-            self.hook_state.gather_sum(bucket.storage, ticket, grads + [(bucket.numel, tag)])
+            self._gather_posted(bucket, ticket, grads + [(bucket.numel, tag)], what)
         else:  # many small ones: a single sum into a private buffer, then one batched copy
             total, views = self._private_total(bucket)
-            self.hook_state.gather_sum(bucket.storage, ticket, [(0, total)])
+            self._gather_posted(bucket, ticket, [(0, total)], what)
             tag = total[bucket.numel:]
             if len(grads) == len(bucket.params):
                 torch._foreach_copy_([grad for _, grad in grads], views)
@@ -273,8 +274,13 @@ class Reducer:
                     if start in chosen:
                         grad.copy_(view)
         if self._prescaled and self.guard.enabled:
-            what = f"the gradient exchange of bucket {bucket.index}"
             self.guard.check_sum(tag.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
+
+    def _gather_posted(self, bucket: Bucket, ticket: int, outputs: list, what: str) -> None:
+        """gather_sum(), once every rank has posted: within the guard's bounds, like any other wait."""
+        comm = self.hook_state
+        self.guard.wait_until(lambda seconds: comm.posted_ready(ticket, seconds), what)
+        comm.gather_sum(bucket.storage, ticket, outputs)
 
     def _private_total(self, bucket: Bucket):
         found = self._totals.get(bucket.index)
@@ -391,7 +397,7 @@ class Reducer:
             bucket.storage.zero_()
             tickets.append(comm.post(bucket.storage))
         for bucket, ticket in zip(self.buckets, tickets):
-            comm.gather_sum(bucket.storage, ticket, [])
+            self._gather_posted(bucket, ticket, [], f"the shadow exchange of bucket {bucket.index}")
 
     def _shadow_hooks(self, scratch: dict) -> None:
         futures = []

@@ -20,7 +20,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError, ShmUnavailableError, explain
+from .errors import CollectiveMismatchError, RanksTimedOutError, ShmUnavailableError, explain
 from .hooks import prescaled
 from .shm_segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
 from .shm_reduce import BLOCK_BYTES, DTYPE_CODES, WIDENED, chunk_bounds, reduce_chunk, round_up
@@ -368,6 +368,21 @@ class ShmCommunicator:
         description = (self._ops, allocation.ident, DTYPE_CODES[tensor.dtype], offset, tensor.numel(), _POSTED)
         return self._guarded(self._barrier.arrive, description)  # after the data and the stamp (TSO)
 
+    def posted_ready(self, ticket: int, timeout: float) -> bool:
+        """Whether every rank has made the post of `ticket`, waiting up to `timeout` seconds for it. A
+        dead or failed peer still raises; running out of time here leaves the communicator usable."""
+        if self._error is not None:
+            raise self._error
+        try:
+            self._barrier.wait_all(ticket, "exchange", self._spin, timeout)
+        except RanksTimedOutError:
+            return False  # nothing was read or written: the exchange can still go on
+        except BaseException as exc:
+            self._error = exc
+            self._barrier.abort()
+            raise
+        return True
+
     def gather_sum(self, tensor: torch.Tensor, ticket: int, outputs: list[tuple[int, torch.Tensor]]) -> None:
         """Collective, after post(tensor): wait for every rank's post, then write the sum over ranks (in
         rank order: the same bits everywhere) of `tensor.view(-1)[start:start + out.numel()]` into each
@@ -385,13 +400,15 @@ class ShmCommunicator:
             parts = [copy[start:start + out.numel()].view(out.shape) for copy in copies]
             if len(parts) == 1:
                 out.copy_(parts[0])
-                continue
-            total = parts[0].float() if widen else out
-            torch.add(parts[0], parts[1], out=total)
-            for part in parts[2:]:
-                total.add_(part)
-            if widen:
+            elif widen:
+                total = parts[0].float()
+                for part in parts[1:]:
+                    total.add_(part)
                 out.copy_(total)
+            else:
+                torch.add(parts[0], parts[1], out=out)
+                for part in parts[2:]:
+                    out.add_(part)
         allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
 
     def _posted_piece(self, tensor: torch.Tensor, what: str):

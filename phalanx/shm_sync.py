@@ -107,17 +107,19 @@ class PhaseBarrier:
         _futex_wake(self.addresses[self.rank])
         return self.phase
 
-    def wait_all(self, phase: int, what: str, spin: float = 0.0) -> None:
-        """Return once every rank reached `phase`; raise a typed error if a peer died, gave up, or the time ran out.
+    def wait_all(self, phase: int, what: str, spin: float = 0.0, timeout: float | None = None) -> None:
+        """Return once every rank reached `phase`; raise a typed error if a peer died, gave up, or the time
+        (`timeout`, else the communicator's) ran out.
 
         `spin` seconds of polling come first: a peer already in the exchange answers within microseconds.
         """
         start = time.monotonic()
+        timeout = self.timeout if timeout is None else timeout
         for j in range(self.size):
             if j != self.rank and not _reached(self.lines[j].phase, phase):
-                self._wait_for(j, phase, start, what, spin)
+                self._wait_for(j, phase, start, what, spin, timeout)
 
-    def _wait_for(self, j: int, phase: int, start: float, what: str, spin: float) -> None:
+    def _wait_for(self, j: int, phase: int, start: float, what: str, spin: float, timeout: float) -> None:
         line, address = self.lines[j], self.addresses[j]
         if spin > 0:
             spin_end = time.perf_counter() + spin
@@ -134,9 +136,9 @@ class PhaseBarrier:
             if now - checked >= LIVENESS_INTERVAL:
                 checked = now
                 self._check_alive(j, what)
-                if now - start > self.timeout:
-                    self._raise_timeout(phase, what)
-            _futex_wait(address, value, LIVENESS_INTERVAL)
+                if now - start > timeout:
+                    self._raise_timeout(phase, what, timeout)
+            _futex_wait(address, value, min(LIVENESS_INTERVAL, max(0.001, start + timeout - now)))
 
     def _check_aborts(self, awaited: int, what: str) -> None:
         for j, line in enumerate(self.lines):
@@ -156,10 +158,10 @@ class PhaseBarrier:
                 fix=f"Rank {awaited} crashed or was killed (out of memory? see its log or the launcher's exit codes)."),
                 peer_rank=awaited)
 
-    def _raise_timeout(self, phase: int, what: str) -> None:
+    def _raise_timeout(self, phase: int, what: str, timeout: float) -> None:
         missing = [j for j, line in enumerate(self.lines) if not _reached(line.phase, phase)]
         raise RanksTimedOutError(explain(
-            f"the shared-memory {what} timed out after {self.timeout:.0f}s", rank=self.rank,
+            f"the shared-memory {what} timed out after {timeout:.0f}s", rank=self.rank,
             seen=f"ranks {missing} did not arrive", expected="every rank within the process group's timeout",
             fix="Those ranks are stuck elsewhere or skipped this all-reduce: every rank must issue the same "
                 "all-reduces in the same order."), missing_ranks=missing)

@@ -40,9 +40,6 @@ class StepGuard:
         self.open = False  # the current step has issued a collective and not finalized yet
         self.enabled = True  # off inside join(): there, finished ranks legitimately lag behind
         self.timeout = stall_seconds()
-        first = min(PRESENCE_AFTER_SECONDS, self.timeout)
-        self._first_limit = timedelta(seconds=first)
-        self._second_limit = timedelta(seconds=max(0.001, self.timeout - first))
         # NCCL: a timed wait would block the CPU on the GPU stream; NCCL's watchdog bounds hangs there.
         self.bounded = dist.get_backend(group) != "nccl"
         self.world_size = group.size()
@@ -61,17 +58,23 @@ class StepGuard:
         """This step as a non-zero integer below `modulus` (0 means 'no tag', e.g. inside join)."""
         return self.step % (modulus - 1) + 1 if self.enabled and modulus > 1 else 0
 
+    def wait_until(self, ready, what: str) -> None:
+        """Return once `ready(seconds)` (a wait of at most that long) says True; a stall past the timeout
+        raises UnevenInputsError naming the ranks that are missing."""
+        if ready(min(PRESENCE_AFTER_SECONDS, self.timeout)):
+            return
+        # Slow, so the store round trip costs nothing noticeable; should this end in an error, the
+        # ranks that fail later know this one was here.
+        self._note_presence()
+        if not ready(max(0.0, self.timeout - PRESENCE_AFTER_SECONDS)):
+            self.fail(what, f"no answer within {self.timeout:.0f}s")
+
     def wait(self, future, what: str):
         """future.wait(), but a stall past the timeout or a failed collective raises UnevenInputsError."""
         if self.bounded and not future.done():
             arrived = threading.Event()
             future.add_done_callback(lambda _: arrived.set())
-            if not arrived.wait(min(PRESENCE_AFTER_SECONDS, self.timeout)):
-                # Slow, so the store round trip costs nothing noticeable; should this end in an error,
-                # the ranks that fail later know this one was here.
-                self._note_presence()
-                if not arrived.wait(max(0.0, self.timeout - PRESENCE_AFTER_SECONDS)):
-                    self.fail(what, f"no answer within {self.timeout:.0f}s")
+            self.wait_until(arrived.wait, what)
         try:
             return future.wait()
         except PhalanxError:  # already typed and precise (e.g. the shared-memory transport's PeerDiedError)
@@ -84,16 +87,16 @@ class StepGuard:
         if not self.bounded:
             work.wait()
             return
-        for limit in (self._first_limit, self._second_limit):
+
+        def done_within(seconds: float) -> bool:
             try:
-                work.wait(limit)
-                return
+                work.wait(timedelta(seconds=max(0.001, seconds)))
+                return True
             except RuntimeError as exc:
                 if work.is_completed() or "timed out" not in str(exc).lower():
                     self.fail(what, _failure(exc))
-            if limit is self._first_limit:
-                self._note_presence()  # see wait()
-        self.fail(what, f"no answer within {self.timeout:.0f}s")
+                return False
+        self.wait_until(done_within, what)
 
     def check_sum(self, seen: float, own: int, what: str) -> None:
         """An all-reduced tag must be world_size times this rank's own tag."""

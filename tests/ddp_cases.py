@@ -155,7 +155,8 @@ def equivalence_run(rank: int, world: int, case: str, opt_name: str, steps: int 
         identical &= replicas_identical(model.module)
     result = {"max_diff": (flat_params(model.module) - flat_params(ref)).abs().max().item(),
               "moved": (flat_params(ref) - flat_params(build(case))).abs().max().item(),
-              "identical": identical}
+              "identical": identical,
+              "exchange": "posted" if model._reducer._posted else "shm hook" if model._shm else "process group"}
     if case == "unused":
         result["never_grad_is_none"] = all(p.grad is None for p in model.module.never.parameters())
         result["odd_grad_matches"] = torch.allclose(model.module.odd.weight.grad, ref.odd.weight.grad)

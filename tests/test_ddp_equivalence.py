@@ -1,4 +1,7 @@
-"""DDP over 2 and 3 ranks equals one process trained on the concatenated batch.
+"""DDP over 2, 3 and 4 ranks equals one process trained on the concatenated batch.
+
+On one host, 2 and 3 ranks exchange gradients by posting them in shared memory, 4 by the two-phase
+all-reduce (shm.py): all three must give the reference.
 
 Each world size is one spawned run that trains every case with SGD+momentum and with Adam
 (float64, 10 steps) next to its one-process reference; the tests then read the results.
@@ -20,7 +23,7 @@ def _all_cases(rank: int, world: int) -> dict:
     return {(case, opt): equivalence_run(rank, world, case, opt) for case in CASES for opt in OPTIMIZERS}
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=["world2", "world3", "world4"])
 def results(request):
     world = request.param
     return run_ranks(_all_cases, world, (world,), timeout=240)
@@ -34,6 +37,14 @@ def test_matches_single_process_on_concatenated_batch(results, case, opt):
         assert outcome["moved"] > 1e-3, "training must change the parameters for the comparison to mean anything"
         assert outcome["max_diff"] < 1e-9, f"rank {rank}: {case}/{opt} is {outcome['max_diff']:.3g} from the reference"
         assert outcome["identical"], f"rank {rank}: replicas differ bitwise after some step"
+
+
+def test_each_world_size_uses_its_exchange(results):
+    world = len(results)
+    if results[0][("mlp", "sgd")]["exchange"] == "process group":
+        pytest.skip("no shared memory on this host: every world size uses the process group")
+    expected = "posted" if world <= 3 else "shm hook"
+    assert {per_rank[key]["exchange"] for per_rank in results for key in per_rank} == {expected}
 
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)

@@ -87,6 +87,113 @@ def test_same_bits_on_every_rank_and_close_to_gloo(world_size):
             assert torch.equal(per_rank[rank][key][0], result), f"rank {rank} differs on {key}"
 
 
+# -- the posted exchange (DDP's default on 2 and 3 ranks) ---------------------------------------------
+
+def _rank_order_sum(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """What gather_sum must give: the ranks' tensors added in rank order (half precision in fp32 beyond two)."""
+    if len(pieces) > 2 and pieces[0].dtype in (torch.float16, torch.bfloat16):
+        total = pieces[0].float()
+        for piece in pieces[1:]:
+            total += piece
+        return total.to(pieces[0].dtype)
+    total = pieces[0].clone()
+    for piece in pieces[1:]:
+        total = total + piece
+    return total
+
+
+def _posted_exchanges(rank: int) -> dict:
+    world = dist.get_world_size()
+    comm = ShmCommunicator(timeout=60.0)
+    results = {}
+    for dtype in DTYPES:
+        shared = comm.alloc(10_007, dtype)
+        for round_ in range(3):  # the same allocation again: claim() before rewriting it
+            comm.claim(shared)
+            shared.copy_(_data(rank, 10_007, dtype, salt=round_))
+            piece = shared[64:64 + 9_001]  # a piece of the allocation, not at its start
+            ticket = comm.post(piece)
+            grid = torch.empty(300, 30, dtype=dtype).t()  # an output that is not contiguous
+            tail = torch.empty(1, dtype=torch.float64)    # and one of a wider dtype
+            comm.gather_sum(piece, ticket, [(0, grid), (9_000, tail)])
+            everyone = [_data(j, 10_007, dtype, salt=round_)[64:64 + 9_001] for j in range(world)]
+            expected = _rank_order_sum(everyone)
+            results[(dtype, round_)] = (grid.reshape(-1).clone(), expected[:9_000],
+                                        tail.item(), expected[9_000:].sum(dtype=torch.float64).item())
+    comm.close()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_posted_exchange_gives_the_rank_order_sum_bitwise_on_every_rank(world_size):
+    per_rank = run_ranks(_posted_exchanges, world_size)
+    for key, (grid, expected, tail, expected_tail) in per_rank[0].items():
+        assert torch.equal(grid, expected), f"{key}: not the rank-order sum"
+        assert tail == pytest.approx(expected_tail, rel=1e-2), key
+        for rank in range(1, world_size):
+            assert torch.equal(per_rank[rank][key][0], grid), f"rank {rank} differs on {key}"
+
+
+def _fast_writer_and_slow_reader(rank: int) -> tuple:
+    comm = ShmCommunicator(timeout=60.0)
+    shared = comm.alloc(1000)
+    shared.fill_(rank + 1.0)
+    ticket = comm.post(shared)
+    if rank == 1:
+        time.sleep(0.5)  # rank 0 finishes its gather_sum and wants to rewrite its copy meanwhile
+    total = torch.empty(1000)
+    comm.gather_sum(shared, ticket, [(0, total)])
+    started = time.monotonic()
+    comm.claim(shared)  # rank 0: waits until rank 1 has read rank 0's copy
+    waited = time.monotonic() - started
+    shared.fill_(100.0)  # without the wait, this would land in rank 1's sum
+    ticket = comm.post(shared)
+    comm.gather_sum(shared, ticket, [(0, torch.empty(1000))])
+    comm.close()
+    return total.unique().tolist(), waited
+
+
+def test_claim_keeps_a_fast_rank_from_overwriting_what_a_slow_rank_still_reads():
+    (sum0, waited0), (sum1, waited1) = run_ranks(_fast_writer_and_slow_reader, 2)
+    assert sum0 == sum1 == [3.0]
+    assert waited0 > 0.3, "rank 0 rewrote its copy before rank 1 had read it"
+    assert waited1 < 0.3
+
+
+def _mismatched_and_missing_posts(rank: int) -> list:
+    seen = []
+    lonely = ShmCommunicator(timeout=1.0)
+    shared = lonely.alloc(100)
+    if rank == 0:  # rank 1 never posts
+        try:
+            lonely.gather_sum(shared, lonely.post(shared), [(0, torch.empty(100))])
+        except RanksTimedOutError as exc:
+            seen.append(("timeout", exc.missing_ranks))
+    dist.barrier()
+    comm = ShmCommunicator(timeout=30.0)
+    shared = comm.alloc(100)
+    piece = shared[:90 + rank]  # the ranks post different pieces
+    try:
+        comm.gather_sum(piece, comm.post(piece), [(0, torch.empty(90))])
+    except CollectiveMismatchError as exc:
+        seen.append(("mismatch", exc.peer_rank))
+    try:
+        comm.post(shared)
+    except CollectiveMismatchError:
+        seen.append(("still failed",))
+    try:
+        comm.post(torch.zeros(100))
+    except TypeError:
+        seen.append(("not allocated",))
+    return seen
+
+
+def test_posted_exchange_fails_on_every_rank_when_posts_differ_or_a_rank_never_posts():
+    seen = run_ranks(_mismatched_and_missing_posts, 2)
+    assert seen[0] == [("timeout", [1]), ("mismatch", 1), ("still failed",), ("not allocated",)]
+    assert seen[1] == [("mismatch", 0), ("still failed",), ("not allocated",)]
+
+
 def _train_torch_ddp(rank: int, steps: int) -> list:
     # torch's own DDP, once with its default all-reduce and once with our hook: same training.
     results = []
