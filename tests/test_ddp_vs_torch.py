@@ -56,6 +56,8 @@ def _model(config: str) -> nn.Module:
         return Branchy()
     if config == "mixed_dtypes":
         return MixedDtypes()
+    if config in ("large", "large_as_view"):  # a 256 x 256 weight: copied into its bucket as soon as it is ready
+        return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
@@ -107,7 +109,7 @@ def _train(wrapper, config: str, rank: int, kwargs: dict, hook=None, make_state=
 CONFIGS = {
     "default": {}, "as_view": {"gradient_as_bucket_view": True}, "small_buckets": {"bucket_cap_mb": 0.002},
     "cnn_bn_train": {}, "unused": {"find_unused_parameters": True}, "mixed_dtypes": {}, "autocast": {},
-    "rank_order": {},
+    "rank_order": {}, "large": {}, "large_as_view": {"gradient_as_bucket_view": True},
 }
 HOOKS = {
     "torch_allreduce": default_hooks.allreduce_hook, "torch_fp16": default_hooks.fp16_compress_hook,
