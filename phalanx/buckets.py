@@ -14,9 +14,6 @@ import itertools
 import torch
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # as torch: a small first bucket starts the exchange early in backward
-# Gradients this large are copied into their bucket the moment they are ready, while still in cache;
-# smaller ones wait for the bucket's launch and go in together, one batched call for all of them.
-EARLY_COPY_NUMEL = 1 << 15
 
 
 def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
@@ -60,7 +57,7 @@ class Bucket:
     """
 
     __slots__ = ("index", "indices", "params", "storage", "buffer", "tag_slot", "views", "offsets", "numel",
-                 "pending", "fused_scale", "early", "late_params", "late_views")
+                 "pending", "fused_scale")
 
     def __init__(self, index: int, indices: list[int], params: list[torch.Tensor], allocator=None):
         self.index = index
@@ -80,9 +77,6 @@ class Bucket:
         self.pending = len(self.params)
         # Few large tensors: scale while copying (one pass); many small ones: copy all, then scale.
         self.fused_scale = self.numel >= 16384 * len(self.params)
-        self.early = [size >= EARLY_COPY_NUMEL for size in sizes]
-        self.late_params = [p for p, early in zip(self.params, self.early) if not early]
-        self.late_views = [view for view, early in zip(self.views, self.early) if not early]
 
 
 class GradBucket:

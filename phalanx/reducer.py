@@ -47,9 +47,6 @@ class Reducer:
         self._queued = False
         self._steady = False  # armed, finalize queued, buckets rebuilt: the hooks' fast path applies
         self._ready = bytearray(len(params))  # got a gradient since the last synchronized backward (reset in place)
-        self._early = bytearray(len(params))  # copied into its bucket as soon as it is ready (steady state)
-        self._view_of: list = [None] * len(params)  # each parameter's gradient inside its bucket
-        self._scale = None  # what gradients are multiplied by on their way into a bucket, this backward
         self._no_ready = bytes(len(params))
         self._order: list[int] = []  # the ready order of the first synchronized backward
         self._used = torch.zeros(len(params) + 1, dtype=torch.int32, device=control_device)
@@ -68,10 +65,8 @@ class Reducer:
                 self.allocator.release(bucket.storage)
         bucket_of = [None] * len(self.params)
         for bucket in self.buckets:
-            for i, view, early in zip(bucket.indices, bucket.views, bucket.early):
+            for i in bucket.indices:
                 bucket_of[i] = bucket
-                self._view_of[i] = view
-                self._early[i] = early and not self.as_view  # views: autograd's gradients move in at launch
         if hasattr(self, "_bucket_of"):
             self._bucket_of[:] = bucket_of  # in place: the hooks hold this list
         else:
@@ -103,14 +98,12 @@ class Reducer:
 
     def _make_hook(self, index: int):
         # Runs once per parameter per backward: the steady state touches a handful of names only.
-        ready, bucket_of, early = self._ready, self._bucket_of, self._early
+        ready, bucket_of = self._ready, self._bucket_of
 
         def on_grad_accumulated(_param):
             ready[index] = 1
             if self._steady:
                 bucket = bucket_of[index]
-                if early[index]:
-                    self._copy_early(index)
                 bucket.pending -= 1
                 if not bucket.pending and bucket.index == self._next:
                     self._launch_ready()
@@ -125,27 +118,12 @@ class Reducer:
             self.guard.begin()
             _engine.queue_callback(self._finalize)
             self._steady = self.rebuilt
-            self._scale = 1.0 / self.divisor if self._prescaled and self.divisor != 1 else None
-            if self._steady and self._posted:  # early copies may rewrite any bucket from now on
-                for bucket in self.buckets:
-                    self.hook_state.claim(bucket.storage)
         if not self.rebuilt:
             self._order.append(index)
-        elif self._early[index]:
-            self._copy_early(index)
         bucket = self._bucket_of[index]
         bucket.pending -= 1
         if not bucket.pending and bucket.index == self._next:
             self._launch_ready()
-
-    def _copy_early(self, index: int) -> None:
-        """A large gradient into its bucket right away (steady state), scaled as _launch would."""
-        grad, view = self.params[index].grad, self._view_of[index]
-        with torch.no_grad():  # create_graph=True leaves grad mode on in backward
-            if self._scale is None:
-                view.copy_(grad)
-            else:
-                torch.mul(grad, self._scale, out=view)
 
     def _launch_ready(self) -> None:
         """Launch the next buckets in index order, as long as they are complete."""
@@ -200,13 +178,6 @@ class Reducer:
             p.grad = view
 
     def _fill_copies(self, bucket: Bucket, scale, complete: bool) -> None:
-        if complete and self._steady and len(bucket.late_params) < len(bucket.params):
-            # The large gradients went in as they arrived (_copy_early): only the small ones are left.
-            if bucket.late_params:
-                torch._foreach_copy_(bucket.late_views, [p.grad for p in bucket.late_params])
-                if scale is not None:
-                    torch._foreach_mul_(bucket.late_views, scale)
-            return
         grads = [p.grad for p in bucket.params]
         if complete:
             self._copy_in(bucket, grads, scale)

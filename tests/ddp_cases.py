@@ -51,10 +51,10 @@ def cnn_bn() -> nn.Module:
 
 def build(case: str) -> nn.Module:
     torch.manual_seed(1234)  # same initial model on every rank (DDP broadcasts rank 0's anyway)
-    # The 256 x 256 and 256 x 128 weights are large enough to be copied into their bucket the moment
-    # they are ready (buckets.EARLY_COPY_NUMEL); the rest go in when their bucket is launched.
+    # Large and small tensors in one bucket: the copy into the bucket takes one pass per large
+    # gradient and one batched call for the small ones (Bucket.fused_scale).
     if case in ("mlp", "no_sync"):
-        return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4)).double()
+        return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 4)).double()
     if case == "create_graph":
         return nn.Sequential(nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 4)).double()
     if case == "cnn_bn_eval":

@@ -56,8 +56,8 @@ def _model(config: str) -> nn.Module:
         return Branchy()
     if config == "mixed_dtypes":
         return MixedDtypes()
-    if config in ("large", "large_as_view"):  # a 256 x 256 weight: copied into its bucket as soon as it is ready
-        return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    if config in ("large", "large_as_view"):  # large and small gradients in one bucket
+        return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 4))
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
