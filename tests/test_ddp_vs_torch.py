@@ -56,6 +56,9 @@ def _model(config: str) -> nn.Module:
         return Branchy()
     if config == "mixed_dtypes":
         return MixedDtypes()
+    if config == "bf16_params":  # half-precision gradients: summed as bf16 by both transports
+        return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(),
+                             nn.Linear(512, 4)).to(torch.bfloat16)
     if config in ("large", "large_as_view"):  # large and small gradients in one bucket
         return nn.Sequential(nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 4))
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -72,6 +75,8 @@ def _loss(config: str, model, step: int, rank: int):
         return F.mse_loss(model(x, rank % 2 == 0), y)
     if config == "mixed_dtypes":
         return F.mse_loss(model(x), y.double())
+    if config == "bf16_params":
+        return F.mse_loss(model(x.to(torch.bfloat16)).float(), y)
     if config == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x)
@@ -110,6 +115,7 @@ CONFIGS = {
     "default": {}, "as_view": {"gradient_as_bucket_view": True}, "small_buckets": {"bucket_cap_mb": 0.002},
     "cnn_bn_train": {}, "unused": {"find_unused_parameters": True}, "mixed_dtypes": {}, "autocast": {},
     "rank_order": {}, "large": {}, "large_as_view": {"gradient_as_bucket_view": True},
+    "bf16_params": {},
 }
 HOOKS = {
     "torch_allreduce": default_hooks.allreduce_hook, "torch_fp16": default_hooks.fp16_compress_hook,

@@ -300,32 +300,44 @@ def _kill_self_midway(parts, average, scratch):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _victim_or_survivor(rank: int, world: int, port: int, results) -> None:
+def _victim_or_survivor(rank: int, world: int, port: int, results, posted: bool) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PHALANX_STORE_HOSTED="1",
                       PHALANX_BACKEND="gloo", OMP_NUM_THREADS="1")
     phalanx.init()
     comm = ShmCommunicator(timeout=120.0)
     comm.allreduce_(torch.ones(1000), async_op=False)
-    if rank == world - 1:
+    shared = comm.alloc(100_000)
+    if posted:  # one good posted exchange, then the victim dies before its next post
+        comm.gather_sum(shared, comm.post(shared), [(0, torch.empty(100_000))])
+        if rank == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    elif rank == world - 1:
         shm_module.reduce_chunk = _kill_self_midway  # dies after arriving, before finishing its chunk
     started = time.monotonic()
     try:
-        comm.allreduce_(torch.ones(100_000)).wait()
+        if posted:
+            comm.claim(shared)
+            comm.gather_sum(shared, comm.post(shared), [(0, torch.empty(100_000))])
+        else:
+            comm.allreduce_(torch.ones(100_000)).wait()
         outcome = "no error"
     except PeerFailedError as exc:
         outcome = type(exc).__name__
     results.put((rank, outcome, time.monotonic() - started, comm.segment_names))
-    comm.close()
-    phalanx.shutdown()
+    # Leave without phalanx.shutdown(): its farewell barrier would wait a minute for the dead rank.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
+@pytest.mark.parametrize("posted", [False, True], ids=["two-phase", "posted"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_rank_killed_mid_exchange_fails_the_others_and_leaves_no_segment(world_size):
+def test_a_rank_killed_mid_exchange_fails_the_others_and_leaves_no_segment(world_size, posted):
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     context = mp.get_context("spawn")
     results = context.Queue()
-    ranks = [context.Process(target=_victim_or_survivor, args=(r, world_size, server.port, results))
+    ranks = [context.Process(target=_victim_or_survivor, args=(r, world_size, server.port, results, posted))
              for r in range(world_size)]
     for process in ranks:
         process.start()
