@@ -89,10 +89,11 @@ class Reducer:
         self.hook_state, self.hook = state, hook
         # A prescaled hook only sums: the engine divides while copying in and fills the step tag.
         self._prescaled = getattr(hook, "_phalanx_prescaled", False)
-        # A hook that offers a posted exchange on its state, used when it moves fewer bytes; views
-        # (gradient_as_bucket_view) need the result in the bucket itself, which the hook provides.
-        self._posted = (getattr(hook, "_phalanx_posted", False) and not self.as_view
-                        and state.posted_exchange_pays())
+        # A hook that offers a posted exchange on its state, used when the state allocated our buckets
+        # and it moves fewer bytes; views (gradient_as_bucket_view) need the result in the bucket
+        # itself, which calling the hook provides.
+        self._posted = (getattr(hook, "_phalanx_posted", False) and state is self.allocator
+                        and not self.as_view and state.posted_exchange_pays())
 
     # -- during backward ------------------------------------------------------------------------
 

@@ -194,6 +194,31 @@ def test_posted_exchange_fails_on_every_rank_when_posts_differ_or_a_rank_never_p
     assert seen[1] == [("mismatch", 0), ("still failed",), ("not allocated",)]
 
 
+def _phalanx_ddp_with_a_hook_on_another_communicator(rank: int) -> dict:
+    results = {}
+    for registered in (False, True):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(33, 300), torch.nn.ReLU(), torch.nn.Linear(300, 5))
+        model = phalanx.DistributedDataParallel(net)
+        if registered:  # its buckets were not allocated by this communicator: it must be called, not posted
+            model.register_comm_hook(ShmCommunicator(), shm_module.shm_sum_prescaled_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        generator = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(8, 33, generator=generator)).square().mean().backward()
+            optimizer.step()
+        results[registered] = (model._reducer._posted, torch.cat([p.detach().flatten() for p in net.parameters()]))
+    return results
+
+
+def test_phalanx_ddp_calls_a_shm_hook_whose_communicator_did_not_allocate_its_buckets():
+    for per_rank in run_ranks(_phalanx_ddp_with_a_hook_on_another_communicator, 2):
+        (posted_default, default), (posted_hook, hooked) = per_rank[False], per_rank[True]
+        assert posted_default and not posted_hook
+        torch.testing.assert_close(hooked, default, rtol=1e-6, atol=1e-7)
+
+
 def _train_torch_ddp(rank: int, steps: int) -> list:
     # torch's own DDP, once with its default all-reduce and once with our hook: same training.
     results = []
