@@ -252,13 +252,14 @@ class Reducer:
     def _gather(self, bucket: Bucket, used) -> None:
         """Posted exchange: every rank's copy of the bucket summed straight into the gradients."""
         ticket, self._futures[bucket.index] = self._futures[bucket.index], None
-        grads = []  # (position in the bucket, where the sum goes)
-        for i, p, start in zip(bucket.indices, bucket.params, bucket.offsets):
+        grads, chosen = [], []  # (offset in the bucket, where the sum goes), and which parameter
+        for k, (i, p, start) in enumerate(zip(bucket.indices, bucket.params, bucket.offsets)):
             if used is not None and not used[i]:
                 continue  # unused on every rank: its gradient stays as it is (None stays None)
             if p.grad is None:  # unused here only
                 p.grad = torch.empty(p.shape, dtype=bucket.storage.dtype, device=bucket.storage.device)
             grads.append((start, p.grad))
+            chosen.append(k)
         what = f"the gradient exchange of bucket {bucket.index}"
         if bucket.fused_scale:  # few large gradients: one pass each, straight into them
             tag = self._tag_total
@@ -270,10 +271,8 @@ class Reducer:
             if len(grads) == len(bucket.params):
                 torch._foreach_copy_([grad for _, grad in grads], views)
             else:
-                chosen = set(start for start, _ in grads)
-                for start, grad, view in zip(bucket.offsets, [p.grad for p in bucket.params], views):
-                    if start in chosen:
-                        grad.copy_(view)
+                for k, (_, grad) in zip(chosen, grads):
+                    grad.copy_(views[k])
         if self._prescaled and self.guard.enabled:
             self.guard.check_sum(tag.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
 
