@@ -38,6 +38,7 @@ class Reducer:
         self.guard = guard
         self.control_device = control_device
         self._posted = False  # the exchange is posted (claim, post, gather_sum), not a comm hook call
+        self._splits: dict = {}  # bucket index -> (own pieces, fetched pieces): posted buckets exchanged split
         self._tag_total = torch.zeros(1, dtype=torch.float64)  # the summed step tag of a posted bucket
         self.set_comm_hook(group, hooks.sum_prescaled_hook)
         self.divisor = self.world_size  # the default hook averages over this many ranks (join changes it)
@@ -74,6 +75,8 @@ class Reducer:
         last = len(self.buckets) - 1
         self._facades = [GradBucket(b, b.index == last) for b in self.buckets]
         self._tag_mod = [tag_modulus(b.storage.dtype, self.world_size) for b in self.buckets]
+        if hasattr(self, "hook_state"):
+            self._plan_splits()
         self._futures: list = [None] * len(self.buckets)  # or posted tickets
         self._totals: dict = {}  # bucket index -> (private sum buffer, its views): posted small gradients
         self._complete = [True] * len(self.buckets)
@@ -94,6 +97,32 @@ class Reducer:
         # itself, which calling the hook provides.
         self._posted = (getattr(hook, "_phalanx_posted", False) and state is self.allocator
                         and not self.as_view and state.posted_exchange_pays())
+        self._plan_splits()
+
+    def _plan_splits(self) -> None:
+        """Which posted buckets are exchanged split (shm.py), and each one's pieces: the part of each
+        gradient in this rank's chunk, and the parts it fetches from the chunks' owners. Few large
+        gradients only: per-piece calls would cost more than they save on many small ones."""
+        self._splits = {}
+        if not self._posted:
+            return
+        comm, rank = self.hook_state, self.hook_state.rank
+        for bucket in self.buckets:
+            dtype = bucket.storage.dtype
+            if not (bucket.fused_scale and comm.split_exchange_pays(dtype)
+                    and all(p.is_contiguous() for p in bucket.params)):
+                continue
+            bounds = comm.chunk_bounds(bucket.numel, bucket.storage.element_size())
+            own, fetched = [], []  # (k, lo, hi) and (owner, k, lo, hi), lo and hi inside gradient k
+            for k, (start, p) in enumerate(zip(bucket.offsets, bucket.params)):
+                for owner in range(len(bounds) - 1):
+                    lo, hi = max(start, bounds[owner]), min(start + p.numel(), bounds[owner + 1])
+                    if hi > lo:
+                        if owner == rank:
+                            own.append((k, lo - start, hi - start))
+                        else:
+                            fetched.append((owner, k, lo - start, hi - start))
+            self._splits[bucket.index] = (own, fetched)
 
     # -- during backward ------------------------------------------------------------------------
 
@@ -139,7 +168,10 @@ class Reducer:
         scale = 1.0 / self.divisor if self._prescaled and self.divisor != 1 else None
         if self._posted:
             self.hook_state.claim(bucket.storage)
-        if self.as_view:
+        split = self._splits.get(bucket.index)
+        if split is not None:
+            self._fill_others_chunks(bucket, split[1], scale)
+        elif self.as_view:
             self._fill_views(bucket, scale)
         else:
             self._fill_copies(bucket, scale, complete)
@@ -151,6 +183,19 @@ class Reducer:
         facade = self._facades[bucket.index]
         facade._buffer = bucket.buffer  # undo a set_buffer() of the previous step
         self._futures[bucket.index] = self.hook(self.hook_state, facade)
+
+    def _fill_others_chunks(self, bucket: Bucket, fetched: list, scale) -> None:
+        """Split exchange: only the parts of the gradients that other ranks sum go into the bucket."""
+        flat = bucket.buffer
+        for _, k, lo, hi in fetched:
+            start = bucket.offsets[k]
+            grad = bucket.params[k].grad
+            out = flat[start + lo:start + hi]
+            if grad is None:
+                out.zero_()
+            else:
+                piece = grad.reshape(-1)[lo:hi]
+                out.copy_(piece) if scale is None else torch.mul(piece, scale, out=out)
 
     def _fill_views(self, bucket: Bucket, scale) -> None:
         """gradient_as_bucket_view: gradients accumulated in place stay; new ones move into the bucket."""
@@ -221,7 +266,9 @@ class Reducer:
         # With unused parameters, which got a gradient anywhere decides what is written back.
         used = self._used_anywhere() if self.tolerate_unused else None
         for bucket in buckets:  # bucket by bucket, while the later ones are still in flight
-            if self._posted:
+            if bucket.index in self._splits:
+                self._split_collect(bucket, used)
+            elif self._posted:
                 self._gather(bucket, used)
             else:
                 self._wait_for(bucket)
@@ -243,7 +290,9 @@ class Reducer:
     def _drain(self, count: int) -> None:
         """Finish the exchanges of the first `count` buckets, results unused."""
         for bucket in self.buckets[:count]:
-            if self._posted:
+            if bucket.index in self._splits:
+                self._split_collect(bucket, None)  # the peers need this rank's chunk of the sum
+            elif self._posted:
                 ticket, self._futures[bucket.index] = self._futures[bucket.index], None
                 self._gather_posted(bucket, ticket, [], f"the gradient exchange of bucket {bucket.index}")
             else:
@@ -275,6 +324,39 @@ class Reducer:
                     grad.copy_(views[k])
         if self._prescaled and self.guard.enabled:
             self.guard.check_sum(tag.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
+
+    def _split_collect(self, bucket: Bucket, used) -> None:
+        """Split exchange: sum this rank's chunk straight into the gradients (and the bucket, for the
+        peers), then fetch the other chunks from their owners."""
+        ticket, self._futures[bucket.index] = self._futures[bucket.index], None
+        own, fetched = self._splits[bucket.index]
+        flats, copy_back = {}, []  # gradient k as one contiguous row, and strided ones to write back
+        for k, (i, p) in enumerate(zip(bucket.indices, bucket.params)):
+            if used is not None and not used[i]:
+                continue  # unused on every rank: its gradient stays as it is (None stays None)
+            if p.grad is None:  # unused here only (or the drain of a failed step): this rank adds zeros
+                p.grad = torch.zeros(p.shape, dtype=bucket.storage.dtype, device=bucket.storage.device)
+            grad = p.grad
+            if grad.is_contiguous():
+                flats[k] = grad.view(-1)
+            else:
+                flats[k] = grad.contiguous().view(-1)
+                copy_back.append((grad, flats[k]))
+        scale = 1.0 / self.divisor if self.divisor != 1 else 1.0
+        start = bucket.offsets
+        what = f"the gradient exchange of bucket {bucket.index}"
+        comm = self.hook_state
+        self.guard.wait_until(lambda seconds: comm.posted_ready(ticket, seconds), what)
+        results = comm.reduce_own_chunk(bucket.storage, ticket, [(start[k] + lo, flats[k][lo:hi]) for k, lo, hi in own
+                                                                 if k in flats], scale,
+                                        sums=[(bucket.numel, self._tag_total)])
+        self.guard.wait_until(lambda seconds: comm.posted_ready(results, seconds), what)
+        comm.fetch_chunks(bucket.storage, results, [(owner, start[k] + lo, flats[k][lo:hi])
+                                                    for owner, k, lo, hi in fetched if k in flats])
+        for grad, flat in copy_back:
+            grad.copy_(flat.view(grad.shape))
+        if self.guard.enabled:
+            self.guard.check_sum(self._tag_total.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
 
     def _gather_posted(self, bucket: Bucket, ticket: int, outputs: list, what: str) -> None:
         """gather_sum(), once every rank has posted: within the guard's bounds, like any other wait."""
@@ -397,7 +479,17 @@ class Reducer:
             bucket.storage.zero_()
             tickets.append(comm.post(bucket.storage))
         for bucket, ticket in zip(self.buckets, tickets):
-            self._gather_posted(bucket, ticket, [], f"the shadow exchange of bucket {bucket.index}")
+            what = f"the shadow exchange of bucket {bucket.index}"
+            if bucket.index not in self._splits:
+                self._gather_posted(bucket, ticket, [], what)
+                continue
+            # This rank's chunk of the sum is still its job: its own terms are the zeros it posted.
+            bounds = comm.chunk_bounds(bucket.numel, bucket.storage.element_size())
+            lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
+            self.guard.wait_until(lambda seconds: comm.posted_ready(ticket, seconds), what)
+            results = comm.reduce_own_chunk(bucket.storage, ticket, [(lo, bucket.storage[lo:hi])], 1.0)
+            self.guard.wait_until(lambda seconds: comm.posted_ready(results, seconds), what)
+            comm.fetch_chunks(bucket.storage, results, [])
 
     def _shadow_hooks(self, scratch: dict) -> None:
         futures = []

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from .errors import CollectiveMismatchError, RanksTimedOutError, ShmUnavailableError, explain
 from .hooks import prescaled
 from .shm_segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
-from .shm_reduce import BLOCK_BYTES, DTYPE_CODES, WIDENED, chunk_bounds, reduce_chunk, round_up
+from .shm_reduce import (BLOCK_BYTES, DTYPE_CODES, KERNEL_DTYPES, WIDENED, chunk_bounds, kernel_available,
+                         reduce_chunk, round_up, sum_own_chunk)
 from .shm_sync import LINE_BYTES, STAMP_FIELDS, PhaseBarrier, Stamp, futex_supported
 
 _DEFAULT_TIMEOUT = 600.0
@@ -393,9 +394,17 @@ class ShmCommunicator:
     def _gather_sum(self, allocation: _Allocation, offset: int, tensor: torch.Tensor, ticket: int, outputs) -> None:
         self._barrier.wait_all(ticket, "exchange", self._spin)
         self._check_same_post(allocation)
+        self._sum_into(self._copies(allocation, offset, tensor), outputs)
+        allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
+
+    def _copies(self, allocation: _Allocation, offset: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of `tensor`, a piece of `allocation` at byte `offset`."""
         nbytes = tensor.numel() * tensor.element_size()
-        copies = [slot[offset:offset + nbytes].view(tensor.dtype) for slot in allocation.slots]
-        widen = tensor.dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
+        return [slot[offset:offset + nbytes].view(tensor.dtype) for slot in allocation.slots]
+
+    @staticmethod
+    def _sum_into(copies: list[torch.Tensor], outputs) -> None:
+        widen = copies[0].dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
         for start, out in outputs:
             parts = [copy[start:start + out.numel()].view(out.shape) for copy in copies]
             if len(parts) == 1:
@@ -409,6 +418,57 @@ class ShmCommunicator:
                 torch.add(parts[0], parts[1], out=out)
                 for part in parts[2:]:
                     out.add_(part)
+
+    # -- split exchange: each rank sums one chunk, then fetches the others' -------------------------
+
+    def split_exchange_pays(self, dtype: torch.dtype) -> bool:
+        """Whether the split exchange can serve `dtype` here (its kernel does float32 and float64)."""
+        return self.world_size > 1 and dtype in KERNEL_DTYPES and kernel_available()
+
+    def chunk_bounds(self, numel: int, element_size: int) -> list[int]:
+        """Where the chunks of a tensor of `numel` elements begin and end: rank j sums chunk j."""
+        return chunk_bounds(numel, element_size, self.world_size)
+
+    def reduce_own_chunk(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, torch.Tensor]],
+                         scale: float, sums: list[tuple[int, torch.Tensor]] = ()) -> int:
+        """Split exchange, after every rank's post(tensor) (see posted_ready): each `(start, out)` of
+        `pieces` lies in this rank's chunk, and `out` (contiguous) holds this rank's values for
+        tensor[start:start + out.numel()]; the sum in rank order of `out * scale` and the other ranks'
+        posted copies goes into `out` and into this rank's copy, for the peers to fetch. Each
+        `(start, out)` of `sums` (outside every rank's chunk: chunks are being rewritten meanwhile)
+        gets the plain sum, as in gather_sum(). Returns the ticket of fetch_chunks()."""
+        allocation, offset = self._posted_piece(tensor, "reduce_own_chunk")
+        return self._guarded(self._reduce_own_chunk, allocation, offset, tensor, ticket, pieces, scale, sums)
+
+    def _reduce_own_chunk(self, allocation, offset, tensor, ticket, pieces, scale, sums) -> int:
+        self._barrier.wait_all(ticket, "exchange", self._spin)
+        self._check_same_post(allocation)
+        copies = self._copies(allocation, offset, tensor)
+        self._sum_into(copies, sums)
+        code = KERNEL_DTYPES[tensor.dtype]
+        for start, out in pieces:
+            count = out.numel()
+            if not out.is_contiguous() or out.dtype != tensor.dtype:
+                raise ValueError(explain("reduce_own_chunk() writes contiguous pieces of the tensor's dtype",
+                                         rank=self.rank, seen=f"{out.dtype}, strides {out.stride()}",
+                                         expected=f"contiguous {tensor.dtype}", fix="Pass a contiguous view."))
+            if count:
+                addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
+                sum_own_chunk(out.data_ptr(), addresses[self.rank], out.data_ptr(), addresses, count, code, scale,
+                              self.rank)
+        return self._barrier.arrive()  # this rank's chunk of the result is in its copy
+
+    def fetch_chunks(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Split exchange, after every rank's reduce_own_chunk() (see posted_ready): copy each
+        `(owner, start, out)` of `pieces` from rank `owner`'s result; then this rank is done reading."""
+        allocation, offset = self._posted_piece(tensor, "fetch_chunks")
+        self._guarded(self._fetch_chunks, allocation, offset, tensor, ticket, pieces)
+
+    def _fetch_chunks(self, allocation, offset, tensor, ticket, pieces) -> None:
+        self._barrier.wait_all(ticket, "exchange", self._spin)
+        copies = self._copies(allocation, offset, tensor)
+        for owner, start, out in pieces:
+            out.copy_(copies[owner][start:start + out.numel()].view(out.shape))
         allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
 
     def _posted_piece(self, tensor: torch.Tensor, what: str):

@@ -12,8 +12,9 @@ import torch
 
 try:
     from ._reduce_kernels import reduce_into_all as _kernel
+    from ._reduce_kernels import sum_own_chunk  # the split exchange (shm.py) needs it; None: not offered
 except ImportError:  # built without a C compiler: the torch ops below give the same result, slower
-    _kernel = None
+    _kernel = sum_own_chunk = None
 
 # The wire code of each dtype we reduce; it is also compared across ranks before every exchange.
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int64: 5,

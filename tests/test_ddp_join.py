@@ -31,7 +31,9 @@ def _data(step: int, rank: int):
 
 def _model(with_batchnorm: bool) -> nn.Module:
     torch.manual_seed(3)
-    layers = [nn.Linear(6, 8)] + ([nn.BatchNorm1d(8)] if with_batchnorm else []) + [nn.Tanh(), nn.Linear(8, 2)]
+    # Wide enough for one bucket of few large gradients, which one host exchanges split (shm.py).
+    layers = [nn.Linear(6, 512)] + ([nn.BatchNorm1d(512)] if with_batchnorm else []) + [
+        nn.Tanh(), nn.Linear(512, 256), nn.Tanh(), nn.Linear(256, 2)]
     return nn.Sequential(*layers).double()
 
 

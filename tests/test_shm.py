@@ -134,6 +134,40 @@ def test_posted_exchange_gives_the_rank_order_sum_bitwise_on_every_rank(world_si
             assert torch.equal(per_rank[rank][key][0], grid), f"rank {rank} differs on {key}"
 
 
+def _split_exchanges(rank: int) -> dict:
+    world = dist.get_world_size()
+    comm = ShmCommunicator(timeout=60.0)
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        shared = comm.alloc(10_007, dtype)
+        bounds = comm.chunk_bounds(10_006, shared.element_size())  # the last element is summed plainly
+        for round_ in range(3):
+            grads = [_data(j, 10_007, dtype, salt=round_) for j in range(world)]  # every rank's, to check
+            mine = grads[rank].clone()
+            comm.claim(shared)
+            shared.copy_(mine * 0.5)  # posted scaled (only the other ranks' chunks are read)
+            ticket = comm.post(shared)
+            lo, hi = bounds[rank], bounds[rank + 1]
+            tag = torch.zeros(1, dtype=torch.float64)
+            done = comm.reduce_own_chunk(shared, ticket, [(lo, mine[lo:hi])], 0.5, sums=[(10_006, tag)])
+            comm.fetch_chunks(shared, done, [(j, bounds[j], mine[bounds[j]:bounds[j + 1]])
+                                             for j in range(world) if j != rank])
+            expected = _rank_order_sum([g * 0.5 for g in grads])
+            results[(dtype, round_)] = (mine[:10_006], expected[:10_006], tag.item(), expected[10_006].item())
+    comm.close()
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_split_exchange_gives_the_rank_order_sum_bitwise_on_every_rank(world_size):
+    per_rank = run_ranks(_split_exchanges, world_size)
+    for key, (result, expected, tag, expected_tag) in per_rank[0].items():
+        assert torch.equal(result, expected), f"{key}: not the rank-order sum"
+        assert tag == pytest.approx(expected_tag, rel=1e-6)
+        for rank in range(1, world_size):
+            assert torch.equal(per_rank[rank][key][0], result), f"rank {rank} differs on {key}"
+
+
 def _fast_writer_and_slow_reader(rank: int) -> tuple:
     comm = ShmCommunicator(timeout=60.0)
     shared = comm.alloc(1000)
