@@ -8,7 +8,9 @@ synchronized iteration the buckets are rebuilt once, in the order rank 0 saw gra
 
 With the shared-memory transport on two or three ranks the exchange is posted instead (shm.py):
 a full bucket is only published, and at the end of backward each rank sums all ranks' copies
-straight into its gradients, which saves a pass over the gradients and a copy back.
+straight into its gradients, which saves a pass over the gradients and a copy back. A bucket of
+few large gradients is split: each rank publishes only the others' chunks, sums its own chunk
+into its gradients, then fetches the rest.
 """
 
 from __future__ import annotations
