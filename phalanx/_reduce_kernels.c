@@ -85,7 +85,10 @@ static int parse_addresses(PyObject *addresses, void **parts, Py_ssize_t *count)
     }
     for (Py_ssize_t j = 0; j < *count; j++) {
         parts[j] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(addresses, j));
-        if (parts[j] == NULL && PyErr_Occurred()) return -1;
+        if (parts[j] == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a null address");
+            return -1;
+        }
     }
     return 0;
 }
@@ -122,19 +125,12 @@ static PyObject *reduce_into_all(PyObject *self, PyObject *args) {
     double scale;
     if (!PyArg_ParseTuple(args, "O!nidp", &PyTuple_Type, &addresses, &numel, &dtype, &scale, &average))
         return NULL;
-    Py_ssize_t count = PyTuple_GET_SIZE(addresses);
-    if (count < 2 || count > MAX_PARTS || numel < 0 || (dtype != 1 && dtype != 2)) {
-        PyErr_Format(PyExc_ValueError, "reduce_into_all: %zd arrays (2..%d), numel %zd, dtype %d (1 or 2)",
-                     count, MAX_PARTS, numel, dtype);
-        return NULL;
-    }
     void *parts[MAX_PARTS];
-    for (Py_ssize_t j = 0; j < count; j++) {
-        parts[j] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(addresses, j));
-        if (parts[j] == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "reduce_into_all: a null address");
-            return NULL;
-        }
+    Py_ssize_t count;
+    if (parse_addresses(addresses, parts, &count) < 0) return NULL;
+    if (numel < 0 || (dtype != 1 && dtype != 2)) {
+        PyErr_Format(PyExc_ValueError, "reduce_into_all: numel %zd, dtype %d (1 or 2)", numel, dtype);
+        return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
     if (dtype == 1)

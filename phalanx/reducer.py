@@ -344,21 +344,25 @@ class Reducer:
             else:
                 flats[k] = grad.contiguous().view(-1)
                 copy_back.append((grad, flats[k]))
-        scale = 1.0 / self.divisor if self.divisor != 1 else 1.0
         start = bucket.offsets
         what = f"the gradient exchange of bucket {bucket.index}"
-        comm = self.hook_state
-        self.guard.wait_until(lambda seconds: comm.posted_ready(ticket, seconds), what)
-        results = comm.reduce_own_chunk(bucket.storage, ticket, [(start[k] + lo, flats[k][lo:hi]) for k, lo, hi in own
-                                                                 if k in flats], scale,
-                                        sums=[(bucket.numel, self._tag_total)])
-        self.guard.wait_until(lambda seconds: comm.posted_ready(results, seconds), what)
-        comm.fetch_chunks(bucket.storage, results, [(owner, start[k] + lo, flats[k][lo:hi])
-                                                    for owner, k, lo, hi in fetched if k in flats])
+        self._split_exchange(bucket, ticket, what, 1.0 / self.divisor,
+                             [(start[k] + lo, flats[k][lo:hi]) for k, lo, hi in own if k in flats],
+                             [(owner, start[k] + lo, flats[k][lo:hi]) for owner, k, lo, hi in fetched if k in flats],
+                             sums=[(bucket.numel, self._tag_total)])
         for grad, flat in copy_back:
             grad.copy_(flat.view(grad.shape))
         if self.guard.enabled:
             self.guard.check_sum(self._tag_total.item(), self.guard.tag(self._tag_mod[bucket.index]), what)
+
+    def _split_exchange(self, bucket: Bucket, ticket: int, what: str, scale: float, own: list, fetched: list,
+                        sums=()) -> None:
+        """reduce_own_chunk() then fetch_chunks(), each once every rank is ready, within the guard's bounds."""
+        comm = self.hook_state
+        self.guard.wait_until(lambda seconds: comm.posted_ready(ticket, seconds), what)
+        results = comm.reduce_own_chunk(bucket.storage, ticket, own, scale, sums)
+        self.guard.wait_until(lambda seconds: comm.posted_ready(results, seconds), what)
+        comm.fetch_chunks(bucket.storage, results, fetched)
 
     def _gather_posted(self, bucket: Bucket, ticket: int, outputs: list, what: str) -> None:
         """gather_sum(), once every rank has posted: within the guard's bounds, like any other wait."""
@@ -488,10 +492,7 @@ class Reducer:
             # This rank's chunk of the sum is still its job: its own terms are the zeros it posted.
             bounds = comm.chunk_bounds(bucket.numel, bucket.storage.element_size())
             lo, hi = bounds[comm.rank], bounds[comm.rank + 1]
-            self.guard.wait_until(lambda seconds: comm.posted_ready(ticket, seconds), what)
-            results = comm.reduce_own_chunk(bucket.storage, ticket, [(lo, bucket.storage[lo:hi])], 1.0)
-            self.guard.wait_until(lambda seconds: comm.posted_ready(results, seconds), what)
-            comm.fetch_chunks(bucket.storage, results, [])
+            self._split_exchange(bucket, ticket, what, 1.0, [(lo, bucket.storage[lo:hi])], [])
 
     def _shadow_hooks(self, scratch: dict) -> None:
         futures = []
