@@ -19,7 +19,7 @@ bench: $(STAMP)
 install: $(STAMP)
 
 # torch goes in first and pinned: an unpinned resolve would pull the CUDA build.
-$(STAMP): pyproject.toml setup.py phalanx/_reduce_kernels.c
+$(STAMP): pyproject.toml setup.py phalanx/shm/_reduce_kernels.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"

@@ -10,9 +10,9 @@ import importlib
 import sys
 
 COMMANDS = {
-    "run": ("phalanx.launch", "launch a script on N workers per node (like torchrun); `phalanx run --help`"),
-    "demo": ("phalanx.demo", "train the bundled demo model on 2 processes"),
-    "bench": ("phalanx.bench", "measure phalanx DDP against torch DDP and compute-only"),
+    "run": ("phalanx.launch.run", "launch a script on N workers per node (like torchrun); `phalanx run --help`"),
+    "demo": ("phalanx.tools.demo", "train the bundled demo model on 2 processes"),
+    "bench": ("phalanx.tools.bench", "measure phalanx DDP against torch DDP and compute-only"),
 }
 
 USAGE = "usage: phalanx {run,demo,bench} [options]\n\n" + "\n".join(

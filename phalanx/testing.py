@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 
-from .spawn import spawn
+from .launch.spawn import spawn
 
 DEFAULT_TIMEOUT = 120.0
 

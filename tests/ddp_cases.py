@@ -142,6 +142,16 @@ def replicas_identical(module: nn.Module) -> bool:
     return all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
+def exchange_summary(model) -> dict:
+    """Which exchange averages the model's buckets: "posted" (shared memory, posted or split buckets),
+    "shm all-reduce" (shared memory, two-phase), or "process group"; and how many buckets are split."""
+    modes = getattr(model._reducer.exchange, "modes", None)
+    if modes is None:
+        return {"exchange": "process group", "split_buckets": 0}
+    kind = "shm all-reduce" if set(modes) == {"all-reduce"} else "posted"
+    return {"exchange": kind, "split_buckets": modes.count("split")}
+
+
 def equivalence_run(rank: int, world: int, case: str, opt_name: str, steps: int = 10) -> dict:
     """Train `case` with phalanx DDP and the one-process reference; report how far apart they end."""
     ref = build(case)
@@ -159,8 +169,7 @@ def equivalence_run(rank: int, world: int, case: str, opt_name: str, steps: int 
     result = {"max_diff": (flat_params(model.module) - flat_params(ref)).abs().max().item(),
               "moved": (flat_params(ref) - flat_params(build(case))).abs().max().item(),
               "identical": identical,
-              "exchange": "posted" if model._reducer._posted else "shm hook" if model._shm else "process group",
-              "split_buckets": len(model._reducer._splits)}
+              **exchange_summary(model)}
     if case == "unused":
         result["never_grad_is_none"] = all(p.grad is None for p in model.module.never.parameters())
         result["odd_grad_matches"] = torch.allclose(model.module.odd.weight.grad, ref.odd.weight.grad)

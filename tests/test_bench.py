@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import phalanx
-from phalanx import bench
-from phalanx.bench_report import format_table, paired_ratios, ratios, summarize
+from phalanx.tools import bench
+from phalanx.tools.bench_report import format_table, paired_ratios, ratios, summarize
 from phalanx.testing import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,16 +71,16 @@ def test_allreduce_is_not_installed_only_when_its_module_is_missing(monkeypatch)
             return real_import(requested, *args)
         return fake
 
-    monkeypatch.setattr(bench.importlib, "import_module", missing("phalanx.bench_allreduce", "phalanx.bench_allreduce"))
+    monkeypatch.setattr(bench.importlib, "import_module", missing("phalanx.tools.bench_allreduce", "phalanx.tools.bench_allreduce"))
     assert bench.load_allreduce_bandwidth() is None
     # The module exists but one of its own imports fails: that is a bug to show, not "not installed".
-    monkeypatch.setattr(bench.importlib, "import_module", missing("phalanx.bench_allreduce", "some_dependency"))
+    monkeypatch.setattr(bench.importlib, "import_module", missing("phalanx.tools.bench_allreduce", "some_dependency"))
     with pytest.raises(ModuleNotFoundError, match="some_dependency"):
         bench.load_allreduce_bandwidth()
     monkeypatch.setattr(bench.importlib, "import_module", real_import)
-    present = types.ModuleType("phalanx.bench_allreduce")
+    present = types.ModuleType("phalanx.tools.bench_allreduce")
     present.allreduce_bandwidth = lambda sizes_mb: [{"size_mb": s} for s in sizes_mb]
-    monkeypatch.setitem(sys.modules, "phalanx.bench_allreduce", present)
+    monkeypatch.setitem(sys.modules, "phalanx.tools.bench_allreduce", present)
     assert bench.load_allreduce_bandwidth() is present.allreduce_bandwidth
 
 
@@ -107,7 +107,7 @@ def test_bench_command_times_torch_ddp_and_compute_only(tmp_path):
     """World size 2, launched by the command itself: runs without the phalanx engine too."""
     out = tmp_path / "results" / "bench.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-m", "phalanx.bench", *QUICK, "--variants", "torch,compute",
+    done = subprocess.run([sys.executable, "-m", "phalanx.tools.bench", *QUICK, "--variants", "torch,compute",
                            "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     results = json.loads(out.read_text())

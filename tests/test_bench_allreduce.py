@@ -2,7 +2,7 @@
 
 import math
 
-from phalanx.bench_allreduce import VARIANTS, allreduce_bandwidth, format_rows
+from phalanx.tools.bench_allreduce import VARIANTS, allreduce_bandwidth, format_rows
 from phalanx.testing import run_ranks
 
 

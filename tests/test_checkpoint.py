@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx import safe_io
+from phalanx.checkpoint import atomic_files
 from phalanx.checkpoint import unwrap
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ CRASHING_SAVE = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import torch
     import phalanx as px
-    from phalanx import safe_io
+    from phalanx.checkpoint import atomic_files
     from test_checkpoint import make_state, train_step
 
     where = sys.argv[1]
@@ -183,14 +183,14 @@ CRASHING_SAVE = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
 
     if where == "mid_write":              # the process dies with half a file on disk
-        write = safe_io._HashingWriter.write
+        write = atomic_files._HashingWriter.write
         def write_then_die(self, data):
             written = write(self, data)
             if self.size > 4096:
                 self.file.flush()
                 die()
             return written
-        safe_io._HashingWriter.write = write_then_die
+        atomic_files._HashingWriter.write = write_then_die
     else:                                 # between a complete temporary file and its rename
         replace = os.replace
         target = "manifest.json" if where == "before_manifest_rename" else "ckpt-"
@@ -281,10 +281,10 @@ def plant(directory: Path, name: str, write) -> Path:
     """Put a file in the checkpoint directory and list it in the manifest, as an attacker could."""
     path = directory / name
     write(path)
-    entries = safe_io.read_manifest(directory)
+    entries = atomic_files.read_manifest(directory)
     data = path.read_bytes()
-    entries.append(safe_io.ManifestEntry(name, safe_io.sequence_of(name), len(data), zlib.crc32(data)))
-    safe_io.write_manifest(directory, entries)
+    entries.append(atomic_files.ManifestEntry(name, atomic_files.sequence_of(name), len(data), zlib.crc32(data)))
+    atomic_files.write_manifest(directory, entries)
     return path
 
 

@@ -5,7 +5,8 @@ import types
 
 import pytest
 
-from phalanx import cli, launch
+from phalanx import cli
+from phalanx.launch import run as launch
 
 
 @pytest.fixture(autouse=True)
@@ -89,8 +90,8 @@ class TestCommand:
     @pytest.mark.parametrize("name", ["demo", "bench"])
     def test_demo_and_bench_dispatch_lazily_with_their_arguments(self, monkeypatch, name):
         calls = []
-        fake = types.ModuleType(f"phalanx.{name}")
+        fake = types.ModuleType(f"phalanx.tools.{name}")
         fake.main = lambda argv: calls.append(argv) or 0
-        monkeypatch.setitem(sys.modules, f"phalanx.{name}", fake)
+        monkeypatch.setitem(sys.modules, f"phalanx.tools.{name}", fake)
         assert cli.main([name, "--steps", "3"]) == 0
         assert calls == [["--steps", "3"]]

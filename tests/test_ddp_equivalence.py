@@ -43,7 +43,7 @@ def test_each_world_size_uses_its_exchange(results):
     world = len(results)
     if results[0][("mlp", "sgd")]["exchange"] == "process group":
         pytest.skip("no shared memory on this host: every world size uses the process group")
-    expected = "posted" if world <= 3 else "shm hook"
+    expected = "posted" if world <= 3 else "shm all-reduce"
     assert {per_rank[key]["exchange"] for per_rank in results for key in per_rank} == {expected}
     # Buckets of few large gradients are exchanged split when posted (when the C kernel was built).
     split = {case for per_rank in results for (case, _), outcome in per_rank.items() if outcome["split_buckets"]}

@@ -37,7 +37,7 @@ def _cuda_versus_torch(rank: int) -> dict:
             dist.broadcast(reference, 0)
             identical &= bool(torch.equal(flat, reference))
         results[wrapper.__module__] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu(), identical)
-    ours, theirs = results["phalanx.ddp"], results["torch.nn.parallel.distributed"]
+    ours, theirs = results["phalanx.engine.ddp"], results["torch.nn.parallel.distributed"]
     return {"diff": (ours[0] - theirs[0]).abs().max().item(), "identical": ours[1]}
 
 

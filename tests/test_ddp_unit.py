@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import phalanx
-from phalanx.buckets import Bucket, GradBucket, plan_buckets
-from phalanx.ddp import _move_to
+from phalanx.engine.buckets import Bucket, GradBucket, plan_buckets
+from phalanx.engine.ddp import _move_to
 from phalanx.errors import WorldConfigError
-from phalanx.replicas import tag_modulus
+from phalanx.engine.step_guard import tag_modulus
 
 MB = 2 ** 20
 
@@ -54,9 +54,14 @@ def test_plan_covers_each_parameter_once_within_caps(sizes, cap, first, seed):
     assert firsts == sorted(firsts)
 
 
+def _bucket(index: int, indices: list[int], params: list, as_view: bool = False) -> Bucket:
+    storage = torch.zeros(Bucket.storage_numel(indices, params), dtype=params[indices[0]].dtype)
+    return Bucket(index, indices, params, storage, as_view)
+
+
 def test_bucket_views_alias_one_flat_buffer_with_a_tag_slot():
     params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
-    bucket = Bucket(0, [1, 0], params)
+    bucket = _bucket(0, [1, 0], params)
     assert bucket.storage.numel() == 10 + 1 and bucket.buffer.numel() == 10
     bucket.views[0].fill_(1.0)  # parameter 1 comes first in the bucket
     bucket.views[1].fill_(2.0)
@@ -66,7 +71,7 @@ def test_bucket_views_alias_one_flat_buffer_with_a_tag_slot():
 
 def test_grad_bucket_offers_torch_gradbucket_methods():
     params = [torch.nn.Parameter(torch.randn(2, 3)), torch.nn.Parameter(torch.randn(4))]
-    bucket = Bucket(5, [1, 0], params)
+    bucket = _bucket(5, [1, 0], params)
     facade = GradBucket(bucket, is_last=True)
     for name in [m for m in dir(dist.GradBucket) if not m.startswith("_")]:
         assert callable(getattr(facade, name)), name
@@ -76,6 +81,47 @@ def test_grad_bucket_offers_torch_gradbucket_methods():
     replacement = torch.ones(10)
     facade.set_buffer(replacement)
     assert facade.buffer() is replacement
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_bucket_fills_scaled_gradients_and_zeros_for_missing_ones(large):
+    width = 20000 if large else 3  # few large tensors are scaled per tensor, many small ones in one pass
+    params = [torch.nn.Parameter(torch.randn(2, width, dtype=torch.float64)) for _ in range(3)]
+    bucket = _bucket(0, [2, 0, 1], params)
+    assert bucket.large_tensors == large
+    for p in params:
+        p.grad = torch.randn_like(p)
+    bucket.fill_(0.5)
+    assert torch.equal(bucket.buffer, torch.cat([params[i].grad.reshape(-1) * 0.5 for i in (2, 0, 1)]))
+    params[0].grad = None  # unused on this rank: it contributes zeros
+    bucket.fill_(None)
+    assert torch.equal(bucket.views[1], torch.zeros(2, width, dtype=torch.float64))
+    assert torch.equal(bucket.views[0], params[2].grad)
+
+
+def test_bucket_writes_back_only_parameters_used_somewhere():
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    bucket = _bucket(0, [0, 1, 2], params)
+    params[0].grad, params[1].grad = torch.zeros(4), None
+    bucket.buffer.copy_(torch.arange(12.0))
+    bucket.write_back(used=[1, 1, 0])  # parameter 2 got a gradient nowhere: it keeps None
+    assert params[0].grad.tolist() == [0.0, 1.0, 2.0, 3.0] and params[1].grad.tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert params[2].grad is None
+
+
+def test_bucket_as_view_makes_gradients_views_of_the_bucket():
+    params = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
+    bucket = _bucket(0, [0, 1], params, as_view=True)
+    for p in params:
+        p.grad = torch.ones(5)
+    bucket.fill_(0.25)
+    assert all(p.grad.data_ptr() == view.data_ptr() for p, view in zip(params, bucket.views))
+    assert bucket.buffer.tolist() == [0.25] * 10
+    params[0].grad.add_(1.0)  # accumulated in place: filling again only scales
+    bucket.fill_(2.0)
+    assert params[0].grad.tolist() == [2.5] * 5 and params[1].grad.tolist() == [0.5] * 5
+    bucket.detach_gradient_views()
+    assert params[0].grad.data_ptr() != bucket.views[0].data_ptr() and params[0].grad.tolist() == [2.5] * 5
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32])

@@ -153,7 +153,7 @@ def _compare_everything(rank: int) -> dict:
     theirs, _, _, _, _ = _train(torch.nn.parallel.DistributedDataParallel, "default", rank, {},
                                 powerSGD_hook.powerSGD_hook, _powersgd_state)
     out["torch_powersgd"] = {"vs_torch_same_hook": _max_diff(ours, theirs), "identical": identical, "calls": calls}
-    out["transport"] = "shm" if model._shm is not None else "process group"
+    out["transport"] = "shm" if type(model._reducer.exchange).__name__ == "ShmExchange" else "process group"
     return out
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from phalanx.discovery import WorldSpec, discover, parse_nodelist, parse_tasks_per_node
+from phalanx.world.discovery import WorldSpec, discover, parse_nodelist, parse_tasks_per_node
 from phalanx.errors import WorldConfigError
 
 

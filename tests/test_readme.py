@@ -233,7 +233,8 @@ class TestCommands:
         assert flags and all(flag in run_help for flag in flags), f"flags the README uses: {sorted(flags)}\n{run_help}"
 
     def test_every_phalanx_command_parses(self, tmp_path, monkeypatch):
-        from phalanx import bench, demo, launch
+        from phalanx.launch import run as launch
+        from phalanx.tools import bench, demo
 
         monkeypatch.chdir(tmp_path)
         (tmp_path / "train.py").write_text(python_block("train.py"))

@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 
 from phalanx.errors import MasterUnreachableError, PortInUseError
-from phalanx.rendezvous import LOOPBACK, host_store, join_store
+from phalanx.world.rendezvous import LOOPBACK, host_store, join_store
 from phalanx.testing import free_port
 
 

@@ -22,8 +22,8 @@ JOB = ROOT / "tests" / "resume_job.py"
 
 MISSING = [f"phalanx.{name}" for name in ("DistributedDataParallel", "DataLoader", "DistributedSampler")
            if not hasattr(px, name)]
-if importlib.util.find_spec("phalanx.launch") is None or importlib.util.find_spec("phalanx.__main__") is None:
-    MISSING.append("`python -m phalanx run` (phalanx.launch, phalanx.__main__)")
+if importlib.util.find_spec("phalanx.launch.run") is None or importlib.util.find_spec("phalanx.__main__") is None:
+    MISSING.append("`python -m phalanx run` (phalanx.launch.run, phalanx.__main__)")
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(bool(MISSING), reason=f"the exact-resume test needs {', '.join(MISSING)}")]
 

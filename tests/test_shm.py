@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx import shm as shm_module
+from phalanx.shm import communicator as shm_module
 from phalanx.errors import CollectiveMismatchError, PeerFailedError, RanksTimedOutError
-from phalanx.shm import ShmCommunicator, shm_allreduce_hook, shm_communicator
-from phalanx.shm_segment import SHM_DIR, job_segments
+from phalanx.hooks import shm_allreduce_hook
+from phalanx.shm import ShmCommunicator, shm_communicator
+from phalanx.shm.segment import SHM_DIR, job_segments
 from phalanx.testing import run_ranks
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
@@ -234,22 +235,23 @@ def _phalanx_ddp_with_a_hook_on_another_communicator(rank: int) -> dict:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(33, 300), torch.nn.ReLU(), torch.nn.Linear(300, 5))
         model = phalanx.DistributedDataParallel(net)
-        if registered:  # its buckets were not allocated by this communicator: it must be called, not posted
-            model.register_comm_hook(ShmCommunicator(), shm_module.shm_sum_prescaled_hook)
+        if registered:  # a hook on a communicator of the user's: it is called, with torch's contract
+            model.register_comm_hook(ShmCommunicator(), shm_allreduce_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         generator = torch.Generator().manual_seed(rank)
         for _ in range(3):
             optimizer.zero_grad()
             model(torch.randn(8, 33, generator=generator)).square().mean().backward()
             optimizer.step()
-        results[registered] = (model._reducer._posted, torch.cat([p.detach().flatten() for p in net.parameters()]))
+        results[registered] = (type(model._reducer.exchange).__name__,
+                               torch.cat([p.detach().flatten() for p in net.parameters()]))
     return results
 
 
 def test_phalanx_ddp_calls_a_shm_hook_whose_communicator_did_not_allocate_its_buckets():
     for per_rank in run_ranks(_phalanx_ddp_with_a_hook_on_another_communicator, 2):
-        (posted_default, default), (posted_hook, hooked) = per_rank[False], per_rank[True]
-        assert posted_default and not posted_hook
+        (default_exchange, default), (hook_exchange, hooked) = per_rank[False], per_rank[True]
+        assert (default_exchange, hook_exchange) == ("ShmExchange", "CommHookExchange")
         torch.testing.assert_close(hooked, default, rtol=1e-6, atol=1e-7)
 
 

@@ -7,8 +7,8 @@ Both must give the same bits, or ranks of one job could disagree depending on ho
 import pytest
 import torch
 
-from phalanx import shm_reduce
-from phalanx.shm_reduce import kernel_available, reduce_chunk, reduce_chunk_with_torch
+from phalanx.shm import reduce as shm_reduce
+from phalanx.shm.reduce import kernel_available, reduce_chunk, reduce_chunk_with_torch
 
 
 def _parts(count: int, numel: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
@@ -18,7 +18,7 @@ def _parts(count: int, numel: int, dtype: torch.dtype, seed: int) -> list[torch.
 
 
 def test_the_kernel_was_built():
-    assert kernel_available(), "phalanx._reduce_kernels is missing: was the package installed with a C compiler?"
+    assert kernel_available(), "phalanx.shm._reduce_kernels is missing: was the package installed with a C compiler?"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -96,7 +96,7 @@ class TestWorld:
         # No OMP_NUM_THREADS and no torch.set_num_threads: init() divides the cores among local ranks.
         for name in ("OMP_NUM_THREADS", "PHALANX_RANK_PREFIXED"):
             monkeypatch.delenv(name, raising=False)
-        threads = max(1, phalanx.world._usable_cores() // 2)
+        threads = max(1, phalanx.world.usable_cores() // 2)
         results = phalanx.spawn(_describe, 2, env={"PHALANX_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
         assert results == [dict(rank=r, world_size=2, local_rank=r, is_main=r == 0, device="cpu", backend="gloo",
                                 threads=threads) for r in range(2)]

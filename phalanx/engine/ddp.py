@@ -1,8 +1,9 @@
 """`phalanx.DistributedDataParallel`: torch's DDP interface on phalanx's own gradient engine.
 
-The constructor checks that every rank holds the same model and copies rank 0's parameters and
-buffers to all; forward broadcasts buffers and prepares the reducer (reducer.py), which averages
-gradients during backward. `join()` (uneven.py) lets ranks with fewer batches finish early.
+The constructor checks that every rank holds the same model, copies rank 0's parameters and
+buffers to all, and chooses the exchange (shared memory on one host, else the process group);
+forward broadcasts buffers and prepares the reducer (reducer.py), which has the exchange average
+gradients during backward. `join()` (join.py) lets ranks with fewer batches finish early.
 """
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, _JoinConfig
+from torch.distributed.algorithms.join import Join, Joinable
 
-from . import hooks
-from .errors import NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
+from ..errors import NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
+from ..shm import shm_communicator
+from ..shm.reduce import DTYPE_CODES
+from ..world.group import collective_device
 from .buckets import FIRST_BUCKET_BYTES
+from .exchange import AllReduceExchange, BucketExchange, CommHookExchange
+from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, count_active_ranks, find_common_rank
 from .reducer import Reducer
-from .shm import shm_communicator, shm_sum_prescaled_hook
-from .shm_reduce import DTYPE_CODES
 from .replicas import broadcast_coalesced, check_same_signature
-from .world import collective_device
-from .uneven import DDPJoinHook, StepGuard, count_active_ranks
+from .shm_exchange import ShmExchange
+from .step_guard import StepGuard
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
@@ -84,16 +87,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self._group_rank0,
                                 self.process_group)
         self._guard = StepGuard(self.process_group, next(_instances))
-        self._shm = _shared_memory_transport(self.process_group, [p for _, p in named])
-        if self._shm is not None:
-            weakref.finalize(self, self._shm.close)
         # static_graph: torch then tolerates parameters that never get a gradient; so do we.
         self._reducer = Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
-                                self.bucket_bytes_cap, first_cap,
-                                tolerate_unused=find_unused_parameters or static_graph,
+                                self._default_exchange([p for _, p in named]), cap_bytes=self.bucket_bytes_cap,
+                                first_cap_bytes=first_cap, tolerate_unused=find_unused_parameters or static_graph,
                                 as_view=gradient_as_bucket_view, guard=self._guard,
-                                control_device=self._control_device, allocator=self._shm)
-        self._reducer.set_comm_hook(*self._default_comm_hook())
+                                control_device=self._control_device)
         # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
         # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
         weakref.finalize(self, self._reducer.remove)
@@ -101,13 +100,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         # Listing buffers walks every submodule: skip it on each forward of a model that has none.
         self._has_buffers = any(True for _ in module.buffers())
         self._divide_by_initial_world_size = True
-        self._join_scratch: dict = {}
 
-    def _default_comm_hook(self):
-        """(state, hook) used when the user registers none: the one place a faster transport plugs in."""
-        if self._shm is not None:
-            return self._shm, shm_sum_prescaled_hook
-        return self.process_group, hooks.sum_prescaled_hook
+    def _default_exchange(self, params: list[torch.Tensor]) -> BucketExchange:
+        """The exchange used when the user registers no comm hook: the one place a faster transport plugs in.
+
+        Collective: the conditions are the same on every rank (check_same_signature ran), so either all
+        ranks ask for a shared-memory communicator, which agrees on one answer, or none does.
+        """
+        if self.process_group.size() > 1 and all(p.device.type == "cpu" and p.dtype in SHM_DTYPES for p in params):
+            comm = shm_communicator(self.process_group)
+            if comm is not None:
+                weakref.finalize(self, comm.close)
+                return ShmExchange(comm, self._guard)
+        return AllReduceExchange(self.process_group, self._guard)
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -122,10 +127,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._guard.enabled = not joining
         if joining:
             join_work = Join.notify_join_context(self)
-            self._announce_sync(int(will_sync) | (2 if syncs_buffers else 0))
+            announce_sync(self, (SYNCS_GRADIENTS if will_sync else 0) | (SYNCS_BUFFERS if syncs_buffers else 0))
         if will_sync:
-            reducer.divisor = (count_active_ranks(join_work) if joining and join_work is not None
-                               and not self._divide_by_initial_world_size else self.process_group.size())
+            reducer.exchange.divisor = (count_active_ranks(join_work) if joining and join_work is not None
+                                        and not self._divide_by_initial_world_size else self.process_group.size())
             if syncs_buffers and self._has_buffers:
                 self._sync_buffers(joining)
             reducer.prepare_for_backward()
@@ -142,22 +147,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             return
         self._guard.begin()
         if src is None:
-            src = self._find_common_rank(dist.get_rank(), True) if joining else self._group_rank0
+            src = find_common_rank(self, dist.get_rank(), True) if joining else self._group_rank0
         # The tag check reads a value back: free on CPU, a stream sync on GPU, so only on CPU.
         tagged = not joining and self._control_device.type == "cpu"
         tags = broadcast_coalesced(buffers, src, self.process_group, tag=self._guard.step if tagged else None,
                                    wait=self._guard.wait_work)
         if tags is not None:
             self._guard.check_equal(*tags, "the broadcast of module buffers")
-
-    def _all_reduce_max(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64, device=self._control_device)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.process_group, async_op=True)
-        self._guard.wait_work(work, "a join control all-reduce")
-        return tensor.tolist()
-
-    def _find_common_rank(self, rank: int, candidate: bool) -> int:
-        return self._all_reduce_max([rank if candidate else -1])[0]
 
     # -- the usual DDP surface -------------------------------------------------------------------
 
@@ -187,7 +183,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if not callable(hook):
             raise TypeError(f"a comm hook must be callable as hook(state, bucket); got {type(hook).__name__}")
         self._hook_registered = True
-        self._reducer.set_comm_hook(state, hook)
+        self._reducer.set_exchange(CommHookExchange(state, hook, self._guard))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load either this wrapper's keys ('module.x') or the bare module's ('x')."""
@@ -222,47 +218,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def join_process_group(self):
         return self.process_group
 
-    def _announce_sync(self, flags: int) -> int:
-        """Tell joined ranks what this iteration synchronizes: bit 0 gradients, bit 1 buffers."""
-        return self._all_reduce_max([flags])[0]
-
-    def _shadow_iteration(self) -> None:
-        """On a rank out of data: mirror one iteration of the ranks still training."""
-        self._guard.enabled = False
-        flags = self._announce_sync(0)
-        if flags & 2 and self._has_buffers:
-            self._sync_buffers(True, src=self._find_common_rank(-1, False))
-        if flags & 1:
-            self._reducer.shadow_backward(self._join_scratch)
-
-    def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """After join: every rank adopts the model of the (highest) last rank to finish."""
-        src, step = self._all_reduce_max([dist.get_rank() if is_last_joiner else -1, self._guard.step])
-        broadcast_coalesced(list(self.module.parameters()) + list(self.module.buffers()), src,
-                            self.process_group, wait=self._guard.wait_work)
-        self._guard.step = step
-        self._guard.end()
-        self._guard.enabled = True
-        self._join_scratch.clear()
-        self._join_config = _JoinConfig.construct_disabled_join_config()
-
 
 DDP = DistributedDataParallel
 
 
 SHM_DTYPES = frozenset(dtype for dtype in DTYPE_CODES if dtype.is_floating_point)
-
-
-def _shared_memory_transport(group, params: list[torch.Tensor]):
-    """A shared-memory communicator when every rank of `group` is on this host and the gradients are on
-    the CPU in a dtype it reduces; else None (the process group's backend carries the buckets).
-
-    Collective: the conditions below are the same on every rank (check_same_signature ran), so
-    either all ranks call the factory, which agrees on one answer, or none does.
-    """
-    if group.size() == 1 or any(p.device.type != "cpu" or p.dtype not in SHM_DTYPES for p in params):
-        return None
-    return shm_communicator(group)
 
 
 def _unused_error(names: list[str], step: int) -> UnusedParameterError:

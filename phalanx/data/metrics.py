@@ -11,26 +11,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import DataConfigError, explain
+from ..errors import DataConfigError, explain
 from .sampler import DistributedSampler
-from .world import collective_device
-
-
-def _world_size(group) -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group)
-    return 1
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if _world_size(group) > 1 else 0
+from ..world.group import collective_device, group_rank, group_size
 
 
 def _all_reduce(value, op, group):
     """All-reduce a number or tensor; returns the same kind (a Python number for a number)."""
     is_number = not isinstance(value, torch.Tensor)
     tensor = torch.as_tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
-    if _world_size(group) > 1:
+    if group_size(group) > 1:
         result = tensor.detach().to(collective_device(group), copy=True)
         dist.all_reduce(result, op=op, group=group)
         tensor = result.to(tensor.device)
@@ -66,7 +56,7 @@ def all_reduce_mean(value, group=None):
         value = float(value)
     elif not value.is_floating_point():
         value = value.double()
-    return all_reduce_sum(value, group) / _world_size(group)
+    return all_reduce_sum(value, group) / group_size(group)
 
 
 def weighted_mean(total, count, group=None) -> float:
@@ -139,10 +129,10 @@ def gather_in_order(local, sampler: DistributedSampler, group=None):
             "gather_in_order got a different number of results than the sampler's shard", rank=sampler.rank,
             seen=f"len(local)={len(local)}", expected=f"len(sampler)={len(sampler)} (one per index of the epoch)",
             fix="Pass this rank's results for the whole epoch, in the order the sampler yielded the indices."))
-    if _world_size(group) != replicas:
+    if group_size(group) != replicas:
         raise DataConfigError(explain(
             "gather_in_order's sampler was made for another number of ranks", rank=sampler.rank,
-            seen=f"sampler.num_replicas={replicas}", expected=f"the group's size {_world_size(group)}",
+            seen=f"sampler.num_replicas={replicas}", expected=f"the group's size {group_size(group)}",
             fix="Use the evaluation sampler built for this world (num_replicas=None takes it from the world)."))
     order = sampler.global_order()
     kept = min(len(sampler.dataset), len(order))  # entries past the dataset length are padding

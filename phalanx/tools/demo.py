@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .spawn import spawn
-from .wine import WineConfig, train_on_rank
+from ..launch.spawn import spawn
+from .demo_job import WineConfig, train_on_rank
 
 
 def default_nproc() -> int:

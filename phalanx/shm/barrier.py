@@ -14,8 +14,8 @@ import ctypes
 import os
 import time
 
-from .errors import CollectiveMismatchError, PeerDiedError, PeerFailedError, RanksTimedOutError, explain
-from .shm_segment import process_alive
+from ..errors import CollectiveMismatchError, PeerDiedError, PeerFailedError, RanksTimedOutError, explain
+from .segment import process_alive
 
 LINE_BYTES = 64  # one cache line per rank: a rank's stores never invalidate a line another rank writes
 _SYS_FUTEX = {"x86_64": 202, "amd64": 202}.get(os.uname().machine.lower())
@@ -29,24 +29,14 @@ class Line(ctypes.Structure):
 
     _fields_ = [("phase", ctypes.c_uint32), ("abort", ctypes.c_uint32), ("op", ctypes.c_uint64),
                 ("alloc_id", ctypes.c_uint32), ("dtype", ctypes.c_uint32), ("offset", ctypes.c_uint64),
-                ("numel", ctypes.c_uint64), ("average", ctypes.c_uint32), ("_pad", ctypes.c_uint32 * 5)]
+                ("numel", ctypes.c_uint64), ("mode", ctypes.c_uint32), ("_pad", ctypes.c_uint32 * 5)]
 
 
 assert ctypes.sizeof(Line) == LINE_BYTES
 
-_DESCRIPTION = ("op", "alloc_id", "dtype", "offset", "numel", "average")
-
-
-class Stamp(ctypes.Structure):
-    """What a rank last posted from one allocation (ShmCommunicator.post): at the end of its slot, so a
-    peer reading the slot checks it against its own, however far ahead in other exchanges that rank is."""
-
-    _fields_ = [("posts", ctypes.c_uint64), ("dtype", ctypes.c_uint32), ("_pad0", ctypes.c_uint32),
-                ("offset", ctypes.c_uint64), ("numel", ctypes.c_uint64), ("_pad", ctypes.c_uint64 * 4)]
-
-
-assert ctypes.sizeof(Stamp) == LINE_BYTES
-STAMP_FIELDS = ("posts", "dtype", "offset", "numel")
+_DESCRIPTION = ("op", "alloc_id", "dtype", "offset", "numel", "mode")
+# What an operation does with the bytes, in a line's `mode`: ranks must agree on it too.
+MODE_SUM, MODE_AVERAGE, MODE_POST = 0, 1, 2
 
 
 class _Timespec(ctypes.Structure):

@@ -1,7 +1,7 @@
 """`Checkpointer`: save a training run's state and resume it exactly after a worker dies.
 
 Every rank calls `save(state)`: every rank's random states are gathered, rank 0 writes one file
-(atomically, see safe_io.py) with the unwrapped model, the other stateful objects and the plain
+(atomically, see atomic_files.py) with the unwrapped model, the other stateful objects and the plain
 values, and all ranks pass a barrier. `restore(state)` lets rank 0 pick the newest complete file;
 every rank then loads that file with weights_only=True onto its own device.
 """
@@ -15,8 +15,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import random_state, safe_io, world
-from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointValueError,
+from . import random_state
+
+from . import atomic_files
+
+from ..world import group as world
+from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointValueError,
                      CheckpointWriteError, UnsafeCheckpointError, explain)
 
 FORMAT = 1
@@ -37,7 +41,7 @@ def _is_wrapper(model: torch.nn.Module) -> bool:
     if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
         return True
     try:
-        from .ddp import DistributedDataParallel
+        from ..engine.ddp import DistributedDataParallel
     except ImportError:  # the engine is optional for checkpointing
         return False
     return isinstance(model, DistributedDataParallel)
@@ -66,18 +70,10 @@ def check_plain(value, where: str) -> None:
         return
     hint = " (convert NumPy values with .item() or torch.as_tensor())" if kind.__module__.startswith("numpy") else ""
     raise CheckpointValueError(explain(
-        f"{where} cannot be saved in a checkpoint that loads safely", rank=_rank(), seen=f"a {kind.__qualname__}",
+        f"{where} cannot be saved in a checkpoint that loads safely", rank=world.group_rank(), seen=f"a {kind.__qualname__}",
         expected="tensors, numbers, strings, bytes, None, and lists/tuples/dicts/sets of them, "
                  "or an object with state_dict()/load_state_dict()",
         fix=f"Store the value as one of those{hint}."))
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _own_device() -> torch.device:
@@ -140,7 +136,7 @@ class Checkpointer:
         device = _own_device()
         states = random_state.gather(random_state.capture(device), world.collective_device())
         path, failure = None, None
-        if _rank() == 0:
+        if world.group_rank() == 0:
             try:
                 path = self._write(state, kinds, states)
             except Exception as exc:  # told to the other ranks below, then raised here
@@ -156,9 +152,9 @@ class Checkpointer:
                 fix="Free space or fix permissions; the previous checkpoint is intact.")) from failure
         if code == _FAILED:
             raise CheckpointWriteError(explain(
-                f"rank 0 could not write a checkpoint in {self.directory}", rank=_rank(),
+                f"rank 0 could not write a checkpoint in {self.directory}", rank=world.group_rank(),
                 seen="a failure on rank 0", fix="See rank 0's error; the previous checkpoint is intact."))
-        return self.directory / safe_io.CHECKPOINT_NAME.format(sequence)
+        return self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
 
     def _write(self, state: dict, kinds: dict, states: list) -> Path:
         started = time.monotonic()
@@ -171,27 +167,27 @@ class Checkpointer:
                 check_plain(saved, f"state[{name!r}].state_dict()")
             entries[name] = {"kind": kinds[name], "state": saved}
         self.directory.mkdir(parents=True, exist_ok=True)
-        safe_io.remove_stale_temps(self.directory)
-        listed = safe_io.read_manifest(self.directory) or []
-        present = safe_io.checkpoint_files(self.directory)
+        atomic_files.remove_stale_temps(self.directory)
+        listed = atomic_files.read_manifest(self.directory) or []
+        present = atomic_files.checkpoint_files(self.directory)
         sequence = 1 + max([e.sequence for e in listed] + list(present), default=0)
-        payload = {"format": FORMAT, "sequence": sequence, "world_size": _world_size(),
+        payload = {"format": FORMAT, "sequence": sequence, "world_size": world.group_size(),
                    "entries": entries, "random_states": states}
-        path = self.directory / safe_io.CHECKPOINT_NAME.format(sequence)
-        size, crc32 = safe_io.write_atomic(path, lambda file: torch.save(payload, file))
+        path = self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
+        size, crc32 = atomic_files.write_atomic(path, lambda file: torch.save(payload, file))
         # The manifest is renamed into place after the file: a crash in between leaves the
         # previous manifest, whose checkpoints are all still on disk.
-        kept = (listed + [safe_io.ManifestEntry(path.name, sequence, size, crc32)])[-self.keep:]
-        safe_io.write_manifest(self.directory, kept)
+        kept = (listed + [atomic_files.ManifestEntry(path.name, sequence, size, crc32)])[-self.keep:]
+        atomic_files.write_manifest(self.directory, kept)
         keep_names = {e.file for e in kept}
-        for name in safe_io.checkpoint_files(self.directory).values():
+        for name in atomic_files.checkpoint_files(self.directory).values():
             if name not in keep_names:
                 (self.directory / name).unlink(missing_ok=True)
         world.logger.info("saved checkpoint %s (%.1f MB in %.2fs)", path, size / 1e6, time.monotonic() - started)
         return path
 
     def _barrier(self) -> None:
-        if _world_size() == 1:
+        if world.group_size() == 1:
             return
         if world.is_initialized():
             world.barrier(self.timeout, name="checkpoint")
@@ -200,8 +196,8 @@ class Checkpointer:
 
     def _from_rank0(self, code: int, path: Path | None) -> tuple[int, int]:
         """Broadcast (code, checkpoint sequence) from rank 0, so every rank acts on the same decision."""
-        sequence = safe_io.sequence_of(path.name) if path is not None else -1
-        if _world_size() == 1:
+        sequence = atomic_files.sequence_of(path.name) if path is not None else -1
+        if world.group_size() == 1:
             return code, sequence
         message = torch.tensor([code, sequence], dtype=torch.int64, device=world.collective_device())
         dist.broadcast(message, src=0)
@@ -211,14 +207,14 @@ class Checkpointer:
 
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints listed in the manifest, oldest first."""
-        return [self.directory / e.file for e in safe_io.read_manifest(self.directory) or []]
+        return [self.directory / e.file for e in atomic_files.read_manifest(self.directory) or []]
 
     def restore(self, state: dict) -> bool:
         """Load the newest complete checkpoint into `state`; False (and `state` untouched) if there is none."""
         device = _own_device()
         location = _map_location(device)
         chosen, failure = None, None
-        if _rank() == 0:
+        if world.group_rank() == 0:
             try:
                 chosen = self._choose(location)
             except Exception as exc:  # told to the other ranks below, then raised here
@@ -229,37 +225,37 @@ class Checkpointer:
             raise failure
         if code == _FAILED:
             raise CheckpointError(explain(f"rank 0 could not restore a checkpoint from {self.directory}",
-                                          rank=_rank(), fix="See rank 0's error."))
+                                          rank=world.group_rank(), fix="See rank 0's error."))
         if code == _NOTHING:
             return False
         path, payload = chosen if chosen else self._load_chosen(sequence, location)
         self._apply(payload, state, path)
         self._restore_random_states(payload["random_states"], device)
         self.saved_world_size = payload["world_size"]
-        if _rank() == 0:
+        if world.group_rank() == 0:
             plain = {k: v for k, v in state.items() if type(v) in (int, float, str, bool)}
             world.logger.info("resumed from %s (saved by %d rank(s), now %d)%s", path, payload["world_size"],
-                              _world_size(), f": {plain}" if plain else "")
+                              world.group_size(), f": {plain}" if plain else "")
         return True
 
     def _choose(self, location) -> tuple[Path, dict] | None:
         """Rank 0: the newest checkpoint that is complete and loads, falling back past broken ones."""
-        listed = safe_io.read_manifest(self.directory)
+        listed = atomic_files.read_manifest(self.directory)
         if listed is None:
-            present = safe_io.checkpoint_files(self.directory)
+            present = atomic_files.checkpoint_files(self.directory)
             if not present:
                 return None
             world.logger.warning("no readable %s in %s: the checkpoints cannot be checked for truncation; "
-                                 "trying the newest first", safe_io.MANIFEST, self.directory)
+                                 "trying the newest first", atomic_files.MANIFEST, self.directory)
             candidates = [(self.directory / present[s], None) for s in sorted(present, reverse=True)]
         else:
             candidates = [(self.directory / e.file, e) for e in reversed(listed)]
         broken = []
         for path, entry in candidates:
-            reason = safe_io.verify(self.directory, entry) if entry is not None else None
+            reason = atomic_files.verify(self.directory, entry) if entry is not None else None
             if reason is None:
                 try:
-                    payload = safe_io.load_safely(path, location)
+                    payload = atomic_files.load_safely(path, location)
                     if isinstance(payload, dict) and payload.get("format") == FORMAT:
                         return path, payload
                     reason = "not a phalanx checkpoint"
@@ -278,12 +274,12 @@ class Checkpointer:
         return None
 
     def _load_chosen(self, sequence: int, location) -> tuple[Path, dict]:
-        path = self.directory / safe_io.CHECKPOINT_NAME.format(sequence)
+        path = self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
         try:
-            return path, safe_io.load_safely(path, location)
+            return path, atomic_files.load_safely(path, location)
         except FileNotFoundError:
             raise CheckpointError(explain(
-                f"rank 0 resumes from {path}, which this rank cannot see", rank=_rank(), seen="no such file",
+                f"rank 0 resumes from {path}, which this rank cannot see", rank=world.group_rank(), seen="no such file",
                 expected="the checkpoint directory visible to every rank",
                 fix="Put the directory on a file system shared by all nodes.")) from None
 
@@ -295,7 +291,7 @@ class Checkpointer:
                    if name in saved and saved[name]["kind"] != _kind(name, value)]
         if missing or unexpected or changed:
             raise CheckpointMismatchError(explain(
-                f"checkpoint {path} holds other entries than the state it is restored into", rank=_rank(),
+                f"checkpoint {path} holds other entries than the state it is restored into", rank=world.group_rank(),
                 seen=f"missing entries {missing}, unexpected entries {unexpected}, changed kinds {changed}",
                 expected=f"the entries {sorted(saved)}",
                 fix="Restore into a state dict with the same names as the one saved, or start in another directory."),
@@ -309,21 +305,21 @@ class Checkpointer:
                     value.load_state_dict(entry["state"])
                 except (ValueError, KeyError, RuntimeError, TypeError) as exc:
                     raise CheckpointMismatchError(explain(
-                        f"state[{name!r}] could not load its state from {path}", rank=_rank(),
+                        f"state[{name!r}] could not load its state from {path}", rank=world.group_rank(),
                         seen=f"{type(exc).__name__}: {exc}", expected=f"a {type(value).__name__} like the one saved",
                         fix="Build the object as it was when the checkpoint was written."), entry=name) from exc
             else:
                 state[name] = entry["state"]
 
     def _restore_random_states(self, saved: list, device: torch.device) -> None:
-        rank = _rank()
+        rank = world.group_rank()
         if rank < len(saved):
             random_state.restore(saved[rank], device)
         else:  # more ranks than were saved: a stream of its own, derived from a saved one
             random_state.reseed_derived(saved[rank % len(saved)], rank, device)
-        if rank == 0 and len(saved) != _world_size():
+        if rank == 0 and len(saved) != world.group_size():
             world.logger.info("world size changed from %d to %d: ranks below %d got their saved random states, "
-                              "the others streams derived from them", len(saved), _world_size(), len(saved))
+                              "the others streams derived from them", len(saved), world.group_size(), len(saved))
 
 
 def _load_model(name: str, model: torch.nn.Module, saved: dict, path: Path) -> None:
@@ -337,7 +333,7 @@ def _load_model(name: str, model: torch.nn.Module, saved: dict, path: Path) -> N
     if missing or unexpected or mismatched:
         shapes = [f"{k}: {s} in the checkpoint, {e} in the model" for k, s, e in mismatched]
         raise CheckpointMismatchError(explain(
-            f"checkpoint {path} holds a different model than state[{name!r}]", rank=_rank(),
+            f"checkpoint {path} holds a different model than state[{name!r}]", rank=world.group_rank(),
             seen=f"missing keys {_listed(missing)}, unexpected keys {_listed(unexpected)}, "
                  f"shape mismatches {_listed(shapes)}",
             expected=f"the {len(expected)} keys and shapes of {type(module).__name__}.state_dict()",

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import world
+from ..world import group as world
 from .bench_models import MODELS, count_parameters, make_batches
 from .bench_report import (SCHEMA, VARIANT_LABELS, format_table, paired_ratios, ratios, summarize, write_chart,
                            write_json)
-from .errors import BenchConfigError, PhalanxError, explain
-from .spawn import spawn
+from ..errors import BenchConfigError, PhalanxError, explain
+from ..launch.spawn import spawn
 
 # "phalanx" is phalanx DDP as a user gets it (shared memory between ranks on one host);
 # "phalanx-gloo" is the same engine with the transport off, against torch's reducer on equal terms.

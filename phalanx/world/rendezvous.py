@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from .errors import MasterUnreachableError, PortInUseError, explain
+from ..errors import MasterUnreachableError, PortInUseError, explain
 
 LOOPBACK = "127.0.0.1"
 

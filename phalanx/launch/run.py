@@ -24,9 +24,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig
 
-from .errors import PhalanxError, explain
+from ..errors import PhalanxError, explain
 from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
-from .rendezvous import LOOPBACK, StaticRendezvous
+from ..world.group import usable_cores
+from ..world.rendezvous import LOOPBACK, StaticRendezvous
 
 DEFAULT_MULTI_NODE_PORT = 29500
 MAX_AUTO_CPU_WORKERS = 8
@@ -79,13 +80,6 @@ def parse_nnodes(text: str) -> tuple[int, int]:
         raise ValueError(explain("--nnodes is not a node count or range", seen=repr(text),
                                  expected="N >= 1, or MIN:MAX with 1 <= MIN <= MAX"))
     return low, high
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def resolve_nproc(text: str) -> int:

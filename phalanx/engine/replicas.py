@@ -12,7 +12,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from .errors import ParameterMismatchError, explain
+from ..errors import ParameterMismatchError, explain
+from .step_guard import tag_modulus
 
 BROADCAST_CAP_BYTES = 250 * 1024 * 1024  # per flat chunk: bounds the extra memory of a broadcast
 
@@ -76,17 +77,6 @@ def _groups(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tens
             size += nbytes
         chunks.append(chunk)
     return chunks
-
-
-def tag_modulus(dtype: torch.dtype, world_size: int = 1) -> int:
-    """Largest modulus m such that tags in [1, m] summed over world_size ranks stay exact in dtype."""
-    if dtype.is_floating_point:
-        exact = int(2 / torch.finfo(dtype).eps)  # every integer up to this is representable
-    elif dtype == torch.bool:
-        return 1
-    else:
-        exact = 2 ** (torch.iinfo(dtype).bits - 2)
-    return max(1, min(exact // max(1, world_size), 2 ** 30))
 
 
 @torch.no_grad()

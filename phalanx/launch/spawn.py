@@ -15,8 +15,8 @@ import queue as queue_module
 import time
 import traceback
 
-from .errors import RankFailedError, RanksTimedOutError, explain
-from .rendezvous import LOOPBACK, host_store
+from ..errors import RankFailedError, RanksTimedOutError, explain
+from ..world.rendezvous import LOOPBACK, host_store
 
 _GRACE_SECONDS = 3.0
 
@@ -26,7 +26,7 @@ def _child(fn, rank: int, nprocs: int, args: tuple, env: dict, results, do_init:
     # A spawned child inherits "spawn" as its start method; give the rank the platform default back,
     # so its DataLoader workers start as they would under `phalanx run` (fork on Linux: seconds faster).
     mp.set_start_method(None, force=True)
-    from . import world
+    from ..world import group as world
 
     if "OMP_NUM_THREADS" in env:  # torch was imported (unpickling fn) before the variable was set
         import torch

@@ -1,9 +1,9 @@
-"""Uneven inputs: the typed error when ranks fall out of step, and the `join()` shadowing.
+"""The step guard: DDP's collectives carry a step tag, and every wait on them is bounded.
 
-Without `join()` every DDP collective carries a step tag and every wait on one is bounded; only a
-wait over a second touches the rendezvous store (the rank notes it is in the step), and on a stall,
-failure or tag mismatch those notes name the ranks that are missing. With `join()`,
-`DDPJoinHook` makes ranks that ran out of data shadow the others' collectives instead.
+A rank that falls out of step (it ran out of data, crashed, or took another code path) turns into
+`UnevenInputsError` naming the ranks that are missing, never into silently mixed gradients. Only a
+wait over a second touches the rendezvous store (the rank notes it is in the step); on a stall,
+failure or tag mismatch those notes name the missing ranks. Inside `join()` (join.py) it is off.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook
 
-from .errors import PhalanxError, UnevenInputsError, explain
+from ..errors import PhalanxError, UnevenInputsError, explain
 
 DEFAULT_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (PHALANX_DDP_STALL_TIMEOUT)
 PRESENCE_AFTER_SECONDS = 1.0  # a wait this long is unusual: note in the store that this rank is in the step
@@ -44,6 +43,7 @@ class StepGuard:
         self.bounded = dist.get_backend(group) != "nccl"
         self.world_size = group.size()
         self.ranks = dist.get_process_group_ranks(group)
+        self._moduli: dict = {}  # dtype -> tag_modulus(dtype, world_size)
 
     def begin(self) -> None:
         """Called before a step's first collective (idempotent within the step)."""
@@ -98,6 +98,17 @@ class StepGuard:
                 return False
         self.wait_until(done_within, what)
 
+    def tag_for(self, dtype: torch.dtype) -> int:
+        """This step's tag for a slot of `dtype` that is summed over the ranks."""
+        modulus = self._moduli.get(dtype)
+        if modulus is None:
+            modulus = self._moduli[dtype] = tag_modulus(dtype, self.world_size)
+        return self.tag(modulus)
+
+    def check_tag_sum(self, seen: float, dtype: torch.dtype, what: str) -> None:
+        """A slot of `dtype` tagged with tag_for(dtype) on every rank, then summed, must hold world_size tags."""
+        self.check_sum(seen, self.tag_for(dtype), what)
+
     def check_sum(self, seen: float, own: int, what: str) -> None:
         """An all-reduced tag must be world_size times this rank's own tag."""
         if self.enabled and own and seen != own * self.world_size:
@@ -126,7 +137,7 @@ class StepGuard:
 
     def _store(self):
         try:
-            from . import world
+            from ..world import group as world
 
             return world.store()
         except Exception:  # noqa: BLE001 - a user-made group: no store of ours to ask
@@ -154,33 +165,18 @@ class StepGuard:
             time.sleep(0.05)
 
 
-class DDPJoinHook(JoinHook):
-    """Lets a rank that ran out of data shadow the collectives of the ranks still training.
-
-    Per iteration of the others it mirrors their forward (sync flags, buffer broadcast) and
-    backward (one zero bucket per gradient bucket, through the comm hook); once all ranks are done
-    the model of the last rank to finish is broadcast, so replicas end identical.
-    """
-
-    def __init__(self, ddp, divide_by_initial_world_size: bool):
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
-
-    def main_hook(self) -> None:
-        self.ddp._shadow_iteration()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.ddp._sync_final_model(is_last_joiner)
+def tag_modulus(dtype: torch.dtype, world_size: int = 1) -> int:
+    """Largest modulus m such that tags in [1, m] summed over world_size ranks stay exact in dtype."""
+    if dtype.is_floating_point:
+        exact = int(2 / torch.finfo(dtype).eps)  # every integer up to this is representable
+    elif dtype == torch.bool:
+        return 1
+    else:
+        exact = 2 ** (torch.iinfo(dtype).bits - 2)
+    return max(1, min(exact // max(1, world_size), 2 ** 30))
 
 
 def _failure(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     first = text[0].split(". ")[0] if text else type(exc).__name__  # Gloo appends advice; keep the fact
     return f"the collective failed ({first})"
-
-
-def count_active_ranks(join_work) -> int:
-    """The number of ranks still training, from the all-reduce Join.notify_join_context launched."""
-    value = join_work.get_future().wait()
-    tensor = value[0] if isinstance(value, list) else value
-    return max(1, int(torch.as_tensor(tensor).item()))

@@ -4,11 +4,7 @@ Every rank owns a slot in a shared segment. An all-reduce is two phases: each ra
 in its slot and arrives; then rank r sums chunk r of every slot in rank order (one computation per
 element, so every rank gets the same bits), averages it and writes it back into every slot, and
 arrives again. Tensors from `alloc()` already live in a slot, so they skip the copies in and out.
-
-For two or three ranks a posted exchange moves fewer bytes when the result is wanted elsewhere
-(DDP's gradients): each rank `post()`s its part where it lies, then `gather_sum()` has every rank
-add up all ranks' copies (in rank order, so the bits agree) straight into its own outputs, with no
-second phase and no write-back of a result into the slots.
+The posted and split exchanges on the same allocations are in posted.py.
 """
 
 from __future__ import annotations
@@ -20,19 +16,15 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveMismatchError, RanksTimedOutError, ShmUnavailableError, explain
-from .hooks import prescaled
-from .shm_segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
-from .shm_reduce import (BLOCK_BYTES, DTYPE_CODES, KERNEL_DTYPES, WIDENED, chunk_bounds, kernel_available,
-                         reduce_chunk, round_up, sum_own_chunk)
-from .shm_sync import LINE_BYTES, STAMP_FIELDS, PhaseBarrier, Stamp, futex_supported
+from ..errors import CollectiveMismatchError, ShmUnavailableError, explain
+from .. import log
+from .segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
+from .reduce import BLOCK_BYTES, DTYPE_CODES, WIDENED, chunk_bounds, reduce_chunk, round_up
+from .barrier import LINE_BYTES, MODE_AVERAGE, MODE_SUM, PhaseBarrier, futex_supported
+from .posted import PostedExchanges, Stamp
 
 _DEFAULT_TIMEOUT = 600.0
 _DEFAULT_STAGING_BYTES = 32 * 2**20
-# Up to this many ranks, a posted exchange (each rank reads every copy once) moves no more bytes than
-# the two-phase all-reduce followed by a copy of the result to where it is wanted; beyond, it moves more.
-POSTED_MAX_RANKS = 3
-_POSTED = 2  # the "average" field of a line's description, for posts
 
 
 def shm_enabled() -> bool:
@@ -100,7 +92,7 @@ class _Allocation:
         self.read_phase: int | None = None  # peers may read our slot until they all reach this phase
 
 
-class ShmCommunicator:
+class ShmCommunicator(PostedExchanges):
     """All-reduce over shared memory for a process group whose ranks all run on this host.
 
     Collective: every rank of `process_group` constructs it together. Raises ShmUnavailableError
@@ -322,7 +314,7 @@ class ShmCommunicator:
                 if j != rank and hi > lo:
                     slots[rank][lo:hi].copy_(own[lo:hi])
         self._ops += 1
-        phase = self._barrier.arrive((self._ops, ident, code, offset, own.numel(), int(average)))
+        phase = self._barrier.arrive((self._ops, ident, code, offset, own.numel(), MODE_AVERAGE if average else MODE_SUM))
         self._barrier.wait_all(phase, "all-reduce", self._spin)
         self._barrier.check_same_operation()
         lo, hi = chunks[rank]
@@ -337,163 +329,6 @@ class ShmCommunicator:
             for j, (lo, hi) in enumerate(chunks):
                 if j != rank and hi > lo:
                     own[lo:hi].copy_(slots[rank][lo:hi])
-
-    # -- posted exchange ----------------------------------------------------------------------------
-
-    def posted_exchange_pays(self) -> bool:
-        """Whether post() + gather_sum() moves fewer bytes than allreduce_() plus copying the result out."""
-        return self.world_size <= POSTED_MAX_RANKS
-
-    def claim(self, tensor: torch.Tensor) -> None:
-        """Wait until no peer reads this rank's copy of `tensor` for an earlier gather_sum(); call it
-        before writing into a posted tensor again. Returns at once in the usual case (peers are done)."""
-        allocation, _ = self._posted_piece(tensor, "claim")
-        if allocation.read_phase is not None:
-            self._guarded(self._barrier.wait_all, allocation.read_phase, "exchange", self._spin)
-            allocation.read_phase = None
-
-    def post(self, tensor: torch.Tensor) -> int:
-        """Collective, in order: this rank's part is in `tensor` (a piece of an alloc() tensor); peers may
-        read it from now on. Returns the ticket that gather_sum() takes. Nothing is waited for.
-
-        >>> comm.claim(bucket); bucket.copy_(grads); ticket = comm.post(bucket)   # doctest: +SKIP
-        >>> comm.gather_sum(bucket, ticket, [(0, grads)])                           # grads = sum over ranks
-        """
-        allocation, offset = self._posted_piece(tensor, "post")
-        self._check_tensor(tensor, average=False)
-        stamp = allocation.stamps[self.rank]
-        allocation.posts += 1
-        stamp.posts, stamp.dtype, stamp.offset, stamp.numel = (allocation.posts, DTYPE_CODES[tensor.dtype], offset,
-                                                               tensor.numel())
-        self._ops += 1
-        description = (self._ops, allocation.ident, DTYPE_CODES[tensor.dtype], offset, tensor.numel(), _POSTED)
-        return self._guarded(self._barrier.arrive, description)  # after the data and the stamp (TSO)
-
-    def posted_ready(self, ticket: int, timeout: float) -> bool:
-        """Whether every rank has made the post of `ticket`, waiting up to `timeout` seconds for it. A
-        dead or failed peer still raises; running out of time here leaves the communicator usable."""
-        if self._error is not None:
-            raise self._error
-        try:
-            self._barrier.wait_all(ticket, "exchange", self._spin, timeout)
-        except RanksTimedOutError:
-            return False  # nothing was read or written: the exchange can still go on
-        except BaseException as exc:
-            self._error = exc
-            self._barrier.abort()
-            raise
-        return True
-
-    def gather_sum(self, tensor: torch.Tensor, ticket: int, outputs: list[tuple[int, torch.Tensor]]) -> None:
-        """Collective, after post(tensor): wait for every rank's post, then write the sum over ranks (in
-        rank order: the same bits everywhere) of `tensor.view(-1)[start:start + out.numel()]` into each
-        `(start, out)` of `outputs` (any shapes and strides). Our copy stays readable until we return."""
-        allocation, offset = self._posted_piece(tensor, "gather_sum")
-        self._guarded(self._gather_sum, allocation, offset, tensor, ticket, outputs)
-
-    def _gather_sum(self, allocation: _Allocation, offset: int, tensor: torch.Tensor, ticket: int, outputs) -> None:
-        self._barrier.wait_all(ticket, "exchange", self._spin)
-        self._check_same_post(allocation)
-        self._sum_into(self._copies(allocation, offset, tensor), outputs)
-        allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
-
-    def _copies(self, allocation: _Allocation, offset: int, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's copy of `tensor`, a piece of `allocation` at byte `offset`."""
-        nbytes = tensor.numel() * tensor.element_size()
-        return [slot[offset:offset + nbytes].view(tensor.dtype) for slot in allocation.slots]
-
-    @staticmethod
-    def _sum_into(copies: list[torch.Tensor], outputs) -> None:
-        widen = copies[0].dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
-        for start, out in outputs:
-            parts = [copy[start:start + out.numel()].view(out.shape) for copy in copies]
-            if len(parts) == 1:
-                out.copy_(parts[0])
-            elif widen:
-                total = parts[0].float()
-                for part in parts[1:]:
-                    total.add_(part)
-                out.copy_(total)
-            else:
-                torch.add(parts[0], parts[1], out=out)
-                for part in parts[2:]:
-                    out.add_(part)
-
-    # -- split exchange: each rank sums one chunk, then fetches the others' -------------------------
-
-    def split_exchange_pays(self, dtype: torch.dtype) -> bool:
-        """Whether the split exchange can serve `dtype` here (its kernel does float32 and float64)."""
-        return self.world_size > 1 and dtype in KERNEL_DTYPES and kernel_available()
-
-    def chunk_bounds(self, numel: int, element_size: int) -> list[int]:
-        """Where the chunks of a tensor of `numel` elements begin and end: rank j sums chunk j."""
-        return chunk_bounds(numel, element_size, self.world_size)
-
-    def reduce_own_chunk(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, torch.Tensor]],
-                         scale: float, sums: list[tuple[int, torch.Tensor]] = ()) -> int:
-        """Split exchange, after every rank's post(tensor) (see posted_ready): each `(start, out)` of
-        `pieces` lies in this rank's chunk, and `out` (contiguous) holds this rank's values for
-        tensor[start:start + out.numel()]; the sum in rank order of `out * scale` and the other ranks'
-        posted copies goes into `out` and into this rank's copy, for the peers to fetch. Each
-        `(start, out)` of `sums` (outside every rank's chunk: chunks are being rewritten meanwhile)
-        gets the plain sum, as in gather_sum(). Returns the ticket of fetch_chunks()."""
-        allocation, offset = self._posted_piece(tensor, "reduce_own_chunk")
-        return self._guarded(self._reduce_own_chunk, allocation, offset, tensor, ticket, pieces, scale, sums)
-
-    def _reduce_own_chunk(self, allocation, offset, tensor, ticket, pieces, scale, sums) -> int:
-        self._barrier.wait_all(ticket, "exchange", self._spin)
-        self._check_same_post(allocation)
-        copies = self._copies(allocation, offset, tensor)
-        self._sum_into(copies, sums)
-        code = KERNEL_DTYPES[tensor.dtype]
-        for start, out in pieces:
-            count = out.numel()
-            if not out.is_contiguous() or out.dtype != tensor.dtype:
-                raise ValueError(explain("reduce_own_chunk() writes contiguous pieces of the tensor's dtype",
-                                         rank=self.rank, seen=f"{out.dtype}, strides {out.stride()}",
-                                         expected=f"contiguous {tensor.dtype}", fix="Pass a contiguous view."))
-            if count:
-                addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
-                sum_own_chunk(out.data_ptr(), addresses[self.rank], out.data_ptr(), addresses, count, code, scale,
-                              self.rank)
-        return self._barrier.arrive()  # this rank's chunk of the result is in its copy
-
-    def fetch_chunks(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
-        """Split exchange, after every rank's reduce_own_chunk() (see posted_ready): copy each
-        `(owner, start, out)` of `pieces` from rank `owner`'s result; then this rank is done reading."""
-        allocation, offset = self._posted_piece(tensor, "fetch_chunks")
-        self._guarded(self._fetch_chunks, allocation, offset, tensor, ticket, pieces)
-
-    def _fetch_chunks(self, allocation, offset, tensor, ticket, pieces) -> None:
-        self._barrier.wait_all(ticket, "exchange", self._spin)
-        copies = self._copies(allocation, offset, tensor)
-        for owner, start, out in pieces:
-            out.copy_(copies[owner][start:start + out.numel()].view(out.shape))
-        allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
-
-    def _posted_piece(self, tensor: torch.Tensor, what: str):
-        found = self._locate(tensor)
-        if found is None:
-            raise TypeError(explain(f"{what}() takes a tensor from this communicator's alloc()", rank=self.rank,
-                                    seen="a tensor outside its allocations (or not contiguous)",
-                                    expected="a contiguous piece of an alloc() tensor",
-                                    fix="Allocate the tensor with comm.alloc(), or use allreduce_()."))
-        if self._pending:  # the worker thread would arrive at the same barrier concurrently
-            self.allreduce_(torch.zeros(0), average=False, async_op=False)  # drain it (keeps the order)
-        return found
-
-    def _check_same_post(self, allocation: _Allocation) -> None:
-        mine = tuple(getattr(allocation.stamps[self.rank], name) for name in STAMP_FIELDS)
-        for j, stamp in enumerate(allocation.stamps):
-            theirs = tuple(getattr(stamp, name) for name in STAMP_FIELDS)
-            if theirs != mine:
-                self._barrier.abort()
-                raise CollectiveMismatchError(explain(
-                    f"rank {j} posted something else than this rank", rank=self.rank,
-                    seen=f"rank {j}: " + ", ".join(f"{n}={v}" for n, v in zip(STAMP_FIELDS, theirs)),
-                    expected=", ".join(f"{n}={v}" for n, v in zip(STAMP_FIELDS, mine)),
-                    fix="Every rank must post the same pieces of the same allocations, in the same order."),
-                    peer_rank=j)
 
     def _guarded(self, operation, *args):
         """Run one step of an exchange on this thread; a failure leaves the slots unknown: stay failed."""
@@ -536,31 +371,5 @@ def shm_communicator(process_group=None, **options) -> ShmCommunicator | None:
     try:
         return ShmCommunicator(process_group, **options)
     except ShmUnavailableError as exc:
-        from .world import logger
-
-        logger.info("shared-memory all-reduce off: %s", exc)
+        log.logger.info("shared-memory all-reduce off: %s", exc)
         return None
-
-
-@prescaled
-def shm_sum_prescaled_hook(state, bucket):  # unannotated, as below
-    """phalanx DDP's default on one host: sum the pre-divided bucket and its step tag through shared memory.
-
-    When the bucket's storage came from `state.alloc()` (DDP allocates it so) nothing is copied in or out.
-    """
-    return state.allreduce_(bucket.storage(), average=False)
-
-
-# phalanx DDP may run this hook as a posted exchange on its state (post, then gather_sum straight into
-# the gradients) when that moves fewer bytes: the same sums, the same bits on every rank.
-shm_sum_prescaled_hook._phalanx_posted = True
-
-
-def shm_allreduce_hook(state, bucket):  # unannotated: torch DDP rejects the string annotations of this module
-    """DDP comm hook: average `bucket.buffer()` across ranks through shared memory.
-
-    `state` is a ShmCommunicator; returns a torch.futures.Future holding the averaged buffer.
-
-    >>> model.register_comm_hook(shm_communicator(), shm_allreduce_hook)   # doctest: +SKIP
-    """
-    return state.allreduce_(bucket.buffer())

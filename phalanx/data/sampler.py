@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from .errors import DataConfigError, ResumeStateError, WorldConfigError, explain
+from ..errors import DataConfigError, ResumeStateError, WorldConfigError, explain
 
 # Keys of the state that describe the layout rather than the position: a position taken under
 # another layout names other samples, so loading it is refused. A different num_replicas is not in
@@ -23,7 +23,7 @@ LAYOUT_KEYS = ("dataset_len", "shuffle", "seed", "drop_last", "pad")
 
 
 def _world_rank_and_size() -> tuple[int, int]:
-    from . import world
+    from ..world import group as world
 
     if world.is_initialized():
         return world.rank(), world.world_size()

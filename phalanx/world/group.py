@@ -1,4 +1,4 @@
-"""The process's place in the world: `init()` / `shutdown()`, rank helpers, rank-aware logging.
+"""The process's place in the world: `init()` / `shutdown()`, the rank helpers, `barrier()`.
 
 `init()` reads the environment (see discovery.py), builds the rendezvous store itself so that a
 master that cannot be reached or a port already taken become clear errors in bounded time, then
@@ -8,9 +8,7 @@ or plain `python` (a world of one, still a real process group).
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 import time
 from datetime import timedelta
 
@@ -18,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .discovery import WorldSpec, discover
-from .errors import RanksTimedOutError, WorldConfigError, explain
+from .. import log
+from ..errors import RanksTimedOutError, WorldConfigError, explain
 from .rendezvous import host_store, join_store
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # collectives: long enough for a slow first step
@@ -71,10 +70,11 @@ def _default_threads_untouched() -> bool:
     # OMP_NUM_THREADS / MKL_NUM_THREADS) made a choice that we keep.
     if any(name in os.environ for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
         return False
-    return torch.get_num_threads() == _usable_cores()
+    return torch.get_num_threads() == usable_cores()
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask), not the machine's count."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -83,7 +83,17 @@ def _usable_cores() -> int:
 
 def _share_cores(spec: WorldSpec, device: torch.device) -> None:
     if spec.local_world_size > 1 and device.type == "cpu" and _default_threads_untouched():
-        torch.set_num_threads(max(1, _usable_cores() // spec.local_world_size))
+        torch.set_num_threads(max(1, usable_cores() // spec.local_world_size))
+
+
+def group_size(group=None) -> int:
+    """The size of `group` (default: the world), 1 outside a torch.distributed world."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_rank(group=None) -> int:
+    """This process's rank in `group` (default: the world), 0 outside a torch.distributed world."""
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def collective_device(group=None, preferred: torch.device | None = None) -> torch.device:
@@ -148,7 +158,7 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     _share_cores(spec, chosen)
     _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
     _spec, _device = spec, chosen
-    _configure_logging(spec.rank)
+    log.configure(spec.rank)
     if _owns_group:
         # Gloo finishes connecting on some ranks before others; a rank that returned from init()
         # and exited at once would break its peers' half-made connections. Leave init() together.
@@ -273,42 +283,3 @@ def barrier(timeout=None, name: str = "barrier") -> None:
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
         arrived = _store.add(key, 0)
-
-
-# -- rank-aware logging --------------------------------------------------------------------------
-
-logger = logging.getLogger("phalanx")
-
-
-class _RankFilter(logging.Filter):
-    """Rank 0 logs INFO and above; the other ranks only WARNING and above."""
-
-    def __init__(self, rank_: int):
-        super().__init__()
-        self.rank = rank_
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = self.rank
-        return self.rank == 0 or record.levelno >= logging.WARNING
-
-
-def _configure_logging(rank_: int) -> None:
-    for handler in list(logger.handlers):
-        if getattr(handler, "_phalanx", False):
-            logger.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
-    handler._phalanx = True
-    handler.addFilter(_RankFilter(rank_))
-    # Under `phalanx run` every output line already starts with the rank.
-    prefix = "" if os.environ.get("PHALANX_RANK_PREFIXED") == "1" else "[rank %(rank)s] "
-    handler.setFormatter(logging.Formatter(prefix + "%(levelname)s %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
-def print0(*args, **kwargs) -> None:
-    """print() on global rank 0 only."""
-    if is_main():
-        kwargs.setdefault("flush", True)
-        print(*args, **kwargs)

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .shm import ShmCommunicator
+from ..shm.communicator import ShmCommunicator
 
 VARIANTS = ("gloo", "shm", "shm_alloc")
 
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per size and variant")
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # started by phalanx run / torchrun / srun: we are one rank of the world
-        from . import world
+        from ..world import group as world
 
         world.init()
         rows = _run_in_world(world.rank(), args.sizes, args.repeats)
@@ -112,7 +112,7 @@ def main(argv=None) -> None:
             print(format_rows(rows), flush=True)
         world.shutdown()
         return
-    from .spawn import spawn
+    from ..launch.spawn import spawn
 
     rows = spawn(_run_in_world, args.nproc, (args.sizes, args.repeats),
                  env={"OMP_NUM_THREADS": "1", "PHALANX_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""})[0]

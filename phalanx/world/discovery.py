@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from .errors import WorldConfigError, explain
+from ..errors import WorldConfigError, explain
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections import deque
 import torch
 import torch.utils.data
 
-from .errors import DataConfigError, ResumeStateError, explain
+from ..errors import DataConfigError, ResumeStateError, explain
 from .sampler import DistributedSampler
 
 

@@ -19,7 +19,7 @@ from typing import IO, Callable
 
 import torch
 
-from .errors import UnsafeCheckpointError, explain
+from ..errors import UnsafeCheckpointError, explain
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "phalanx.checkpoint.manifest/1"

@@ -1,0 +1,2 @@
+"""The DDP engine: the front (`ddp.py`), the reducer that decides when a bucket is ready, the buckets,
+the exchanges that decide how a bucket becomes its average, the step guard and join."""

@@ -1,0 +1,71 @@
+"""join(): ranks with fewer batches finish early and shadow the collectives of the ranks still training.
+
+Each iteration of the others starts with one all-reduce (MAX) of what it synchronizes (bit 0
+gradients, bit 1 buffers); a joined rank mirrors the buffer broadcast and the gradient exchange
+with zeros (the exchange's `shadow`). When all ranks are done, the model of the last rank to finish
+is broadcast, so replicas end identical. torch's `Join` context drives it through `DDPJoinHook`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook, _JoinConfig
+
+from .replicas import broadcast_coalesced
+
+SYNCS_GRADIENTS, SYNCS_BUFFERS = 1, 2
+
+
+class DDPJoinHook(JoinHook):
+    """Lets a rank that ran out of data shadow the collectives of the ranks still training."""
+
+    def __init__(self, ddp, divide_by_initial_world_size: bool):
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        """On a rank out of data: mirror one iteration of the ranks still training."""
+        ddp = self.ddp
+        ddp._guard.enabled = False
+        flags = announce_sync(ddp, 0)
+        if flags & SYNCS_BUFFERS and ddp._has_buffers:
+            ddp._sync_buffers(True, src=find_common_rank(ddp, -1, False))
+        if flags & SYNCS_GRADIENTS:
+            ddp._reducer.shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """After join: every rank adopts the model of the (highest) last rank to finish."""
+        ddp = self.ddp
+        src, step = all_reduce_max(ddp, [dist.get_rank() if is_last_joiner else -1, ddp._guard.step])
+        broadcast_coalesced(list(ddp.module.parameters()) + list(ddp.module.buffers()), src,
+                            ddp.process_group, wait=ddp._guard.wait_work)
+        ddp._guard.step = step
+        ddp._guard.end()
+        ddp._guard.enabled = True
+        ddp._join_config = _JoinConfig.construct_disabled_join_config()
+
+
+def all_reduce_max(ddp, values: list[int]) -> list[int]:
+    """Element-wise maximum over the ranks of the model's group (a join control collective)."""
+    tensor = torch.tensor(values, dtype=torch.int64, device=ddp._control_device)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ddp.process_group, async_op=True)
+    ddp._guard.wait_work(work, "a join control all-reduce")
+    return tensor.tolist()
+
+
+def announce_sync(ddp, flags: int) -> int:
+    """Tell joined ranks what this iteration synchronizes (SYNCS_GRADIENTS | SYNCS_BUFFERS)."""
+    return all_reduce_max(ddp, [flags])[0]
+
+
+def find_common_rank(ddp, rank: int, candidate: bool) -> int:
+    """The highest rank among the candidates: the source of a broadcast while some ranks have joined."""
+    return all_reduce_max(ddp, [rank if candidate else -1])[0]
+
+
+def count_active_ranks(join_work) -> int:
+    """The number of ranks still training, from the all-reduce Join.notify_join_context launched."""
+    value = join_work.get_future().wait()
+    tensor = value[0] if isinstance(value, list) else value
+    return max(1, int(torch.as_tensor(tensor).item()))

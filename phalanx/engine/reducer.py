@@ -1,0 +1,227 @@
+"""The gradient engine: count gradients ready, launch full buckets in order, finish after backward.
+
+A post-accumulate-grad hook per parameter counts it ready; when the next bucket in index order is
+complete it is launched through the exchange (which overlaps the rest of backward), so every rank
+issues the same collectives in the same order. An autograd engine callback at the end of backward
+has the exchange deliver every bucket's average into the gradients. After the first synchronized
+iteration the buckets are rebuilt once, in the order rank 0 saw gradients arrive. How a bucket is
+averaged is the exchange's business alone (exchange.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .buckets import Bucket, plan_buckets
+from .exchange import BucketExchange
+from .step_guard import StepGuard
+
+_engine = torch.autograd.Variable._execution_engine
+
+
+class Reducer:
+    """Averages the gradients of `params` over `group` during backward (see the module docstring)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], group, exchange: BucketExchange, *,
+                 cap_bytes: int, first_cap_bytes: int, tolerate_unused: bool, as_view: bool, guard: StepGuard,
+                 control_device: torch.device):
+        self.params, self.names, self.group = params, names, group
+        self.exchange = exchange
+        self.cap_bytes, self.first_cap_bytes = cap_bytes, first_cap_bytes
+        self.tolerate_unused = tolerate_unused
+        self.as_view = as_view
+        self.guard = guard
+        self.control_device = control_device
+        self.armed = False  # a synchronized backward is expected (set by DDP's forward)
+        self.rebuilt = False
+        self.unready_error: list[str] | None = None
+        self._queued = False
+        self._steady = False  # armed, finalize queued, buckets rebuilt: the hooks' fast path applies
+        self._ready = bytearray(len(params))  # got a gradient since the last synchronized backward (reset in place)
+        self._no_ready = bytes(len(params))
+        self._order: list[int] = []  # the ready order of the first synchronized backward
+        self._used = torch.zeros(len(params) + 1, dtype=torch.int32, device=control_device)
+        self.buckets: list[Bucket] = []
+        self._bucket_of: list[Bucket | None] = [None] * len(params)  # updated in place: the hooks hold it
+        self._next = 0
+        self._build(plan_buckets(params, list(reversed(range(len(params)))), cap_bytes, first_cap_bytes))
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+
+    # -- plan -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _build(self, plan: list[list[int]]) -> None:
+        """Buckets for `plan` in the exchange's storage. Allocation may be collective (shared memory):
+        every rank builds the same plan in the same order."""
+        self.buckets = []
+        for k, indices in enumerate(plan):
+            first = self.params[indices[0]]
+            storage = self.exchange.allocate(Bucket.storage_numel(indices, self.params), first.dtype, first.device)
+            self.buckets.append(Bucket(k, indices, self.params, storage, self.as_view))
+        for bucket in self.buckets:
+            for i in bucket.indices:
+                self._bucket_of[i] = bucket
+        self.exchange.prepare(self.buckets)
+        self._next = 0
+
+    @torch.no_grad()
+    def _replace(self, plan: list[list[int]], exchange: BucketExchange) -> None:
+        """New buckets for `plan`, averaged by `exchange`; gradients that viewed the old ones move along."""
+        self.exchange.settle(self.buckets)
+        old, previous = self.buckets, self.exchange
+        self.exchange = exchange
+        self._build(plan)
+        if self.as_view:
+            for bucket in self.buckets:
+                for p, view in zip(bucket.params, bucket.views):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
+        for bucket in old:
+            previous.release(bucket.storage)
+
+    def plan(self) -> list[list[int]]:
+        return [list(b.indices) for b in self.buckets]
+
+    def set_exchange(self, exchange: BucketExchange) -> None:
+        """Average with `exchange` from now on (register_comm_hook): the same plan, storage of its own."""
+        self._replace(self.plan(), exchange)
+
+    # -- during backward --------------------------------------------------------------------------
+
+    def _make_hook(self, index: int):
+        # Runs once per parameter per backward: the steady state touches a handful of names only.
+        ready, bucket_of = self._ready, self._bucket_of
+
+        def on_grad_accumulated(_param):
+            ready[index] = 1
+            if self._steady:
+                bucket = bucket_of[index]
+                bucket.pending -= 1
+                if not bucket.pending and bucket.index == self._next:
+                    self._launch_ready()
+            elif self.armed:  # else: no_sync(), or a backward no DDP forward prepared: accumulate locally
+                self._mark_ready_first(index)
+        return on_grad_accumulated
+
+    def _mark_ready_first(self, index: int) -> None:
+        """The slow path: first gradient of a backward (queue finalize), or recording the first order."""
+        if not self._queued:
+            self._queued = True
+            self.guard.begin()
+            _engine.queue_callback(self._finalize)
+            self._steady = self.rebuilt
+        if not self.rebuilt:
+            self._order.append(index)
+        bucket = self._bucket_of[index]
+        bucket.pending -= 1
+        if not bucket.pending and bucket.index == self._next:
+            self._launch_ready()
+
+    @torch.no_grad()
+    def _launch_ready(self) -> None:
+        """Launch the next buckets in index order, as long as they are complete."""
+        buckets = self.buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            self.exchange.launch(buckets[self._next])
+            self._next += 1
+
+    # -- after backward ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _finalize(self) -> None:
+        self._queued = False
+        self.armed = self._steady = False
+        buckets = self.buckets
+        if self._next < len(buckets):
+            if not self.tolerate_unused:
+                # The other ranks launched the same buckets (if their unused set is ours): finish them,
+                # then report at the next forward, where the user can still act on it.
+                for bucket in buckets[:self._next]:
+                    self.exchange.discard(bucket)
+                self.unready_error = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+                self._reset()
+                self.guard.end()
+                return
+            for bucket in buckets[self._next:]:  # the missing gradients count as zeros
+                self.exchange.launch(bucket)
+            self._next = len(buckets)
+        # With unused parameters, which got a gradient anywhere decides what is written back.
+        used = self._used_anywhere() if self.tolerate_unused else None
+        for bucket in buckets:  # bucket by bucket, while the later ones are still in flight
+            self.exchange.deliver(bucket, used)
+        if not self.rebuilt:
+            self._rebuild()
+        self._reset()
+        self.guard.end()
+
+    def _used_anywhere(self) -> list[int]:
+        """Collective: per parameter, the number of ranks where it got a gradient this backward."""
+        self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8))
+        self._used[-1] = self.guard.tag(2 ** 20)
+        future = dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
+        self.guard.wait(future, "the all-reduce of the used-parameter map")
+        self.guard.check_sum(int(self._used[-1]), self.guard.tag(2 ** 20), "the used-parameter map")
+        return self._used[:-1].tolist()
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self._next = 0
+        self._ready[:] = self._no_ready
+
+    def disarm(self) -> None:
+        """The coming backward is not synchronized (no_sync, or no grad): hooks only note readiness."""
+        self.armed = self._steady = False
+
+    def prepare_for_backward(self) -> None:
+        """Called by DDP's forward when gradients will be synchronized in the coming backward."""
+        if self._queued and torch._C._current_autograd_node() is not None:
+            self.armed = True  # a forward run inside backward (reentrant checkpointing): keep counting
+            return
+        # A backward that raised never reached _finalize: start this one from a clean count.
+        self._queued = self._steady = False
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+        self._next = 0
+        self.armed = True
+
+    # -- the one-time rebuild ---------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Adopt rank 0's observed ready order for the buckets (once; every rank takes part)."""
+        seen = set(self._order)
+        order = self._order + [i for bucket in self.plan() for i in bucket if i not in seen]
+        self.rebuilt = True
+        self._order = []
+        message = torch.tensor(order + [self.guard.tag(2 ** 30)], dtype=torch.int64, device=self.control_device)
+        sender = dist.get_global_rank(self.group, 0)
+        own_tag = int(message[-1])
+        work = dist.broadcast(message, sender, group=self.group, async_op=True)
+        self.guard.wait_work(work, "the broadcast of the bucket order")
+        self.guard.check_equal(int(message[-1]), own_tag, "the broadcast of the bucket order")
+        self.rebuild_with_order(message[:-1].tolist())
+
+    def rebuild_with_order(self, order: list[int]) -> None:
+        plan = plan_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes)
+        if plan != self.plan():
+            self._replace(plan, self.exchange)
+
+    # -- join: a rank out of data mirrors the others' backward ------------------------------------
+
+    @torch.no_grad()
+    def shadow_backward(self) -> None:
+        """Issue the collectives of one synchronized backward with zero gradients."""
+        self.exchange.shadow(self.buckets)
+        if self.tolerate_unused:
+            self._used.zero_()
+            self.guard.wait(dist.all_reduce(self._used, group=self.group, async_op=True).get_future(),
+                            "the shadow all-reduce of the used-parameter map")
+        if not self.rebuilt:
+            self._ready[:] = self._no_ready
+            self._rebuild()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()

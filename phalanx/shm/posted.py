@@ -1,0 +1,195 @@
+"""The posted and split exchanges: sums over ranks of pieces of a communicator's allocations.
+
+A rank `post()`s its part where it lies in its slot (a stamp and one barrier arrival, no wait).
+`gather_sum()` then has every rank add up all ranks' copies, in rank order so that the bits agree,
+straight into outputs of its own: no second phase and no result written back into the slots. The
+split variant divides the work: each rank sums one chunk (`reduce_own_chunk`), then copies the
+others' results (`fetch_chunks`). `claim()` keeps a rank from rewriting a copy a peer still reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..errors import CollectiveMismatchError, RanksTimedOutError, explain
+from .barrier import LINE_BYTES, MODE_POST
+from .reduce import DTYPE_CODES, KERNEL_DTYPES, WIDENED, chunk_bounds, kernel_available, sum_own_chunk
+
+# Up to this many ranks, a posted exchange (each rank reads every copy once) moves no more bytes than
+# the two-phase all-reduce followed by a copy of the result to where it is wanted; beyond, it moves more.
+POSTED_MAX_RANKS = 3
+
+
+class Stamp(ctypes.Structure):
+    """What a rank last posted from one allocation (ShmCommunicator.post): at the end of its slot, so a
+    peer reading the slot checks it against its own, however far ahead in other exchanges that rank is."""
+
+    _fields_ = [("posts", ctypes.c_uint64), ("dtype", ctypes.c_uint32), ("_pad0", ctypes.c_uint32),
+                ("offset", ctypes.c_uint64), ("numel", ctypes.c_uint64), ("_pad", ctypes.c_uint64 * 4)]
+
+
+assert ctypes.sizeof(Stamp) == LINE_BYTES
+STAMP_FIELDS = ("posts", "dtype", "offset", "numel")
+
+
+class PostedExchanges:
+    """The posted and split exchanges of ShmCommunicator (a mixin: it works on the communicator's
+    allocations, barrier and failure state). Every call is collective and in order, like allreduce_()."""
+
+    def posted_exchange_pays(self) -> bool:
+        """Whether post() + gather_sum() moves fewer bytes than allreduce_() plus copying the result out."""
+        return self.world_size <= POSTED_MAX_RANKS
+
+    def claim(self, tensor: torch.Tensor) -> None:
+        """Wait until no peer reads this rank's copy of `tensor` for an earlier gather_sum(); call it
+        before writing into a posted tensor again. Returns at once in the usual case (peers are done)."""
+        allocation, _ = self._posted_piece(tensor, "claim")
+        if allocation.read_phase is not None:
+            self._guarded(self._barrier.wait_all, allocation.read_phase, "exchange", self._spin)
+            allocation.read_phase = None
+
+    def post(self, tensor: torch.Tensor) -> int:
+        """Collective, in order: this rank's part is in `tensor` (a piece of an alloc() tensor); peers may
+        read it from now on. Returns the ticket that gather_sum() takes. Nothing is waited for.
+
+        >>> comm.claim(bucket); bucket.copy_(grads); ticket = comm.post(bucket)   # doctest: +SKIP
+        >>> comm.gather_sum(bucket, ticket, [(0, grads)])                           # grads = sum over ranks
+        """
+        allocation, offset = self._posted_piece(tensor, "post")
+        self._check_tensor(tensor, average=False)
+        stamp = allocation.stamps[self.rank]
+        allocation.posts += 1
+        stamp.posts, stamp.dtype, stamp.offset, stamp.numel = (allocation.posts, DTYPE_CODES[tensor.dtype], offset,
+                                                               tensor.numel())
+        self._ops += 1
+        description = (self._ops, allocation.ident, DTYPE_CODES[tensor.dtype], offset, tensor.numel(), MODE_POST)
+        return self._guarded(self._barrier.arrive, description)  # after the data and the stamp (TSO)
+
+    def posted_ready(self, ticket: int, timeout: float) -> bool:
+        """Whether every rank has made the post of `ticket`, waiting up to `timeout` seconds for it. A
+        dead or failed peer still raises; running out of time here leaves the communicator usable."""
+        if self._error is not None:
+            raise self._error
+        try:
+            self._barrier.wait_all(ticket, "exchange", self._spin, timeout)
+        except RanksTimedOutError:
+            return False  # nothing was read or written: the exchange can still go on
+        except BaseException as exc:
+            self._error = exc
+            self._barrier.abort()
+            raise
+        return True
+
+    def gather_sum(self, tensor: torch.Tensor, ticket: int, outputs: list[tuple[int, torch.Tensor]]) -> None:
+        """Collective, after post(tensor): wait for every rank's post, then write the sum over ranks (in
+        rank order: the same bits everywhere) of `tensor.view(-1)[start:start + out.numel()]` into each
+        `(start, out)` of `outputs` (any shapes and strides). Our copy stays readable until we return."""
+        allocation, offset = self._posted_piece(tensor, "gather_sum")
+        self._guarded(self._gather_sum, allocation, offset, tensor, ticket, outputs)
+
+    def _gather_sum(self, allocation, offset: int, tensor: torch.Tensor, ticket: int, outputs) -> None:
+        self._barrier.wait_all(ticket, "exchange", self._spin)
+        self._check_same_post(allocation)
+        self._sum_into(self._copies(allocation, offset, tensor), outputs)
+        allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
+
+    def _copies(self, allocation, offset: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's copy of `tensor`, a piece of `allocation` at byte `offset`."""
+        nbytes = tensor.numel() * tensor.element_size()
+        return [slot[offset:offset + nbytes].view(tensor.dtype) for slot in allocation.slots]
+
+    @staticmethod
+    def _sum_into(copies: list[torch.Tensor], outputs) -> None:
+        widen = copies[0].dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
+        for start, out in outputs:
+            parts = [copy[start:start + out.numel()].view(out.shape) for copy in copies]
+            if len(parts) == 1:
+                out.copy_(parts[0])
+            elif widen:
+                total = parts[0].float()
+                for part in parts[1:]:
+                    total.add_(part)
+                out.copy_(total)
+            else:
+                torch.add(parts[0], parts[1], out=out)
+                for part in parts[2:]:
+                    out.add_(part)
+
+    # -- split exchange: each rank sums one chunk, then fetches the others -----------------------
+
+    def split_exchange_pays(self, dtype: torch.dtype) -> bool:
+        """Whether the split exchange can serve `dtype` here (its kernel does float32 and float64)."""
+        return self.world_size > 1 and dtype in KERNEL_DTYPES and kernel_available()
+
+    def chunk_bounds(self, numel: int, element_size: int) -> list[int]:
+        """Where the chunks of a tensor of `numel` elements begin and end: rank j sums chunk j."""
+        return chunk_bounds(numel, element_size, self.world_size)
+
+    def reduce_own_chunk(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, torch.Tensor]],
+                         scale: float, sums: list[tuple[int, torch.Tensor]] = ()) -> int:
+        """Split exchange, after every rank's post(tensor) (see posted_ready): each `(start, out)` of
+        `pieces` lies in this rank's chunk, and `out` (contiguous) holds this rank's values for
+        tensor[start:start + out.numel()]; the sum in rank order of `out * scale` and the other ranks'
+        posted copies goes into `out` and into this rank's copy, for the peers to fetch. Each
+        `(start, out)` of `sums` (outside every rank's chunk: chunks are being rewritten meanwhile)
+        gets the plain sum, as in gather_sum(). Returns the ticket of fetch_chunks()."""
+        allocation, offset = self._posted_piece(tensor, "reduce_own_chunk")
+        return self._guarded(self._reduce_own_chunk, allocation, offset, tensor, ticket, pieces, scale, sums)
+
+    def _reduce_own_chunk(self, allocation, offset, tensor, ticket, pieces, scale, sums) -> int:
+        self._barrier.wait_all(ticket, "exchange", self._spin)
+        self._check_same_post(allocation)
+        copies = self._copies(allocation, offset, tensor)
+        self._sum_into(copies, sums)
+        code = KERNEL_DTYPES[tensor.dtype]
+        for start, out in pieces:
+            count = out.numel()
+            if not out.is_contiguous() or out.dtype != tensor.dtype:
+                raise ValueError(explain("reduce_own_chunk() writes contiguous pieces of the tensor's dtype",
+                                         rank=self.rank, seen=f"{out.dtype}, strides {out.stride()}",
+                                         expected=f"contiguous {tensor.dtype}", fix="Pass a contiguous view."))
+            if count:
+                addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
+                sum_own_chunk(out.data_ptr(), addresses[self.rank], out.data_ptr(), addresses, count, code, scale,
+                              self.rank)
+        return self._barrier.arrive()  # this rank's chunk of the result is in its copy
+
+    def fetch_chunks(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+        """Split exchange, after every rank's reduce_own_chunk() (see posted_ready): copy each
+        `(owner, start, out)` of `pieces` from rank `owner`'s result; then this rank is done reading."""
+        allocation, offset = self._posted_piece(tensor, "fetch_chunks")
+        self._guarded(self._fetch_chunks, allocation, offset, tensor, ticket, pieces)
+
+    def _fetch_chunks(self, allocation, offset, tensor, ticket, pieces) -> None:
+        self._barrier.wait_all(ticket, "exchange", self._spin)
+        copies = self._copies(allocation, offset, tensor)
+        for owner, start, out in pieces:
+            out.copy_(copies[owner][start:start + out.numel()].view(out.shape))
+        allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
+
+    def _posted_piece(self, tensor: torch.Tensor, what: str):
+        """(allocation, byte offset) of `tensor`, after any queued all-reduce has run."""
+        found = self._locate(tensor)
+        if found is None:
+            raise TypeError(explain(f"{what}() takes a tensor from this communicator's alloc()", rank=self.rank,
+                                    seen="a tensor outside its allocations (or not contiguous)",
+                                    expected="a contiguous piece of an alloc() tensor",
+                                    fix="Allocate the tensor with comm.alloc(), or use allreduce_()."))
+        if self._pending:  # the worker thread would arrive at the same barrier concurrently
+            self.allreduce_(torch.zeros(0), average=False, async_op=False)  # drain it (keeps the order)
+        return found
+
+    def _check_same_post(self, allocation) -> None:
+        mine = tuple(getattr(allocation.stamps[self.rank], name) for name in STAMP_FIELDS)
+        for j, stamp in enumerate(allocation.stamps):
+            theirs = tuple(getattr(stamp, name) for name in STAMP_FIELDS)
+            if theirs != mine:
+                self._barrier.abort()
+                raise CollectiveMismatchError(explain(
+                    f"rank {j} posted something else than this rank", rank=self.rank,
+                    seen=f"rank {j}: " + ", ".join(f"{n}={v}" for n, v in zip(STAMP_FIELDS, theirs)),
+                    expected=", ".join(f"{n}={v}" for n, v in zip(STAMP_FIELDS, mine)),
+                    fix="Every rank must post the same pieces of the same allocations, in the same order."),
+                    peer_rank=j)
