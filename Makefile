@@ -5,13 +5,17 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test lint install bench clean
 
 demo: $(STAMP)
 	$(VENV)/bin/phalanx demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The rule set and why it was chosen: [tool.ruff] in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 bench: $(STAMP)
 	$(VENV)/bin/phalanx bench

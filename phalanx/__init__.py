@@ -7,21 +7,51 @@
 
 import sys
 
-from . import hooks
+from . import hooks, nn
 from .checkpoint import Checkpointer
 from .data import DataLoader, DistributedSampler, metrics
 from .engine.ddp import DDP, DistributedDataParallel
-from .errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointValueError,
-                     CheckpointWriteError, CollectiveMismatchError, DataConfigError, MasterUnreachableError,
-                     NoTrainableParametersError, ParameterMismatchError, PeerDiedError, PeerFailedError, PhalanxError,
-                     PortInUseError, RankFailedError, RanksTimedOutError, ResumeStateError, ShmUnavailableError,
-                     UnevenInputsError, UnsafeCheckpointError, UnusedParameterError, WorldConfigError)
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointValueError,
+    CheckpointWriteError,
+    CollectiveMismatchError,
+    DataConfigError,
+    MasterUnreachableError,
+    NoTrainableParametersError,
+    ParameterMismatchError,
+    PeerDiedError,
+    PeerFailedError,
+    PhalanxError,
+    PortInUseError,
+    RankFailedError,
+    RanksTimedOutError,
+    ResumeStateError,
+    ShmUnavailableError,
+    SyncBatchNormError,
+    UnevenInputsError,
+    UnsafeCheckpointError,
+    UnusedParameterError,
+    WorldConfigError,
+)
 from .hooks import shm_allreduce_hook
 from .launch.spawn import spawn
 from .log import logger, print0
 from .shm import ShmCommunicator, shm_communicator, shm_enabled, sweep_stale_segments
-from .world import (barrier, device, init, is_initialized, is_main, local_rank, local_world_size, rank, shutdown,
-                    world_size)
+from .world import (
+    barrier,
+    device,
+    init,
+    is_initialized,
+    is_main,
+    local_rank,
+    local_world_size,
+    rank,
+    shutdown,
+    world_size,
+)
 
 __version__ = "0.1.0"
 

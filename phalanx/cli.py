@@ -15,8 +15,9 @@ COMMANDS = {
     "bench": ("phalanx.tools.bench", "measure phalanx DDP against torch DDP and compute-only"),
 }
 
-USAGE = "usage: phalanx {run,demo,bench} [options]\n\n" + "\n".join(
-    f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items()) + "\n\nexample: phalanx run --nproc-per-node 2 train.py\n"
+USAGE = ("usage: phalanx {run,demo,bench} [options]\n\n"
+         + "\n".join(f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items())
+         + "\n\nexample: phalanx run --nproc-per-node 2 train.py\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,3 +165,7 @@ class CollectiveMismatchError(PhalanxError, ValueError):
 
 class ShmUnavailableError(PhalanxError):
     """The shared-memory transport cannot serve this process group (ranks on several hosts, disabled, ...)."""
+
+
+class SyncBatchNormError(PhalanxError, ValueError):
+    """SyncBatchNorm got input it cannot normalize (wrong shape, fewer than 2 samples in the whole group)."""

@@ -8,8 +8,11 @@ as they are (state None means the model's process group); phalanx adds the share
 >>> model.register_comm_hook(phalanx.shm_communicator(), phalanx.hooks.shm_allreduce_hook)
 """
 
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (allreduce_hook, bf16_compress_hook,
-                                                                       fp16_compress_hook)
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "shm_allreduce_hook"]
 

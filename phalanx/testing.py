@@ -14,7 +14,8 @@ from .launch.spawn import spawn
 DEFAULT_TIMEOUT = 120.0
 
 
-def run_ranks(fn, world_size: int, args: tuple = (), *, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None) -> list:
+def run_ranks(fn, world_size: int, args: tuple = (), *, timeout: float = DEFAULT_TIMEOUT,
+              env: dict | None = None) -> list:
     """Run `fn(rank, *args)` on `world_size` CPU ranks over Gloo and return the results in rank order.
 
     >>> from phalanx.testing import run_ranks          # doctest: +SKIP

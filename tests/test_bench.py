@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import phalanx
+from phalanx.testing import run_ranks
 from phalanx.tools import bench
 from phalanx.tools.bench_report import format_table, paired_ratios, ratios, summarize
-from phalanx.testing import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = ["--quick", "--models", "deep"]
@@ -71,7 +70,8 @@ def test_allreduce_is_not_installed_only_when_its_module_is_missing(monkeypatch)
             return real_import(requested, *args)
         return fake
 
-    monkeypatch.setattr(bench.importlib, "import_module", missing("phalanx.tools.bench_allreduce", "phalanx.tools.bench_allreduce"))
+    monkeypatch.setattr(bench.importlib, "import_module", missing("phalanx.tools.bench_allreduce",
+                                                                  "phalanx.tools.bench_allreduce"))
     assert bench.load_allreduce_bandwidth() is None
     # The module exists but one of its own imports fails: that is a bug to show, not "not installed".
     monkeypatch.setattr(bench.importlib, "import_module", missing("phalanx.tools.bench_allreduce", "some_dependency"))

@@ -2,8 +2,8 @@
 
 import math
 
-from phalanx.tools.bench_allreduce import VARIANTS, allreduce_bandwidth, format_rows
 from phalanx.testing import run_ranks
+from phalanx.tools.bench_allreduce import VARIANTS, allreduce_bandwidth, format_rows
 
 
 def _tiny_benchmark(rank: int):

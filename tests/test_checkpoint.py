@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.checkpoint import atomic_files
-from phalanx.checkpoint import unwrap
+from phalanx.checkpoint import atomic_files, unwrap
 
 ROOT = Path(__file__).resolve().parents[1]
 

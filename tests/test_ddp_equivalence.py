@@ -10,8 +10,8 @@ Each world size is one spawned run that trains every case with SGD+momentum and 
 import warnings
 
 import pytest
-
 from ddp_cases import equivalence_run
+
 from phalanx.testing import run_ranks
 
 CASES = ["mlp", "cnn_bn_eval", "unused", "tied", "no_sync", "create_graph"]

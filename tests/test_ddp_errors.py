@@ -21,7 +21,7 @@ from phalanx.testing import run_ranks
 def _caught(fn):
     try:
         fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects whatever came out
+    except Exception as exc:
         return {"type": type(exc).__name__, "message": str(exc), "is_runtime": isinstance(exc, RuntimeError),
                 **{k: getattr(exc, k) for k in ("name", "ranks", "names", "step", "missing_ranks") if hasattr(exc, k)}}
     return None

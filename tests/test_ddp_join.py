@@ -10,11 +10,11 @@ generic `Join([model])`. Afterwards replicas are identical and ordinary training
 import pytest
 import torch
 import torch.nn.functional as F
+from ddp_cases import flat_params, replicas_identical
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import phalanx
-from ddp_cases import flat_params, replicas_identical
 from phalanx.testing import run_ranks
 
 WORLD = 3

@@ -24,7 +24,7 @@ def _world_of_one(rank: int) -> dict:
     bare = _net()
     model = phalanx.DDP(copy.deepcopy(bare), gradient_as_bucket_view=True)
     opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (model, bare)]
-    for step in range(5):
+    for _ in range(5):
         x, y = torch.randn(8, 4), torch.randn(8, 2)
         for m, opt in zip((model, bare), opts):
             opt.zero_grad()

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 import phalanx
 from phalanx.engine.buckets import Bucket, GradBucket, plan_buckets
 from phalanx.engine.ddp import _move_to
-from phalanx.errors import WorldConfigError
 from phalanx.engine.step_guard import tag_modulus
+from phalanx.errors import WorldConfigError
 
 MB = 2 ** 20
 

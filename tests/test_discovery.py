@@ -2,8 +2,8 @@
 
 import pytest
 
-from phalanx.world.discovery import WorldSpec, discover, parse_nodelist, parse_tasks_per_node
 from phalanx.errors import WorldConfigError
+from phalanx.world.discovery import WorldSpec, discover, parse_nodelist, parse_tasks_per_node
 
 
 class TestSlurmNodeList:

@@ -14,7 +14,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from commands import run_command
 
 from phalanx.testing import free_port

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "launch_worker.py")
 HANG_GUARD = 240  # seconds; a run that needs this long is stuck
@@ -201,7 +200,7 @@ class TestTwoNodes:
                 if node.poll() is None:
                     node.kill()
                     node.wait()
-        for node, (stdout, stderr) in zip(nodes, outputs):
+        for node, (_, stderr) in zip(nodes, outputs):
             assert node.returncode == 0, stderr
         assert sums_by_rank(outputs[0][0]) == {0: (2, 1, 0)}
         assert sums_by_rank(outputs[1][0]) == {1: (2, 1, 0)}

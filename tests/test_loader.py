@@ -206,7 +206,7 @@ def resume_on_this_rank(rank, state_dir):
     """On a spawned rank: the contract for every k, with the world's own rank and size, 0 and 2 workers."""
     results = {}
     for num_workers in (0, 2):
-        def loader():
+        def loader(num_workers=num_workers):
             dataset = Squares()
             # fork, as under torchrun: a rank started by spawn would otherwise spawn its workers too
             # (each re-imports torch, seconds apiece on a loaded machine)

@@ -12,8 +12,15 @@ import torch
 
 import phalanx.metrics
 from phalanx import DataConfigError, DataLoader, DistributedSampler
-from phalanx.metrics import (Mean, all_reduce_max, all_reduce_mean, all_reduce_min, all_reduce_sum, gather_in_order,
-                             weighted_mean)
+from phalanx.metrics import (
+    Mean,
+    all_reduce_max,
+    all_reduce_mean,
+    all_reduce_min,
+    all_reduce_sum,
+    gather_in_order,
+    weighted_mean,
+)
 from phalanx.testing import run_ranks
 
 SIZE = 29  # uneven over 3 ranks (10, 10, 9 without padding) and over batches of 4
@@ -61,7 +68,7 @@ class TestOneProcess:
             gather_in_order(VALUES[list(sampler)], sampler)
 
     def test_docstring_examples_run(self):
-        for module in (phalanx.metrics, phalanx.sampler, phalanx.loader):
+        for module in (phalanx.data.metrics, phalanx.data.sampler, phalanx.data.loader):
             assert doctest.testmod(module, extraglobs={"torch": torch}).failed == 0, module.__name__
 
 

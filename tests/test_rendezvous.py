@@ -6,8 +6,8 @@ from datetime import timedelta
 import pytest
 
 from phalanx.errors import MasterUnreachableError, PortInUseError
-from phalanx.world.rendezvous import LOOPBACK, host_store, join_store
 from phalanx.testing import free_port
+from phalanx.world.rendezvous import LOOPBACK, host_store, join_store
 
 
 def listening_addresses(port: int) -> set:

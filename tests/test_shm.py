@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx.shm import communicator as shm_module
 from phalanx.errors import CollectiveMismatchError, PeerFailedError, RanksTimedOutError
 from phalanx.hooks import shm_allreduce_hook
 from phalanx.shm import ShmCommunicator, shm_communicator
+from phalanx.shm import communicator as shm_module
 from phalanx.shm.segment import SHM_DIR, job_segments
 from phalanx.testing import run_ranks
 

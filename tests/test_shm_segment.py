@@ -8,8 +8,15 @@ import pytest
 
 from phalanx.shm import shm_enabled
 from phalanx.shm.reduce import chunk_bounds
-from phalanx.shm.segment import (PREFIX, SHM_DIR, Segment, job_segments, process_alive, process_start_time,
-                                 sweep_stale_segments)
+from phalanx.shm.segment import (
+    PREFIX,
+    SHM_DIR,
+    Segment,
+    job_segments,
+    process_alive,
+    process_start_time,
+    sweep_stale_segments,
+)
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
 

@@ -21,11 +21,10 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from model import GPT, GPTConfig  # model.py, beside this file
 from torch.utils.data import Dataset
 
 import phalanx as px
-
-from model import GPT, GPTConfig  # model.py, beside this file
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "shakespeare.txt"
 

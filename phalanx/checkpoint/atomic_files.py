@@ -13,9 +13,10 @@ import os
 import pickle
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 import torch
 

@@ -15,13 +15,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import random_state
-
-from . import atomic_files
-
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointValueError,
+    CheckpointWriteError,
+    UnsafeCheckpointError,
+    explain,
+)
+from ..log import logger
 from ..world import group as world
-from ..errors import (CheckpointCorruptError, CheckpointError, CheckpointMismatchError, CheckpointValueError,
-                     CheckpointWriteError, UnsafeCheckpointError, explain)
+from . import atomic_files, random_state
 
 FORMAT = 1
 _NOTHING, _LOAD, _FAILED = 0, 1, 2  # what rank 0 tells the others after choosing or writing
@@ -70,7 +75,8 @@ def check_plain(value, where: str) -> None:
         return
     hint = " (convert NumPy values with .item() or torch.as_tensor())" if kind.__module__.startswith("numpy") else ""
     raise CheckpointValueError(explain(
-        f"{where} cannot be saved in a checkpoint that loads safely", rank=world.group_rank(), seen=f"a {kind.__qualname__}",
+        f"{where} cannot be saved in a checkpoint that loads safely", rank=world.group_rank(),
+        seen=f"a {kind.__qualname__}",
         expected="tensors, numbers, strings, bytes, None, and lists/tuples/dicts/sets of them, "
                  "or an object with state_dict()/load_state_dict()",
         fix=f"Store the value as one of those{hint}."))
@@ -183,7 +189,7 @@ class Checkpointer:
         for name in atomic_files.checkpoint_files(self.directory).values():
             if name not in keep_names:
                 (self.directory / name).unlink(missing_ok=True)
-        world.logger.info("saved checkpoint %s (%.1f MB in %.2fs)", path, size / 1e6, time.monotonic() - started)
+        logger.info("saved checkpoint %s (%.1f MB in %.2fs)", path, size / 1e6, time.monotonic() - started)
         return path
 
     def _barrier(self) -> None:
@@ -234,7 +240,7 @@ class Checkpointer:
         self.saved_world_size = payload["world_size"]
         if world.group_rank() == 0:
             plain = {k: v for k, v in state.items() if type(v) in (int, float, str, bool)}
-            world.logger.info("resumed from %s (saved by %d rank(s), now %d)%s", path, payload["world_size"],
+            logger.info("resumed from %s (saved by %d rank(s), now %d)%s", path, payload["world_size"],
                               world.group_size(), f": {plain}" if plain else "")
         return True
 
@@ -245,7 +251,7 @@ class Checkpointer:
             present = atomic_files.checkpoint_files(self.directory)
             if not present:
                 return None
-            world.logger.warning("no readable %s in %s: the checkpoints cannot be checked for truncation; "
+            logger.warning("no readable %s in %s: the checkpoints cannot be checked for truncation; "
                                  "trying the newest first", atomic_files.MANIFEST, self.directory)
             candidates = [(self.directory / present[s], None) for s in sorted(present, reverse=True)]
         else:
@@ -264,7 +270,7 @@ class Checkpointer:
                 except Exception as exc:  # truncated zip, I/O error, ...
                     reason = f"unreadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
             broken.append(f"{path.name}: {reason}")
-            world.logger.warning("checkpoint %s is %s; falling back to the previous one", path, reason)
+            logger.warning("checkpoint %s is %s; falling back to the previous one", path, reason)
         if broken:
             raise CheckpointCorruptError(explain(
                 f"no complete checkpoint left in {self.directory}", rank=0, seen="; ".join(broken),
@@ -318,7 +324,7 @@ class Checkpointer:
         else:  # more ranks than were saved: a stream of its own, derived from a saved one
             random_state.reseed_derived(saved[rank % len(saved)], rank, device)
         if rank == 0 and len(saved) != world.group_size():
-            world.logger.info("world size changed from %d to %d: ranks below %d got their saved random states, "
+            logger.info("world size changed from %d to %d: ranks below %d got their saved random states, "
                               "the others streams derived from them", len(saved), world.group_size(), len(saved))
 
 

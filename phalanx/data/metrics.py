@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DataConfigError, explain
+from ..world.group import collective_device, group_size
 from .sampler import DistributedSampler
-from ..world.group import collective_device, group_rank, group_size
 
 
 def _all_reduce(value, op, group):

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
 from ..errors import NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
+from ..log import logger
+from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
 from ..shm import shm_communicator
 from ..shm.reduce import DTYPE_CODES
 from ..world.group import collective_device
@@ -67,6 +69,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 fix="Wrap a model with trainable parameters, or run it without DDP."))
         _reject_sparse_gradients(module)
         devices = {p.device for _, p in named}
+        if all(d.type == "cpu" for d in devices):  # torch's SyncBatchNorm refuses CPU input; ours takes it
+            swapped = replace_torch_sync_batchnorm(module)
+            if swapped:
+                logger.info("torch.nn.SyncBatchNorm at %s replaced by phalanx.nn.SyncBatchNorm (CPU model)",
+                            ", ".join(swapped))
         self.device = next(iter(devices)) if len(devices) == 1 else None
         self.device_ids = _check_device_ids(device_ids, devices)
         self.output_device = output_device

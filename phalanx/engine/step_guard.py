@@ -140,7 +140,7 @@ class StepGuard:
             from ..world import group as world
 
             return world.store()
-        except Exception:  # noqa: BLE001 - a user-made group: no store of ours to ask
+        except Exception:
             return None
 
     def _presence_key(self, rank: int) -> str:

@@ -25,9 +25,9 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig
 
 from ..errors import PhalanxError, explain
-from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
 from ..world.group import usable_cores
 from ..world.rendezvous import LOOPBACK, StaticRendezvous
+from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
 
 DEFAULT_MULTI_NODE_PORT = 29500
 MAX_AUTO_CPU_WORKERS = 8

@@ -104,13 +104,15 @@ def _collect(processes, results, timeout: float | None) -> list:
                     except queue_module.Empty:
                         raise RankFailedError(explain(
                             f"rank {rank} ended without reporting a result", seen=f"exit code {process.exitcode}",
-                            expected="a normal return", fix="A negative code is the signal that killed it (-9: SIGKILL, often out of memory)."),
+                            expected="a normal return",
+                            fix="A negative code is the signal that killed it (-9: SIGKILL, often out of memory)."),
                             rank=rank, exitcode=process.exitcode) from None
             else:
                 if deadline is not None and time.monotonic() > deadline:
                     missing = [r for r in range(nprocs) if r not in values]
                     raise RanksTimedOutError(explain(
-                        f"ranks {missing} did not finish within {timeout:.0f}s", seen=f"{len(values)}/{nprocs} finished",
+                        f"ranks {missing} did not finish within {timeout:.0f}s",
+                        seen=f"{len(values)}/{nprocs} finished",
                         expected="every rank", fix="A hang: look for a collective that some rank skipped."),
                         missing_ranks=missing)
                 continue

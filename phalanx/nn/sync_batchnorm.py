@@ -13,13 +13,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..errors import PhalanxError, explain
+from ..errors import SyncBatchNormError, explain
 
-__all__ = ["SyncBatchNorm", "SyncBatchNormError", "convert_sync_batchnorm"]
-
-
-class SyncBatchNormError(PhalanxError, ValueError):
-    """SyncBatchNorm got input it cannot normalize (wrong shape, fewer than 2 samples in the whole group)."""
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "replace_torch_sync_batchnorm"]
 
 
 def _rank() -> int | None:
@@ -197,3 +193,15 @@ class SyncBatchNorm(_BatchNorm):
 def convert_sync_batchnorm(module: torch.nn.Module, process_group=None) -> torch.nn.Module:
     """`SyncBatchNorm.convert_sync_batchnorm` as a function."""
     return SyncBatchNorm.convert_sync_batchnorm(module, process_group)
+
+
+def replace_torch_sync_batchnorm(module: torch.nn.Module) -> list[str]:
+    """Swap every torch.nn.SyncBatchNorm inside `module` (not `module` itself) for ours, in place; returns
+    their names. torch's layer refuses CPU input, ours does not: phalanx DDP calls this for CPU models."""
+    swapped = []
+    for parent_name, parent in list(module.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.SyncBatchNorm:
+                setattr(parent, name, SyncBatchNorm.convert_sync_batchnorm(child))
+                swapped.append(f"{parent_name}.{name}" if parent_name else name)
+    return swapped

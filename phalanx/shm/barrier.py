@@ -136,7 +136,8 @@ class PhaseBarrier:
                 self._check_alive(awaited, what)  # a peer gave up because ours died: say so
                 raise PeerFailedError(explain(
                     f"rank {j} abandoned the shared-memory {what}", rank=self.rank, seen="its abort flag set",
-                    expected="every rank to finish the exchange", fix=f"Rank {j}'s own error explains why: see its log."),
+                    expected="every rank to finish the exchange",
+                    fix=f"Rank {j}'s own error explains why: see its log."),
                     peer_rank=j)
 
     def _check_alive(self, awaited: int, what: str) -> None:

@@ -16,12 +16,12 @@ import threading
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveMismatchError, ShmUnavailableError, explain
 from .. import log
-from .segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
-from .reduce import BLOCK_BYTES, DTYPE_CODES, WIDENED, chunk_bounds, reduce_chunk, round_up
+from ..errors import CollectiveMismatchError, ShmUnavailableError, explain
 from .barrier import LINE_BYTES, MODE_AVERAGE, MODE_SUM, PhaseBarrier, futex_supported
 from .posted import PostedExchanges, Stamp
+from .reduce import BLOCK_BYTES, DTYPE_CODES, WIDENED, chunk_bounds, reduce_chunk, round_up
+from .segment import PAGE, SHM_DIR, Segment, host_identity, process_start_time, sweep_stale_segments
 
 _DEFAULT_TIMEOUT = 600.0
 _DEFAULT_STAGING_BYTES = 32 * 2**20
@@ -74,7 +74,8 @@ def _unusable_reason(facts: list[dict]) -> str | None:
             return f"ranks differ in {key} ({sorted(map(str, values))}): not one host"
     unable = [j for j, f in enumerate(facts) if not (f["shm_dir"] and f["futex"])]
     if unable:
-        return f"ranks {unable} have no writable {SHM_DIR} or no futex on {facts[unable[0]]['machine']} (x86-64 Linux only)"
+        machine = facts[unable[0]]["machine"]
+        return f"ranks {unable} have no writable {SHM_DIR} or no futex on {machine} (x86-64 Linux only)"
     return None
 
 
@@ -230,7 +231,7 @@ class ShmCommunicator(PostedExchanges):
         if self._queue is None:
             try:
                 future.set_result(self._run(tensor, average))
-            except Exception as exc:  # noqa: BLE001 - delivered through the future, as the threaded path does
+            except Exception as exc:
                 future.set_exception(exc)
             return future
         with self._lock:
@@ -314,7 +315,8 @@ class ShmCommunicator(PostedExchanges):
                 if j != rank and hi > lo:
                     slots[rank][lo:hi].copy_(own[lo:hi])
         self._ops += 1
-        phase = self._barrier.arrive((self._ops, ident, code, offset, own.numel(), MODE_AVERAGE if average else MODE_SUM))
+        phase = self._barrier.arrive((self._ops, ident, code, offset, own.numel(),
+                                      MODE_AVERAGE if average else MODE_SUM))
         self._barrier.wait_all(phase, "all-reduce", self._spin)
         self._barrier.check_same_operation()
         lo, hi = chunks[rank]

@@ -79,7 +79,7 @@ class Segment:
         return os.path.join(SHM_DIR, self.name)
 
     @classmethod
-    def create(cls, size: int) -> "Segment":
+    def create(cls, size: int) -> Segment:
         """Create and map a new zero-filled segment of `size` bytes, readable and writable by this user only."""
         name = new_segment_name()
         path = os.path.join(SHM_DIR, name)
@@ -98,7 +98,7 @@ class Segment:
         return cls(name, size, memory)
 
     @classmethod
-    def attach(cls, name: str, size: int) -> "Segment":
+    def attach(cls, name: str, size: int) -> Segment:
         """Map the segment another rank created, after checking it is ours and private."""
         if not _NAME.match(name):
             raise ValueError(f"not a phalanx segment name: {name!r}")

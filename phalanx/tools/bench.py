@@ -21,12 +21,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..world import group as world
-from .bench_models import MODELS, count_parameters, make_batches
-from .bench_report import (SCHEMA, VARIANT_LABELS, format_table, paired_ratios, ratios, summarize, write_chart,
-                           write_json)
 from ..errors import BenchConfigError, PhalanxError, explain
 from ..launch.spawn import spawn
+from ..log import print0
+from ..world import group as world
+from .bench_models import MODELS, count_parameters, make_batches
+from .bench_report import (
+    SCHEMA,
+    VARIANT_LABELS,
+    format_table,
+    paired_ratios,
+    ratios,
+    summarize,
+    write_chart,
+    write_json,
+)
 
 # "phalanx" is phalanx DDP as a user gets it (shared memory between ranks on one host);
 # "phalanx-gloo" is the same engine with the transport off, against torch's reducer on equal terms.
@@ -149,14 +158,14 @@ def _phalanx_ddp():
 
 
 def load_allreduce_bandwidth():
-    """`phalanx.bench_allreduce.allreduce_bandwidth`, or None when the shared-memory transport is absent.
+    """`phalanx.tools.bench_allreduce.allreduce_bandwidth`, or None when the shared-memory transport is absent.
 
     Only the module itself being missing means "not installed"; any other import failure is raised.
     """
     try:
-        module = importlib.import_module("phalanx.bench_allreduce")
+        module = importlib.import_module("phalanx.tools.bench_allreduce")
     except ModuleNotFoundError as exc:
-        if exc.name == "phalanx.bench_allreduce":
+        if exc.name == "phalanx.tools.bench_allreduce":
             return None
         raise
     return module.allreduce_bandwidth
@@ -226,7 +235,7 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
     built = {variant: _build_variant(variant, bench_model, config, device) for variant in config.variants}
     raw = built[config.variants[0]][0]
     params, tensors = count_parameters(getattr(raw, "module", raw))
-    world.print0(f"[bench] {name}: {bench_model.description}; {params / 1e6:.2f}M parameters in {tensors} "
+    print0(f"[bench] {name}: {bench_model.description}; {params / 1e6:.2f}M parameters in {tensors} "
                  f"tensors, batch {bench_model.batch} per rank")
     batches = make_batches(bench_model, BATCHES_PER_RANK, config.seed, dist.get_rank(), device)
     blocks: dict[str, list[list[float]]] = {variant: [] for variant in config.variants}
@@ -239,7 +248,7 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
             times = _run_block(module, optimizer, bench_model, batches, config, device)
             blocks[variant].append(times)
             median = sorted(times)[len(times) // 2]
-            world.print0(f"[bench] {name} block {round_ + 1}/{config.blocks} {VARIANT_LABELS[variant]:<13} "
+            print0(f"[bench] {name} block {round_ + 1}/{config.blocks} {VARIANT_LABELS[variant]:<13} "
                          f"median {median:8.2f} ms")
     variants = {variant: summarize(blocks[variant]) for variant in config.variants}
     del built, module, optimizer  # free this model's copies (and DDP buffers) before the next model
@@ -254,10 +263,10 @@ def _allreduce_section(config: BenchConfig) -> dict:
         return {"status": "skipped", "reason": reason}
     bandwidth = load_allreduce_bandwidth()
     if bandwidth is None:
-        world.print0("[bench] all-reduce bandwidth: the shared-memory transport is not installed "
-                     "(no phalanx.bench_allreduce)")
+        print0("[bench] all-reduce bandwidth: the shared-memory transport is not installed "
+                     "(no phalanx.tools.bench_allreduce)")
         return {"status": "not installed"}
-    world.print0(f"[bench] all-reduce bandwidth at {config.allreduce_sizes_mb} MB")
+    print0(f"[bench] all-reduce bandwidth at {config.allreduce_sizes_mb} MB")
     # Collective: every rank of the benchmark's world calls it; rank 0's rows are reported.
     rows = bandwidth(tuple(config.allreduce_sizes_mb))
     return {"status": "ok", "sizes_mb": list(config.allreduce_sizes_mb), "rows": rows}
@@ -341,9 +350,9 @@ def report(results: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `phalanx bench` and `python -m phalanx.bench`; returns the exit status.
+    """Entry point of `phalanx bench` and `python -m phalanx.tools.bench`; returns the exit status.
 
-    >>> from phalanx.bench import main                                   # doctest: +SKIP
+    >>> from phalanx.tools.bench import main                                   # doctest: +SKIP
     >>> main(["--quick", "--models", "deep", "--out", "/tmp/bench.json"])
     0
     """
@@ -373,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Through the package name, so the functions sent to the ranks pickle as phalanx.bench.*.
-    from phalanx.bench import main as _main
+    # Through the package name, so the functions sent to the ranks pickle as phalanx.tools.bench.*.
+    from phalanx.tools.bench import main as _main
 
     sys.exit(_main())

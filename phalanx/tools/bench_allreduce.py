@@ -4,8 +4,8 @@ Each repeat times every variant back to back, so a noisy neighbour slows them al
 ratios stay meaningful; each all-reduce gets a freshly written tensor, as DDP's buckets are. The
 time of one all-reduce is the slowest rank's (a MAX over ranks).
 
-    python -m phalanx.bench_allreduce --nproc 2          # spawns the ranks itself
-    phalanx run --nproc-per-node 2 -m phalanx.bench_allreduce
+    python -m phalanx.tools.bench_allreduce --nproc 2          # spawns the ranks itself
+    phalanx run --nproc-per-node 2 -m phalanx.tools.bench_allreduce
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def allreduce_bandwidth(sizes_mb=(1, 4, 25, 34), repeats: int = 20, warmup: int 
         shared = comm.alloc(numel)
         tensors = {"gloo": private, "shm": private, "shm_alloc": shared}
         runs = {
-            "gloo": lambda: (dist.all_reduce(private, group=group), private.div_(world)),
-            "shm": lambda: comm.allreduce_(private, async_op=False),
-            "shm_alloc": lambda: comm.allreduce_(shared, async_op=False),
+            "gloo": lambda private=private: (dist.all_reduce(private, group=group), private.div_(world)),
+            "shm": lambda private=private: comm.allreduce_(private, async_op=False),
+            "shm_alloc": lambda shared=shared: comm.allreduce_(shared, async_op=False),
         }
         times = torch.zeros(len(VARIANTS), repeats)
         for step in range(warmup + repeats):
@@ -98,7 +98,8 @@ def _run_in_world(rank: int, sizes_mb, repeats: int):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m phalanx.bench_allreduce", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m phalanx.tools.bench_allreduce",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not started by a launcher")
     parser.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 25, 34], help="tensor sizes in MB")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per size and variant")

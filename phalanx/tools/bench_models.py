@@ -7,8 +7,8 @@ the same data. The shapes stress different parts of DDP: few big tensors, many s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

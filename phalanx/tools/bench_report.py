@@ -97,7 +97,8 @@ def format_table(results: dict) -> str:
 def _format_allreduce(section: dict) -> str:
     status = section.get("status")
     if status == "not installed":
-        return "all-reduce bandwidth: the shared-memory transport is not installed (phalanx.bench_allreduce is missing)"
+        return ("all-reduce bandwidth: the shared-memory transport is not installed "
+                "(phalanx.tools.bench_allreduce is missing)")
     if status != "ok":
         return ""
     rows = section["rows"]

@@ -3,5 +3,20 @@
 `group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports.
 """
 
-from .group import (barrier, collective_device, device, group_rank, group_size, init, is_initialized, is_main,
-                    local_rank, local_world_size, rank, shutdown, store, usable_cores, world_size)
+from .group import (
+    barrier,
+    collective_device,
+    device,
+    group_rank,
+    group_size,
+    init,
+    is_initialized,
+    is_main,
+    local_rank,
+    local_world_size,
+    rank,
+    shutdown,
+    store,
+    usable_cores,
+    world_size,
+)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from ..errors import WorldConfigError, explain
 
@@ -51,7 +51,8 @@ def _int(env: Mapping[str, str], name: str, *, minimum: int = 0, default: int | 
     except ValueError:
         raise WorldConfigError(explain(
             f"environment variable {name} is not an integer", seen=repr(raw),
-            expected=f"an integer >= {minimum}", fix=f"Fix {name} in the environment that starts this process.")) from None
+            expected=f"an integer >= {minimum}",
+            fix=f"Fix {name} in the environment that starts this process.")) from None
     if value < minimum:
         raise WorldConfigError(explain(
             f"environment variable {name} is out of range", seen=value, expected=f"an integer >= {minimum}",
@@ -73,7 +74,8 @@ def _master(env: Mapping[str, str], world_size: int, source: str, default_port: 
         return None, None
     if addr is None:
         raise WorldConfigError(explain(
-            "MASTER_ADDR is missing", seen="nothing", expected=f"the address of rank 0's host ({source}, WORLD_SIZE={world_size})",
+            "MASTER_ADDR is missing", seen="nothing",
+            expected=f"the address of rank 0's host ({source}, WORLD_SIZE={world_size})",
             fix="Set MASTER_ADDR and MASTER_PORT, or start the script with `phalanx run`."))
     if "MASTER_PORT" not in env and default_port is not None:
         return addr, default_port
@@ -87,7 +89,8 @@ def _master(env: Mapping[str, str], world_size: int, source: str, default_port: 
 def _from_launcher(env: Mapping[str, str]) -> WorldSpec:
     if "WORLD_SIZE" not in env:
         raise WorldConfigError(explain("RANK is set but WORLD_SIZE is not", seen=f"RANK={env['RANK']!r}",
-                                       expected="both RANK and WORLD_SIZE", fix="Set WORLD_SIZE to the number of processes."))
+                                       expected="both RANK and WORLD_SIZE",
+                                       fix="Set WORLD_SIZE to the number of processes."))
     world_size = _int(env, "WORLD_SIZE", minimum=1)
     rank = _int(env, "RANK", default=0 if world_size == 1 else None)
     _check_below("RANK", rank, "WORLD_SIZE", world_size)
@@ -96,7 +99,8 @@ def _from_launcher(env: Mapping[str, str]) -> WorldSpec:
     _check_below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)
     addr, port = _master(env, world_size, "launcher")
     return WorldSpec(rank, world_size, local_rank, local_world_size, addr, port, "launcher",
-                     agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or env.get("PHALANX_STORE_HOSTED") == "1")
+                     agent_store=(env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                                  or env.get("PHALANX_STORE_HOSTED") == "1"))
 
 
 def _from_slurm(env: Mapping[str, str]) -> WorldSpec:

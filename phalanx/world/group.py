@@ -15,9 +15,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .discovery import WorldSpec, discover
 from .. import log
 from ..errors import RanksTimedOutError, WorldConfigError, explain
+from .discovery import WorldSpec, discover
 from .rendezvous import host_store, join_store
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # collectives: long enough for a slow first step
@@ -138,7 +138,8 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     if _spec is not None:
         return _device
     spec = discover()
-    timeout = timedelta(seconds=_seconds(timeout)) if timeout is not None else _env_seconds("PHALANX_TIMEOUT", DEFAULT_TIMEOUT)
+    timeout = timedelta(seconds=_seconds(timeout)) if timeout is not None else _env_seconds("PHALANX_TIMEOUT",
+                                                                                            DEFAULT_TIMEOUT)
     connect_timeout = (timedelta(seconds=_seconds(connect_timeout)) if connect_timeout is not None
                        else _env_seconds("PHALANX_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
     chosen = _choose_device(spec, device)
@@ -151,7 +152,8 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
         store = _connect_store(spec, connect_timeout, timeout)
         # The launcher's store outlives a restart of the workers: keys are per attempt, so a
         # restarted rank never reads a peer's address from the attempt before.
-        dist.init_process_group(_choose_backend(chosen, backend), store=dist.PrefixStore(f"default_pg/{attempt}", store),
+        dist.init_process_group(_choose_backend(chosen, backend), store=dist.PrefixStore(f"default_pg/{attempt}",
+                                                                                         store),
                                 rank=spec.rank, world_size=spec.world_size, timeout=timeout,
                                 device_id=chosen if chosen.type == "cuda" else None)
         _owns_group = True
@@ -195,7 +197,7 @@ def _leave_together(name: str) -> None:
     """A barrier that never raises: a rank that is busy for long, or gone, cannot be waited for."""
     try:
         barrier(timeout=SHUTDOWN_WAIT, name=name)
-    except Exception:  # noqa: BLE001 - timed out, or the store's host already left
+    except Exception:
         pass
 
 
@@ -209,7 +211,7 @@ def _keep_store_until_all_left() -> None:
         while hosts_store and left < _spec.world_size and time.monotonic() < deadline:
             time.sleep(0.01)
             left = _store.add(key, 0)
-    except Exception:  # noqa: BLE001 - the host is gone: nothing left to keep
+    except Exception:
         pass
 
 
@@ -278,7 +280,8 @@ def barrier(timeout=None, name: str = "barrier") -> None:
             raise RanksTimedOutError(explain(
                 f"barrier '{name}' timed out after {limit:.0f}s", rank=rank(),
                 seen=f"{arrived}/{spec.world_size} ranks arrived, missing ranks {missing}",
-                expected="every rank", fix="Look at the missing ranks' logs: they crashed, hang, or skipped this barrier."),
+                expected="every rank",
+                fix="Look at the missing ranks' logs: they crashed, hang, or skipped this barrier."),
                 missing_ranks=missing)
         time.sleep(pause)
         pause = min(pause * 2, 0.05)

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from phalanx.errors import PhalanxError
-from phalanx.nn import SyncBatchNorm, SyncBatchNormError, convert_sync_batchnorm
+from phalanx.errors import PhalanxError, SyncBatchNormError
+from phalanx.nn import SyncBatchNorm, convert_sync_batchnorm
 from phalanx.nn.sync_batchnorm import merge_stats
 from phalanx.testing import run_ranks
 
@@ -151,7 +151,7 @@ def run_cases(rank, world):
     return results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def ran(world):
     return run_ranks(run_cases, world, (world,))
 
@@ -315,3 +315,32 @@ def test_wrong_input_shape_is_a_typed_error(shape):
         SyncBatchNorm(3)(torch.randn(shape))
     assert isinstance(info.value, ValueError) and isinstance(info.value, PhalanxError)
     assert f"seen {shape}" in str(info.value) and "expected (N, 3, *)" in str(info.value)
+
+
+def _torch_sync_batchnorm_under_phalanx_ddp(rank: int) -> dict:
+    import phalanx
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, C), nn.SyncBatchNorm(C), nn.Linear(C, 2)).double()
+    model = phalanx.DistributedDataParallel(net)
+    x = torch.randn((2, 5)[rank], 4, generator=generator("ddp", rank), dtype=torch.float64)
+    weights = torch.randn(x.shape[0], 2, generator=generator("ddp-w", rank), dtype=torch.float64)
+    (model(x) * weights).sum().backward()
+    return {"layer": type(model.module[1]).__module__ + "." + type(model.module[1]).__qualname__,
+            "grads": [p.grad.clone() for p in model.parameters()], "running_mean": net[1].running_mean.clone()}
+
+
+def test_phalanx_ddp_runs_torchs_sync_batchnorm_on_cpu_as_the_whole_batch():
+    """World size 2: torch's nn.SyncBatchNorm (which refuses CPU input) is swapped for ours by DDP."""
+    per_rank = run_ranks(_torch_sync_batchnorm_under_phalanx_ddp, 2)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, C), nn.BatchNorm1d(C), nn.Linear(C, 2)).double()
+    x = torch.cat([torch.randn((2, 5)[r], 4, generator=generator("ddp", r), dtype=torch.float64) for r in range(2)])
+    weights = torch.cat([torch.randn((2, 5)[r], 2, generator=generator("ddp-w", r), dtype=torch.float64)
+                         for r in range(2)])
+    (ref(x) * weights).sum().backward()
+    for outcome in per_rank:
+        assert outcome["layer"] == "phalanx.nn.sync_batchnorm.SyncBatchNorm"
+        for mine, theirs in zip(outcome["grads"], ref.parameters()):
+            torch.testing.assert_close(mine * 2, theirs.grad, **TOL)  # DDP averages the ranks' sums
+        torch.testing.assert_close(outcome["running_mean"], ref[1].running_mean, **TOL)
