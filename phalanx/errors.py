@@ -169,3 +169,12 @@ class ShmUnavailableError(PhalanxError):
 
 class SyncBatchNormError(PhalanxError, ValueError):
     """SyncBatchNorm got input it cannot normalize (wrong shape, fewer than 2 samples in the whole group)."""
+
+
+class CommHookError(PhalanxError, TypeError, ValueError):
+    """register_comm_hook() got a hook torch DDP refuses too (not callable, wrong annotations, a second hook).
+    It is the TypeError, ValueError or RuntimeError torch raises there, with torch's message first."""
+
+
+class DDPPickleError(PhalanxError):
+    """A DistributedDataParallel on a process group other than the default one was pickled or deep-copied."""

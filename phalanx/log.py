@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 
+import torch.distributed as dist
+
 logger = logging.getLogger("phalanx")
 
 
@@ -42,8 +44,6 @@ def configure(rank: int) -> None:
 
 def print0(*args, **kwargs) -> None:
     """print() on global rank 0 only (and in a process that has not joined a world)."""
-    from .world.group import is_main  # the world imports this module: resolve at call time
-
-    if is_main():
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)

@@ -36,9 +36,15 @@ _SHOWN_KEYS = 10
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP / DataParallel wrappers (torch's or phalanx's)."""
-    while isinstance(model, torch.nn.Module) and _is_wrapper(model):
-        model = model.module
+    """The user's module inside DDP / DataParallel (torch's or phalanx's) and torch.compile wrappers, so a
+    checkpoint holds the plain model's keys and loads into a compiled or uncompiled model alike."""
+    while isinstance(model, torch.nn.Module):
+        if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif _is_wrapper(model):
+            model = model.module
+        else:
+            break
     return model
 
 

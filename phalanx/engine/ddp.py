@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
-from ..errors import NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
+from ..errors import DDPPickleError, NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
 from ..shm import shm_communicator
 from ..shm.reduce import DTYPE_CODES
 from ..world.group import collective_device
 from .buckets import FIRST_BUCKET_BYTES
+from .comm_hook_checks import check_comm_hook
 from .exchange import AllReduceExchange, BucketExchange, CommHookExchange
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, count_active_ranks, find_common_rank
 from .reducer import Reducer
@@ -93,20 +94,62 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if init_sync:
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self._group_rank0,
                                 self.process_group)
-        self._guard = StepGuard(self.process_group, next(_instances))
-        # static_graph: torch then tolerates parameters that never get a gradient; so do we.
-        self._reducer = Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
-                                self._default_exchange([p for _, p in named]), cap_bytes=self.bucket_bytes_cap,
-                                first_cap_bytes=first_cap, tolerate_unused=find_unused_parameters or static_graph,
-                                as_view=gradient_as_bucket_view, guard=self._guard,
-                                control_device=self._control_device)
-        # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
-        # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
-        weakref.finalize(self, self._reducer.remove)
+        self._first_cap_bytes = first_cap
         self._hook_registered = False
         # Listing buffers walks every submodule: skip it on each forward of a model that has none.
         self._has_buffers = any(True for _ in module.buffers())
         self._divide_by_initial_world_size = True
+        self._build_engine()
+
+    def _build_engine(self) -> None:
+        """The step guard, the exchange and the reducer (collective when the exchange shares memory)."""
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        self._guard = StepGuard(self.process_group, next(_instances))
+        # static_graph: torch then tolerates parameters that never get a gradient; so do we.
+        self._reducer = Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
+                                self._default_exchange([p for _, p in named]), cap_bytes=self.bucket_bytes_cap,
+                                first_cap_bytes=self._first_cap_bytes,
+                                tolerate_unused=self.find_unused_parameters or self.static_graph,
+                                as_view=self.gradient_as_bucket_view, guard=self._guard,
+                                control_device=self._control_device)
+        # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
+        # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
+        weakref.finalize(self, self._reducer.remove)
+
+    # -- pickling and copy.deepcopy (torch's semantics) -------------------------------------------
+
+    def __getstate__(self):
+        """Everything but the process group and the engine, which belong to this process."""
+        if self.process_group is not _default_group():
+            raise DDPPickleError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
+                "is, when you have called init_process_group and have not passed process_group argument to DDP "
+                "constructor. " + explain("this model was wrapped for another process group", rank=dist.get_rank(),
+                                          seen=f"a group of ranks {dist.get_process_group_ranks(self.process_group)}",
+                                          expected="the default group (process_group=None)",
+                                          fix="Copy or save the inner model (`model.module`) instead."))
+        state = dict(self.__dict__)
+        for name in ("process_group", "_guard", "_reducer"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state):
+        """A working DDP on the default process group of this process. The copy shares no state with the
+        original; its engine is built at its first forward that synchronizes gradients, on every rank
+        (as any DDP forward is), so copying on one rank alone (an EMA on rank 0) needs no collective."""
+        super().__setstate__(state)
+        self.process_group = _default_group()
+        self._guard = self._reducer = None
+
+    def _ensure_engine(self) -> None:
+        if self.process_group is None:
+            self.process_group = _default_group()
+        if self.process_group is None:
+            raise WorldConfigError(explain(
+                "this DistributedDataParallel was unpickled in a process without a process group",
+                seen="torch.distributed not initialized", expected="an initialized default group",
+                fix="Call phalanx.init() before training the copy, or use its `.module` without DDP."))
+        self._build_engine()
 
     def _default_exchange(self, params: list[torch.Tensor]) -> BucketExchange:
         """The exchange used when the user registers no comm hook: the one place a faster transport plugs in.
@@ -124,6 +167,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
+        if self._reducer is None:  # an unpickled copy: no engine until it trains
+            if (torch.is_grad_enabled() and self.require_backward_grad_sync) or self._join_config.enable:
+                self._ensure_engine()
+            else:
+                return self._run_module(inputs, kwargs)
         reducer = self._reducer
         if reducer.unready_error:
             names, reducer.unready_error = reducer.unready_error, None
@@ -144,6 +192,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         else:
             reducer.disarm()
         self.require_forward_param_sync = will_sync
+        return self._run_module(inputs, kwargs)
+
+    def _run_module(self, inputs: tuple, kwargs: dict):
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
         return self.module(*inputs, **kwargs)
@@ -185,21 +236,31 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks   # doctest: +SKIP
         >>> model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         """
-        if self._hook_registered:
-            raise RuntimeError("register_comm_hook can only be called once per DistributedDataParallel.")
-        if not callable(hook):
-            raise TypeError(f"a comm hook must be callable as hook(state, bucket); got {type(hook).__name__}")
+        check_comm_hook(hook, self._hook_registered)
+        if self._reducer is None:
+            self._ensure_engine()
         self._hook_registered = True
         self._reducer.set_exchange(CommHookExchange(state, hook, self._guard))
 
+    def state_dict(self, *args, **kwargs):
+        """torch DDP's keys ('module.x'), without torch.compile's '_orig_mod.' (so they load anywhere)."""
+        state = super().state_dict(*args, **kwargs)
+        if not any(COMPILED_PREFIX in key for key in state):
+            return state
+        renamed = type(state)((key.replace(COMPILED_PREFIX, ""), value) for key, value in state.items())
+        renamed._metadata = getattr(state, "_metadata", None)
+        return renamed
+
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load either this wrapper's keys ('module.x') or the bare module's ('x')."""
-        own = set(self.module.state_dict(keep_vars=True).keys())
-        bare = sum(key in own for key in state_dict)
-        prefixed = sum(key.startswith("module.") and key[len("module."):] in own for key in state_dict)
-        if bare > prefixed:
-            return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        """Load this wrapper's keys ('module.x') or the bare module's ('x'), compiled ('_orig_mod.') or not."""
+        target = uncompiled(self.module)
+        own = set(target.state_dict(keep_vars=True).keys())
+        keys = {key: key.replace(COMPILED_PREFIX, "") for key in state_dict}
+        bare = sum(plain in own for plain in keys.values())
+        prefixed = sum(plain.startswith("module.") and plain[len("module."):] in own for plain in keys.values())
+        strip = len("module.") if prefixed > bare else 0
+        plain = {keys[key][strip:]: value for key, value in state_dict.items()}
+        return target.load_state_dict(plain, strict=strict, assign=assign)
 
     # -- uneven inputs (torch's Joinable interface) ----------------------------------------------
 
@@ -227,6 +288,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
 
 DDP = DistributedDataParallel
+
+COMPILED_PREFIX = "_orig_mod."  # what torch.compile's OptimizedModule puts in front of the model's keys
+
+
+def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
+    """The module inside torch.compile's wrapper (the same parameters), or `module` itself."""
+    while isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
+        module = module._orig_mod
+    return module
+
+
+def _default_group():
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 SHM_DTYPES = frozenset(dtype for dtype in DTYPE_CODES if dtype.is_floating_point)
