@@ -18,13 +18,15 @@ FIRST_BUCKET_BYTES = 1024 * 1024  # as torch: a small first bucket starts the ex
 
 
 def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
-                 first_cap_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
+                 first_cap_bytes: int = FIRST_BUCKET_BYTES, sparse: frozenset = frozenset()) -> list[list[int]]:
     """Group parameter indices into buckets, in launch order.
 
     Walks `order` (the order gradients are expected to become ready); each (device, dtype) keeps an
     open bucket that is closed when the next tensor would take it past its cap (a tensor bigger
-    than the cap gets a bucket of its own). Each key's first bucket uses `first_cap_bytes`.
-    Buckets are returned sorted by when their first gradient is expected.
+    than the cap gets a bucket of its own). Each key's first bucket uses `first_cap_bytes`. A
+    parameter in `sparse` (its gradient is a sparse tensor) gets a bucket of its own, as in torch:
+    sparse tensors cannot share a flat buffer. Buckets are returned sorted by when their first
+    gradient is expected.
 
     >>> ps = [torch.zeros(256 * 1024), torch.zeros(10), torch.zeros(10)]   # 1 MiB, 40 B, 40 B
     >>> plan_buckets(ps, order=[2, 1, 0], cap_bytes=25 * 2**20)
@@ -35,6 +37,9 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
     closed: list[list[int]] = []
     for index in order:
         p = params[index]
+        if index in sparse:
+            closed.append([index])
+            continue
         key = (p.device, p.dtype)
         nbytes = p.numel() * p.element_size()
         current = open_buckets.get(key)
@@ -61,12 +66,14 @@ class Bucket:
     `storage` is the whole flat tensor (from the exchange's allocator): the gradients (`buffer`,
     what comm hooks see) followed by one slot for the step tag. `views[k]` is parameter k's gradient
     inside `buffer`. With `as_view` (gradient_as_bucket_view) the views become the gradients.
+    A `sparse` bucket holds one parameter whose gradient is a sparse tensor: it has no storage, and
+    the exchange carries the gradient itself.
     """
 
     __slots__ = ("index", "indices", "params", "storage", "buffer", "tag_slot", "views", "offsets", "numel",
-                 "pending", "large_tensors", "as_view")
+                 "pending", "large_tensors", "as_view", "sparse")
 
-    def __init__(self, index: int, indices: list[int], params: list[torch.Tensor], storage: torch.Tensor,
+    def __init__(self, index: int, indices: list[int], params: list[torch.Tensor], storage: torch.Tensor | None,
                  as_view: bool = False):
         self.index = index
         self.indices = indices
@@ -74,11 +81,16 @@ class Bucket:
         sizes = [p.numel() for p in self.params]
         self.numel = sum(sizes)
         self.offsets = list(itertools.accumulate(sizes[:-1], initial=0))  # of each gradient in the buffer
+        self.pending = len(self.params)
+        self.sparse = storage is None
+        if self.sparse:
+            self.storage = self.buffer = self.tag_slot = None
+            self.views, self.large_tensors, self.as_view = [], False, False
+            return
         self.storage = storage
         self.buffer = storage[:self.numel]
         self.tag_slot = storage[self.numel:self.numel + 1]
         self.views = [piece.view(p.shape) for piece, p in zip(self.buffer.split(sizes), self.params)]
-        self.pending = len(self.params)
         self.large_tensors = self.numel >= LARGE_TENSOR_NUMEL * len(self.params)
         self.as_view = as_view
 
@@ -161,6 +173,16 @@ class Bucket:
             else:
                 p.grad.copy_(view)
 
+    def sparse_gradient(self, zeros: bool = False) -> torch.Tensor:
+        """A sparse bucket's gradient on this rank: an empty sparse tensor where the parameter got none
+        (or with `zeros`, as join's shadow sends)."""
+        p = self.params[0]
+        if p.grad is not None and not zeros:
+            return p.grad
+        return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64, device=p.device),
+                                       torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype, device=p.device),
+                                       p.shape, check_invariants=False)
+
     def detach_gradient_views(self) -> None:
         """Give gradients that view this bucket a storage of their own, before the bucket is rewritten
         with something else than them (join's shadow) or dropped (a rebuild)."""
@@ -180,7 +202,7 @@ class GradBucket:
     def __init__(self, bucket: Bucket, is_last: bool):
         self._bucket = bucket
         self._is_last = is_last
-        self._buffer = bucket.buffer
+        self._buffer = bucket.sparse_gradient() if bucket.sparse else bucket.buffer
 
     def index(self) -> int:
         return self._bucket.index
@@ -194,6 +216,8 @@ class GradBucket:
 
     def gradients(self) -> list[torch.Tensor]:
         """One tensor per parameter, shaped like it, viewing buffer()."""
+        if self._bucket.sparse:
+            return [self._buffer]
         sizes = [p.numel() for p in self._bucket.params]
         return [piece.view(p.shape) for piece, p in zip(self._buffer.split(sizes), self._bucket.params)]
 

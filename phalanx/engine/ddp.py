@@ -68,7 +68,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 "a gradient", rank=dist.get_rank(), seen=f"{type(module).__name__} with no trainable parameter",
                 expected="at least one parameter with requires_grad=True",
                 fix="Wrap a model with trainable parameters, or run it without DDP."))
-        _reject_sparse_gradients(module)
         devices = {p.device for _, p in named}
         if all(d.type == "cpu" for d in devices):  # torch's SyncBatchNorm refuses CPU input; ours takes it
             swapped = replace_torch_sync_batchnorm(module)
@@ -111,7 +110,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                 first_cap_bytes=self._first_cap_bytes,
                                 tolerate_unused=self.find_unused_parameters or self.static_graph,
                                 as_view=self.gradient_as_bucket_view, guard=self._guard,
-                                control_device=self._control_device)
+                                control_device=self._control_device, sparse=_sparse_indices(self.module, named))
         # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
         # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
         weakref.finalize(self, self._reducer.remove)
@@ -327,11 +326,11 @@ def _check_device_ids(device_ids, devices: set) -> list | None:
     return [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
 
 
-def _reject_sparse_gradients(module: torch.nn.Module) -> None:
-    for name, sub in module.named_modules():
-        if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse:
-            raise ValueError(explain(f"module {name!r} produces sparse gradients", seen="sparse=True",
-                                     expected="dense gradients", fix="Use sparse=False with phalanx DDP."))
+def _sparse_indices(module: torch.nn.Module, named: list) -> frozenset:
+    """Which of the `named` parameters get sparse gradients (torch's embeddings with sparse=True)."""
+    sparse = {id(sub.weight) for sub in module.modules()
+              if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse}
+    return frozenset(i for i, (_, p) in enumerate(named) if id(p) in sparse)
 
 
 def _move_to(value, device: torch.device):

@@ -90,24 +90,43 @@ class AllReduceExchange(BucketExchange):
         self._handles: dict[int, object] = {}
 
     def launch(self, bucket: Bucket) -> None:
+        if bucket.sparse:
+            self._launch_sparse(bucket, bucket.sparse_gradient())
+            return
         bucket.fill_(self.scale)
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._handles[bucket.index] = self._start(bucket.storage)
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
-        self._finish(bucket)
-        bucket.write_back(used)
+        result = self._finish(bucket)
+        if not bucket.sparse:
+            bucket.write_back(used)
+        elif used is None or used[bucket.indices[0]]:
+            bucket.params[0].grad = result
 
     def discard(self, bucket: Bucket) -> None:
         self._finish(bucket)
 
     def shadow(self, buckets: list[Bucket]) -> None:
-        for bucket in buckets:  # the bucket itself carries the zeros: shared-memory peers read it there
-            bucket.detach_gradient_views()
-            bucket.storage.zero_()
-            self._handles[bucket.index] = self._start(bucket.storage)
+        for bucket in buckets:
+            self._launch_shadow(bucket)
         for bucket in buckets:
             self._finish(bucket, "the shadow all-reduce")
+
+    def _launch_shadow(self, bucket: Bucket) -> None:
+        if bucket.sparse:
+            self._launch_sparse(bucket, bucket.sparse_gradient(zeros=True))
+            return
+        bucket.detach_gradient_views()  # the bucket itself carries the zeros: shared-memory peers read it there
+        bucket.storage.zero_()
+        self._handles[bucket.index] = self._start(bucket.storage)
+
+    def _launch_sparse(self, bucket: Bucket, gradient: torch.Tensor) -> None:
+        """A sparse gradient goes through the process group (Gloo sums sparse tensors), divided first, as
+        torch DDP does; it carries no step tag."""
+        scale = self.scale
+        work = dist.all_reduce(gradient if scale is None else gradient * scale, group=self.group, async_op=True)
+        self._handles[bucket.index] = work.get_future()
 
     def _start(self, storage: torch.Tensor):
         return dist.all_reduce(storage, group=self.group, async_op=True)
@@ -115,12 +134,17 @@ class AllReduceExchange(BucketExchange):
     def _wait(self, handle, what: str) -> None:
         self.guard.wait_work(handle, what)  # a timed wait in C++: no Python callback per bucket
 
-    def _finish(self, bucket: Bucket, kind: str = "the gradient all-reduce") -> None:
+    def _finish(self, bucket: Bucket, kind: str = "the gradient all-reduce") -> torch.Tensor | None:
+        """Wait for the bucket's all-reduce and check its step tag; returns a sparse bucket's sum."""
         what = f"{kind} of bucket {bucket.index}"
-        self._wait(self._handles.pop(bucket.index), what)
+        handle = self._handles.pop(bucket.index)
+        if bucket.sparse:
+            return self.guard.wait(handle, what)[0]  # a sparse sum is a new tensor, not written in place
+        self._wait(handle, what)
         # The check reads the tag back: free on the CPU, a stream synchronization on a GPU.
         if bucket.storage.device.type == "cpu":
             self.guard.check_tag_sum(bucket.tag_slot.item(), bucket.storage.dtype, what)
+        return None
 
 
 class CommHookExchange(BucketExchange):
@@ -137,27 +161,39 @@ class CommHookExchange(BucketExchange):
         self._last = len(buckets) - 1
 
     def launch(self, bucket: Bucket) -> None:
-        bucket.fill_(None)
+        if not bucket.sparse:
+            bucket.fill_(None)
         self._futures[bucket.index] = self.hook(self.state, GradBucket(bucket, bucket.index == self._last))
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
-        self._collect(bucket, "the comm hook")
-        bucket.write_back(used)
+        result = self._collect(bucket, "the comm hook")
+        if not bucket.sparse:
+            bucket.write_back(used)
+        elif used is None or used[bucket.indices[0]]:
+            bucket.params[0].grad = result
 
     def discard(self, bucket: Bucket) -> None:
         self._collect(bucket, "the comm hook")
 
     def shadow(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
-            bucket.detach_gradient_views()
-            bucket.storage.zero_()
-            self._futures[bucket.index] = self.hook(self.state, GradBucket(bucket, bucket.index == self._last))
+            facade = GradBucket(bucket, bucket.index == self._last)
+            if bucket.sparse:
+                facade.set_buffer(bucket.sparse_gradient(zeros=True))
+            else:
+                bucket.detach_gradient_views()
+                bucket.storage.zero_()
+            self._futures[bucket.index] = self.hook(self.state, facade)
         for bucket in buckets:
             self._collect(bucket, "the shadow comm hook")
 
-    def _collect(self, bucket: Bucket, kind: str) -> None:
-        """Wait for the hook's future; make sure its result is in the bucket's buffer."""
+    def _collect(self, bucket: Bucket, kind: str) -> torch.Tensor | None:
+        """Wait for the hook's future; make sure its result is in the bucket's buffer (a sparse bucket's
+        result is returned instead)."""
         value = self.guard.wait(self._futures.pop(bucket.index), f"{kind} of bucket {bucket.index}")
         result = value[0] if isinstance(value, (list, tuple)) else value
+        if bucket.sparse:
+            return result
         if result is not None and result.data_ptr() != bucket.buffer.data_ptr():
             bucket.buffer.copy_(result[:bucket.numel] if result.numel() > bucket.numel else result)
+        return None

@@ -25,11 +25,12 @@ class Reducer:
 
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], group, exchange: BucketExchange, *,
                  cap_bytes: int, first_cap_bytes: int, tolerate_unused: bool, as_view: bool, guard: StepGuard,
-                 control_device: torch.device):
+                 control_device: torch.device, sparse: frozenset = frozenset()):
         self.params, self.names, self.group = params, names, group
         self.exchange = exchange
         self.cap_bytes, self.first_cap_bytes = cap_bytes, first_cap_bytes
         self.tolerate_unused = tolerate_unused
+        self.sparse = sparse  # indices of the parameters whose gradients are sparse tensors
         self.as_view = as_view
         self.guard = guard
         self.control_device = control_device
@@ -45,7 +46,7 @@ class Reducer:
         self.buckets: list[Bucket] = []
         self._bucket_of: list[Bucket | None] = [None] * len(params)  # updated in place: the hooks hold it
         self._next = 0
-        self._build(plan_buckets(params, list(reversed(range(len(params)))), cap_bytes, first_cap_bytes))
+        self._build(self._plan(list(reversed(range(len(params))))))
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
 
     # -- plan -------------------------------------------------------------------------------------
@@ -57,7 +58,8 @@ class Reducer:
         self.buckets = []
         for k, indices in enumerate(plan):
             first = self.params[indices[0]]
-            storage = self.exchange.allocate(Bucket.storage_numel(indices, self.params), first.dtype, first.device)
+            storage = None if indices[0] in self.sparse else self.exchange.allocate(
+                Bucket.storage_numel(indices, self.params), first.dtype, first.device)
             self.buckets.append(Bucket(k, indices, self.params, storage, self.as_view))
         for bucket in self.buckets:
             for i in bucket.indices:
@@ -79,7 +81,11 @@ class Reducer:
                         view.copy_(p.grad)
                         p.grad = view
         for bucket in old:
-            previous.release(bucket.storage)
+            if not bucket.sparse:
+                previous.release(bucket.storage)
+
+    def _plan(self, order: list[int]) -> list[list[int]]:
+        return plan_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes, self.sparse)
 
     def plan(self) -> list[list[int]]:
         return [list(b.indices) for b in self.buckets]
@@ -204,7 +210,7 @@ class Reducer:
         self.rebuild_with_order(message[:-1].tolist())
 
     def rebuild_with_order(self, order: list[int]) -> None:
-        plan = plan_buckets(self.params, order, self.cap_bytes, self.first_cap_bytes)
+        plan = self._plan(order)
         if plan != self.plan():
             self._replace(plan, self.exchange)
 

@@ -52,7 +52,8 @@ class ShmExchange(AllReduceExchange):
 
     def _mode_for(self, bucket: Bucket) -> str:
         # Views (gradient_as_bucket_view) need the result in the bucket itself: only the all-reduce puts it there.
-        if bucket.as_view or not self.comm.posted_exchange_pays():
+        # A sparse gradient has no place in shared memory: its all-reduce is the process group's.
+        if bucket.sparse or bucket.as_view or not self.comm.posted_exchange_pays():
             return ALL_REDUCE
         # Few large gradients only: per-piece calls would cost more than they save on many small ones.
         if (bucket.large_tensors and self.comm.split_exchange_pays(bucket.storage.dtype)
@@ -134,11 +135,10 @@ class ShmExchange(AllReduceExchange):
 
     def shadow(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
-            bucket.detach_gradient_views()
             if self.modes[bucket.index] == ALL_REDUCE:
-                bucket.storage.zero_()
-                self._handles[bucket.index] = self._start(bucket.storage)
+                self._launch_shadow(bucket)
                 continue
+            bucket.detach_gradient_views()
             self.comm.claim(bucket.storage)
             bucket.storage.zero_()
             self._tickets[bucket.index] = self.comm.post(bucket.storage)
