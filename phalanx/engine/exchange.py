@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket, GradBucket
+from .phase_timer import PhaseTimer
 from .step_guard import StepGuard
 
 
@@ -37,6 +38,7 @@ class BucketExchange(ABC):
     def __init__(self, guard: StepGuard):
         self.guard = guard
         self.divisor = guard.world_size  # averaged over this many ranks (join may change it)
+        self.timer = PhaseTimer()  # off unless a profiler (phalanx bench --profile) turns it on
 
     # -- storage and plan -------------------------------------------------------------------------
 
@@ -93,14 +95,17 @@ class AllReduceExchange(BucketExchange):
         if bucket.sparse:
             self._launch_sparse(bucket, bucket.sparse_gradient())
             return
-        bucket.fill_(self.scale)
+        with self.timer("copy_in", bucket.index):
+            bucket.fill_(self.scale)
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._handles[bucket.index] = self._start(bucket.storage)
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
-        result = self._finish(bucket)
+        with self.timer("wait", bucket.index):
+            result = self._finish(bucket)
         if not bucket.sparse:
-            bucket.write_back(used)
+            with self.timer("copy_out", bucket.index):
+                bucket.write_back(used)
         elif used is None or used[bucket.indices[0]]:
             bucket.params[0].grad = result
 
@@ -162,13 +167,17 @@ class CommHookExchange(BucketExchange):
 
     def launch(self, bucket: Bucket) -> None:
         if not bucket.sparse:
-            bucket.fill_(None)
-        self._futures[bucket.index] = self.hook(self.state, GradBucket(bucket, bucket.index == self._last))
+            with self.timer("copy_in", bucket.index):
+                bucket.fill_(None)
+        with self.timer("reduce", bucket.index):  # what the hook does before it returns its future
+            self._futures[bucket.index] = self.hook(self.state, GradBucket(bucket, bucket.index == self._last))
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
-        result = self._collect(bucket, "the comm hook")
+        with self.timer("wait", bucket.index):
+            result = self._collect(bucket, "the comm hook")
         if not bucket.sparse:
-            bucket.write_back(used)
+            with self.timer("copy_out", bucket.index):
+                bucket.write_back(used)
         elif used is None or used[bucket.indices[0]]:
             bucket.params[0].grad = result
 

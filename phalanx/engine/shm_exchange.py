@@ -96,11 +96,13 @@ class ShmExchange(AllReduceExchange):
         if mode == ALL_REDUCE:
             super().launch(bucket)
             return
-        self.comm.claim(bucket.storage)
-        if mode == SPLIT:
-            self._fill_others_chunks(bucket)
-        else:
-            bucket.fill_(self.scale)
+        with self.timer("wait", bucket.index):
+            self.comm.claim(bucket.storage)
+        with self.timer("copy_in", bucket.index):
+            if mode == SPLIT:
+                self._fill_others_chunks(bucket)
+            else:
+                bucket.fill_(self.scale)
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._tickets[bucket.index] = self.comm.post(bucket.storage)
 
@@ -120,7 +122,7 @@ class ShmExchange(AllReduceExchange):
             return
         ticket, what = self._tickets.pop(bucket.index), f"the gradient exchange of bucket {bucket.index}"
         if mode == POSTED:
-            self._await(ticket, what)
+            self._await(ticket, what, bucket.index)
             self.comm.gather_sum(bucket.storage, ticket, [])
             return
         # This rank's chunk of the sum is still its job (the peers fetch it): sum it out of the gradients.
@@ -149,7 +151,7 @@ class ShmExchange(AllReduceExchange):
                 continue
             ticket = self._tickets.pop(bucket.index)
             if mode == POSTED:
-                self._await(ticket, what)
+                self._await(ticket, what, bucket.index)
                 self.comm.gather_sum(bucket.storage, ticket, [])
                 continue
             # This rank's chunk of the sum is still its job: its own terms are the zeros it posted.
@@ -159,9 +161,10 @@ class ShmExchange(AllReduceExchange):
 
     # -- posted ------------------------------------------------------------------------------------
 
-    def _await(self, ticket: int, what: str) -> None:
+    def _await(self, ticket: int, what: str, bucket: int) -> None:
         """Return once every rank has posted `ticket`, within the guard's bounds, like any other wait."""
-        self.guard.wait_until(partial(self.comm.posted_ready, ticket), what)
+        with self.timer("wait", bucket):
+            self.guard.wait_until(partial(self.comm.posted_ready, ticket), what)
 
     def _gather(self, bucket: Bucket, used: list[int] | None) -> None:
         """Every rank's copy of the bucket summed straight into the gradients."""
@@ -174,19 +177,22 @@ class ShmExchange(AllReduceExchange):
                 p.grad = torch.empty(p.shape, dtype=bucket.storage.dtype, device=bucket.storage.device)
             grads.append((start, p.grad))
             chosen.append(k)
-        self._await(ticket, what)
+        self._await(ticket, what, bucket.index)
         if bucket.large_tensors:  # one pass each, straight into them
-            self.comm.gather_sum(bucket.storage, ticket, grads + [(bucket.numel, self._tag_total)])
+            with self.timer("reduce", bucket.index):
+                self.comm.gather_sum(bucket.storage, ticket, grads + [(bucket.numel, self._tag_total)])
             tag = self._tag_total
         else:  # many small ones: a single sum into a private buffer, then one batched copy
             total, views = self._private_total(bucket)
-            self.comm.gather_sum(bucket.storage, ticket, [(0, total)])
+            with self.timer("reduce", bucket.index):
+                self.comm.gather_sum(bucket.storage, ticket, [(0, total)])
             tag = total[bucket.numel:]
-            if len(grads) == len(bucket.params):
-                torch._foreach_copy_([grad for _, grad in grads], views)
-            else:
-                for k, (_, grad) in zip(chosen, grads):
-                    grad.copy_(views[k])
+            with self.timer("copy_out", bucket.index):
+                if len(grads) == len(bucket.params):
+                    torch._foreach_copy_([grad for _, grad in grads], views)
+                else:
+                    for k, (_, grad) in zip(chosen, grads):
+                        grad.copy_(views[k])
         if self.guard.enabled:
             self.guard.check_tag_sum(tag.item(), bucket.storage.dtype, what)
 
@@ -236,15 +242,18 @@ class ShmExchange(AllReduceExchange):
                              [(start[k] + lo, flats[k][lo:hi]) for k, lo, hi in own if k in flats],
                              [(owner, start[k] + lo, flats[k][lo:hi]) for owner, k, lo, hi in fetched if k in flats],
                              sums=[(bucket.numel, self._tag_total)])
-        for grad, flat in copy_back:
-            grad.copy_(flat.view(grad.shape))
+        with self.timer("copy_out", bucket.index):
+            for grad, flat in copy_back:
+                grad.copy_(flat.view(grad.shape))
         if self.guard.enabled:
             self.guard.check_tag_sum(self._tag_total.item(), bucket.storage.dtype, what)
 
     def _split_exchange(self, bucket: Bucket, ticket: int, what: str, scale: float, own: list, fetched: list,
                         sums=()) -> None:
         """reduce_own_chunk() then fetch_chunks(), each once every rank is ready."""
-        self._await(ticket, what)
-        results = self.comm.reduce_own_chunk(bucket.storage, ticket, own, scale, sums)
-        self._await(results, what)
-        self.comm.fetch_chunks(bucket.storage, results, fetched)
+        self._await(ticket, what, bucket.index)
+        with self.timer("reduce", bucket.index):
+            results = self.comm.reduce_own_chunk(bucket.storage, ticket, own, scale, sums)
+        self._await(results, what, bucket.index)
+        with self.timer("copy_out", bucket.index):
+            self.comm.fetch_chunks(bucket.storage, results, fetched)

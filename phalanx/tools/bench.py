@@ -26,6 +26,7 @@ from ..launch.spawn import spawn
 from ..log import print0
 from ..world import group as world
 from .bench_models import MODELS, count_parameters, make_batches
+from .bench_profile import format_profile, maybe_profile, write_profile_chart
 from .bench_report import (
     SCHEMA,
     VARIANT_LABELS,
@@ -61,6 +62,7 @@ class BenchConfig:
     seed: int
     out: str
     timeout: float
+    profile: bool = False
     argv: list[str] = field(default_factory=list)
 
 
@@ -86,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="bench-results/bench.json", help="JSON results file; the chart goes "
                         "next to it as .png (default bench-results/bench.json)")
     parser.add_argument("--quick", action="store_true", help="tiny step counts, for smoke tests")
+    parser.add_argument("--profile", action="store_true", help="then one more phalanx block with its exchange "
+                        "timed by phase: copy in, reduce, wait, copy out, rest (per rank and bucket)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before ranks still running are "
                         "stopped and named (default 3600)")
@@ -117,7 +121,7 @@ def parse_config(argv: list[str]) -> BenchConfig:
         nproc=args.nproc if args.nproc is not None else (1 if cuda else 2),
         threads=args.threads, device=args.device, bucket_cap_mb=args.bucket_cap_mb,
         allreduce=args.allreduce and not cuda, allreduce_sizes_mb=[1] if quick else list(ALLREDUCE_SIZES_MB),
-        seed=args.seed, out=args.out, timeout=args.timeout, argv=list(argv))
+        seed=args.seed, out=args.out, timeout=args.timeout, profile=args.profile, argv=list(argv))
     for name in ("steps", "blocks", "nproc", "threads"):
         if getattr(config, name) < 1:
             raise BenchConfigError(explain(f"--{name} must be positive", seen=getattr(config, name), expected=">= 1"))
@@ -251,10 +255,12 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
             print0(f"[bench] {name} block {round_ + 1}/{config.blocks} {VARIANT_LABELS[variant]:<13} "
                          f"median {median:8.2f} ms")
     variants = {variant: summarize(blocks[variant]) for variant in config.variants}
+    profile = maybe_profile(built, _train_step, bench_model, batches, config.warmup, config.steps) \
+        if config.profile else None
     del built, module, optimizer  # free this model's copies (and DDP buffers) before the next model
     return {"name": name, "description": bench_model.description, "params": params, "tensors": tensors,
             "batch_per_rank": bench_model.batch, "variants": variants, "ratios": ratios(variants),
-            "paired_ratios": paired_ratios(variants)}
+            "paired_ratios": paired_ratios(variants), **({"profile": profile} if profile else {})}
 
 
 def _allreduce_section(config: BenchConfig) -> dict:
@@ -344,6 +350,9 @@ def report(results: dict, out: Path) -> None:
     """Print the table and write the JSON and (with matplotlib) the PNG chart."""
     print(format_table(results), flush=True)
     json_path = write_json(results, out)
+    if any("profile" in model for model in results["models"]):
+        print(format_profile(results["models"]), flush=True)
+        write_profile_chart(results["models"], out.with_name(out.stem + "-profile.png"))
     chart = write_chart(results, out.with_suffix(".png"))
     print(f"\nresults: {json_path}" + (f"\nchart:   {chart}" if chart else "\nchart:   skipped (matplotlib "
                                                                        "is not installed)"), flush=True)
