@@ -76,6 +76,14 @@ class BucketExchange(ABC):
     def settle(self, buckets: list[Bucket]) -> None:
         """Before this exchange is replaced: return once no peer can still read this rank's buckets."""
 
+    def _write_back(self, bucket: Bucket, used: list[int] | None, sparse_sum: torch.Tensor | None) -> None:
+        """The average into .grad: a dense bucket's buffer, or a sparse bucket's sum (a new tensor)."""
+        if not bucket.sparse:
+            with self.timer("copy_out", bucket.index):
+                bucket.write_back(used)
+        elif used is None or used[bucket.indices[0]]:
+            bucket.params[0].grad = sparse_sum
+
     @property
     def scale(self) -> float | None:
         """What the gradients are multiplied by on the way into the bucket (None: nothing)."""
@@ -103,11 +111,7 @@ class AllReduceExchange(BucketExchange):
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
         with self.timer("wait", bucket.index):
             result = self._finish(bucket)
-        if not bucket.sparse:
-            with self.timer("copy_out", bucket.index):
-                bucket.write_back(used)
-        elif used is None or used[bucket.indices[0]]:
-            bucket.params[0].grad = result
+        self._write_back(bucket, used, result)
 
     def discard(self, bucket: Bucket) -> None:
         self._finish(bucket)
@@ -175,11 +179,7 @@ class CommHookExchange(BucketExchange):
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
         with self.timer("wait", bucket.index):
             result = self._collect(bucket, "the comm hook")
-        if not bucket.sparse:
-            with self.timer("copy_out", bucket.index):
-                bucket.write_back(used)
-        elif used is None or used[bucket.indices[0]]:
-            bucket.params[0].grad = result
+        self._write_back(bucket, used, result)
 
     def discard(self, bucket: Bucket) -> None:
         self._collect(bucket, "the comm hook")
