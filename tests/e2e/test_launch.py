@@ -1,7 +1,7 @@
 """`phalanx run` end to end: real worker processes started by the launcher, as a user starts them.
 
 Multi-process tests (world size 2 on one node, and 2 nodes x 1 worker in two network namespaces).
-Each test starts tests/launch_worker.py; the subprocess timeouts only guard against hangs.
+Each test starts tests/e2e/jobs/launch_worker.py; the subprocess timeouts only guard against hangs.
 """
 
 import os
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-WORKER = str(REPO / "tests" / "launch_worker.py")
+from tests.conftest import ROOT, checkout_on_pythonpath
+
+WORKER = str(Path(__file__).resolve().parent / "jobs" / "launch_worker.py")
 HANG_GUARD = 240  # seconds; a run that needs this long is stuck
 
 
@@ -27,13 +28,13 @@ def clean_env(**extra) -> dict:
            if not k.startswith(("SLURM_", "TORCHELASTIC_", "PHALANX_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                          "OMP_NUM_THREADS", "GROUP_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = checkout_on_pythonpath()
     env.update(extra)
     return env
 
 
 def phalanx_run(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "phalanx", "run", *args], env=env or clean_env(), cwd=cwd or REPO,
+    return subprocess.run([sys.executable, "-m", "phalanx", "run", *args], env=env or clean_env(), cwd=cwd or ROOT,
                           capture_output=True, text=True, timeout=HANG_GUARD)
 
 
@@ -70,12 +71,12 @@ class TestAllReduceUnderEachLauncher:
 
     def test_torchrun_two_workers(self):
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", WORKER],
-                                env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=HANG_GUARD)
+                                env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD)
         assert result.returncode == 0, result.stderr
         assert sums_by_rank(result.stdout) == {0: (2, 1, 0), 1: (2, 1, 0)}
 
     def test_plain_python_is_a_world_of_one(self):
-        result = subprocess.run([sys.executable, WORKER], env=clean_env(), cwd=REPO, capture_output=True, text=True,
+        result = subprocess.run([sys.executable, WORKER], env=clean_env(), cwd=ROOT, capture_output=True, text=True,
                                 timeout=HANG_GUARD)
         assert result.returncode == 0, result.stderr
         assert sums_by_rank(result.stdout) == {0: (1, 0, 0)}
@@ -115,7 +116,7 @@ class TestFailures:
     def test_sigterm_to_the_launcher_stops_every_process(self, tmp_path):
         # What a scheduler does at the end of a job's time: nothing of the run may outlive it.
         launcher = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "2", WORKER,
-                                     "--pid-dir", str(tmp_path)], env=clean_env(), cwd=REPO,
+                                     "--pid-dir", str(tmp_path)], env=clean_env(), cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + HANG_GUARD
@@ -192,7 +193,7 @@ class TestTwoNodes:
                 command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run",
                            "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
                            "--master-addr", master, "--master-port", "29555", "--rdzv-timeout", "120", WORKER]
-                nodes.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                nodes.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True))
             outputs = [node.communicate(timeout=HANG_GUARD) for node in nodes]
         finally:

@@ -1,7 +1,7 @@
 """Exact resume end to end (world size 2): `phalanx run --max-restarts 2` restarts a job killed with
 SIGKILL, and its final parameters are bitwise equal to an uninterrupted run's, dropout included.
 
-Kill points (tests/resume_job.py, checkpoints at steps 7 and 14, 5 steps per epoch): before the
+Kill points (tests/e2e/jobs/resume_job.py, checkpoints at steps 7 and 14, 5 steps per epoch): before the
 first checkpoint, right after one, mid-epoch, and in the last epoch; two per launch.
 """
 
@@ -16,16 +16,15 @@ import pytest
 import torch
 
 import phalanx as px
+from tests.conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "tests" / "resume_job.py"
+JOB = Path(__file__).resolve().parent / "jobs" / "resume_job.py"
 
 MISSING = [f"phalanx.{name}" for name in ("DistributedDataParallel", "DataLoader", "DistributedSampler")
            if not hasattr(px, name)]
 if importlib.util.find_spec("phalanx.launch.run") is None or importlib.util.find_spec("phalanx.__main__") is None:
     MISSING.append("`python -m phalanx run` (phalanx.launch.run, phalanx.__main__)")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(bool(MISSING), reason=f"the exact-resume test needs {', '.join(MISSING)}")]
+pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"the exact-resume test needs {', '.join(MISSING)}")
 
 KILLS = {  # ATTEMPT:RANK:STEP:WHEN, one kill per attempt; the third attempt runs to the end
     "before_first_checkpoint_then_right_after_it": (["0:1:4:start", "1:0:7:saved"], ["ckpt-00000001.pt"]),

@@ -13,16 +13,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-from commands import run_command
-
 from phalanx.testing import free_port
+from tests.conftest import ROOT, run_command
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 PHALANX = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
-
-pytestmark = pytest.mark.slow
 
 
 def _run(command: list, *, cwd: Path, timeout: float = 150, env: dict | None = None) -> str:

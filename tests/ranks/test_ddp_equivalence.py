@@ -10,9 +10,9 @@ Each world size is one spawned run that trains every case with SGD+momentum and 
 import warnings
 
 import pytest
-from ddp_cases import equivalence_run
 
 from phalanx.testing import run_ranks
+from tests.helpers.ddp_cases import equivalence_run
 
 CASES = ["mlp", "cnn_bn_eval", "unused", "tied", "no_sync", "create_graph"]
 OPTIMIZERS = ["sgd", "adam"]

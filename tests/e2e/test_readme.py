@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from commands import run_command
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT, run_command
+
 README = ROOT / "README.md"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("phalanx")
 PHALANX = [str(CONSOLE_SCRIPT)] if CONSOLE_SCRIPT.exists() else [sys.executable, "-m", "phalanx"]
@@ -148,11 +148,11 @@ class TestPythonBlocks:
             name = first[2:] if first.startswith("# ") else None
             assert name in RUN_BY_TESTS, (
                 f"README.md line {block['line']}: a python block that no test runs (first line {first!r}); "
-                f"name it '# file.py' and run it in tests/test_readme.py, or mark it "
+                f"name it '# file.py' and run it in tests/e2e/test_readme.py, or mark it "
                 f"<!-- readme-test: skip (why) --> if it cannot run alone")
             names.add(name)
         assert names == RUN_BY_TESTS, \
-            f"tests/test_readme.py runs blocks the README no longer has: {RUN_BY_TESTS - names}"
+            f"tests/e2e/test_readme.py runs blocks the README no longer has: {RUN_BY_TESTS - names}"
 
     def test_the_one_import_switch(self):
         import torch
@@ -175,7 +175,6 @@ class TestPythonBlocks:
         for name in ("no_sync", "join", "register_comm_hook", "state_dict", "load_state_dict"):
             assert callable(getattr(after["DDP"], name)), name
 
-    @pytest.mark.slow
     def test_training_script_resumes_after_a_worker_dies(self, tmp_path):
         """train.py under `phalanx run --max-restarts 3`, rank 1 dying after epoch 2 on the first attempt,
         ends exactly as a run that was never interrupted."""
@@ -203,7 +202,6 @@ class TestPythonBlocks:
         kept = sorted(p.name for p in (failing / "runs/my-job/checkpoints").glob("ckpt-*.pt"))
         assert kept == ["ckpt-00000004.pt", "ckpt-00000005.pt"], f"keep=2 keeps the last two: {kept}"
 
-    @pytest.mark.slow
     def test_training_script_runs_alone_under_python(self, tmp_path):
         (tmp_path / "train.py").write_text(python_block("train.py"))
         output = run([sys.executable, "train.py"], tmp_path)
@@ -211,7 +209,6 @@ class TestPythonBlocks:
         again = run([sys.executable, "train.py"], tmp_path)  # everything done: resumes at the end
         assert "resumed from" in again and not epoch_losses(again), again
 
-    @pytest.mark.slow
     def test_torch_ddp_with_the_shared_memory_hook(self, tmp_path):
         (tmp_path / "torch_ddp_shm.py").write_text(python_block("torch_ddp_shm.py"))
         output = run([*PHALANX, "run", "--nproc-per-node", "2", "torch_ddp_shm.py"], tmp_path)
@@ -224,7 +221,6 @@ class TestPythonBlocks:
 # -- the commands ------------------------------------------------------------------------------------
 
 class TestCommands:
-    @pytest.mark.slow
     def test_help(self, tmp_path):
         overview = run([*PHALANX, "--help"], tmp_path)
         assert all(name in overview for name in ("run", "demo", "bench")), overview
@@ -257,7 +253,6 @@ class TestCommands:
         assert {"run", "bench"} <= seen, seen
         assert (ROOT / "examples/slurm/train.sbatch").is_file()
 
-    @pytest.mark.slow
     def test_bench_quick(self, tmp_path):
         command = next(w for w in shell_commands() if w[:3] == ["phalanx", "bench", "--quick"])
         output = run([*PHALANX, *command[1:]], tmp_path, timeout=120)

@@ -1,6 +1,6 @@
 """The training loop of the exact-resume test, killed with SIGKILL and restarted by `phalanx run`.
 
-    phalanx run --nproc-per-node 2 --max-restarts 2 tests/resume_job.py RUN_DIR --kill 0:1:4:start
+    phalanx run --nproc-per-node 2 --max-restarts 2 tests/e2e/jobs/resume_job.py RUN_DIR --kill 0:1:4:start
 
 `--kill ATTEMPT:RANK:STEP:WHEN` kills that rank during that restart attempt (TORCHELASTIC_RESTART_COUNT)
 at that step, WHEN "start" (before its forward) or "saved" (right after its checkpoint). Rank 0

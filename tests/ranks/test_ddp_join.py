@@ -10,12 +10,12 @@ generic `Join([model])`. Afterwards replicas are identical and ordinary training
 import pytest
 import torch
 import torch.nn.functional as F
-from ddp_cases import flat_params, replicas_identical
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import phalanx
 from phalanx.testing import run_ranks
+from tests.helpers.ddp_cases import flat_params, replicas_identical
 
 WORLD = 3
 

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ import torch
 from phalanx.testing import run_ranks
 from phalanx.tools import bench
 from phalanx.tools.bench_report import format_table, paired_ratios, ratios, summarize
+from tests.conftest import ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[1]
 QUICK = ["--quick", "--models", "deep"]
 
 

@@ -21,8 +21,7 @@ import torch
 
 import phalanx as px
 from phalanx.checkpoint import atomic_files, unwrap
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import ROOT
 
 
 def make_net(hidden=8, seed=0):

@@ -9,12 +9,12 @@ One spawned run trains every configuration; the tests read its results.
 import pytest
 import torch
 import torch.nn.functional as F
-from ddp_cases import Branchy, cnn_bn, replicas_identical
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 import phalanx
 from phalanx.testing import run_ranks
+from tests.helpers.ddp_cases import Branchy, cnn_bn, replicas_identical
 
 STEPS = 10
 

@@ -1,4 +1,4 @@
-"""A training script stand-in that tests/test_launch.py starts under `phalanx run`, torchrun and python.
+"""A training script stand-in that tests/e2e/test_launch.py starts under `phalanx run`, torchrun and python.
 
 Every rank all-reduces its rank and prints the sum. `--fail-rank R` makes rank R raise on the first
 attempt only (TORCHELASTIC_RESTART_COUNT == 0); `--pid-dir D` keeps a DataLoader worker running on
