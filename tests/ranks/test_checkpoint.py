@@ -1,17 +1,27 @@
-"""Checkpointer across ranks (Gloo CPU processes via phalanx.testing.run_ranks).
+"""Checkpointer across processes: ranks (Gloo CPU processes via phalanx.testing.run_ranks), and a
+process killed in the middle of a save.
 
 Per-rank random states, the agreement on which file to resume from, DDP-wrapped vs plain models,
-a failed write on rank 0, and a world size that changes between save and restore.
+a failed write on rank 0, a world size that changes between save and restore, and a SIGKILL
+during a save. The single-process tests are in tests/unit/test_checkpoint.py.
 """
 
+import os
 import random
+import signal
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
 import phalanx as px
 from phalanx.testing import run_ranks
+from tests.conftest import ROOT, warnings_of
+from tests.helpers.checkpoint_state import make_state
 
 
 def make_net(seed=0):
@@ -129,3 +139,71 @@ def test_ranks_follow_rank0_fallback_and_all_raise_when_rank0_cannot_write(tmp_p
     assert [step for step, _ in results] == [1, 1]
     assert "NotADirectoryError" in results[0][1] or "FileExistsError" in results[0][1]
     assert "rank 0 could not write" in results[1][1]
+
+
+# -- a process killed during a save --------------------------------------------------------------------
+
+CRASHING_SAVE = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    import phalanx as px
+    from phalanx.checkpoint import atomic_files
+    from tests.helpers.checkpoint_state import make_state, train_step
+
+    where = sys.argv[1]
+    state = make_state(hidden=256)
+    train_step(state)
+    ckpt = px.Checkpointer(sys.argv[2])
+    ckpt.save(state)                      # the complete checkpoint that must survive
+    train_step(state)
+
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "mid_write":              # the process dies with half a file on disk
+        write = atomic_files._HashingWriter.write
+        def write_then_die(self, data):
+            written = write(self, data)
+            if self.size > 4096:
+                self.file.flush()
+                die()
+            return written
+        atomic_files._HashingWriter.write = write_then_die
+    else:                                 # between a complete temporary file and its rename
+        replace = os.replace
+        target = "manifest.json" if where == "before_manifest_rename" else "ckpt-"
+        def die_before(src, dst):
+            if os.path.basename(dst).startswith(target):
+                die()
+            replace(src, dst)
+        os.replace = die_before
+    ckpt.save(state)
+    sys.exit("the crash was not injected")
+""")
+
+
+class TestCrashDuringSave:
+    @pytest.mark.parametrize("where", ["mid_write", "before_rename", "before_manifest_rename"])
+    def test_sigkill_during_save_leaves_the_previous_checkpoint(self, tmp_path, where, log_records):
+        """World size 1, no process group: a child process saves, and is SIGKILLed in the middle of its second
+        save; this process then restores the first checkpoint and saves over the debris."""
+        script = tmp_path / "crash.py"
+        script.write_text(CRASHING_SAVE)
+        directory = tmp_path / "run"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, str(script), where, str(directory)], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == -signal.SIGKILL, done.stderr
+        if where != "before_manifest_rename":
+            assert list(directory.glob(".ckpt-00000002.pt.*.tmp")), "the crash left no partial file behind"
+
+        state = make_state(hidden=256)
+        assert px.Checkpointer(directory).restore(state) is True
+        assert state["step"] == 1
+        assert not warnings_of(log_records)
+        # The next save replaces the debris of the crashed one.
+        px.Checkpointer(directory).save(state)
+        assert not list(directory.glob(".*.tmp"))
+        kept = [p.name for p in px.Checkpointer(directory).checkpoints()]
+        assert kept[0] == "ckpt-00000001.pt" and len(kept) == 2
+        assert sorted(p.name for p in directory.glob("ckpt-*.pt")) == kept

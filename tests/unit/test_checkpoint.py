@@ -1,17 +1,12 @@
-"""Checkpointer in one process: round trip, exact resume, keep-last-k, crashes, corruption, unsafe files.
+"""Checkpointer in one process: round trip, exact resume, keep-last-k, corruption, unsafe files.
 
-Every test here is single-process (world size 1, no process group); the multi-rank behaviour is in
-test_checkpoint_ranks.py.
+Every test here is single-process (world size 1, no process group); the multi-rank behaviour, and a
+save killed half-way by SIGKILL (a child process), are in tests/ranks/test_checkpoint.py.
 """
 
-import logging
 import os
 import pickle
 import random
-import signal
-import subprocess
-import sys
-import textwrap
 import zlib
 from pathlib import Path
 
@@ -21,32 +16,8 @@ import torch
 
 import phalanx as px
 from phalanx.checkpoint import atomic_files, unwrap
-from tests.conftest import ROOT
-
-
-def make_net(hidden=8, seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.5),
-                               torch.nn.Linear(hidden, 2))
-
-
-def make_state(hidden=8):
-    net = make_net(hidden)
-    opt = torch.optim.Adam(net.parameters(), lr=0.01)
-    return {"model": net, "optimizer": opt, "scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2),
-            "scaler": torch.amp.GradScaler("cpu"), "step": 0, "tag": "run-a", "history": [0.5, {"best": 1}]}
-
-
-def train_step(state):
-    """One step that draws from every generator the Checkpointer restores."""
-    net, opt = state["model"], state["optimizer"]
-    x = torch.randn(6, 4) + random.random() + float(np.random.rand())
-    loss = net(x).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    state["scheduler"].step()
-    state["step"] += 1
+from tests.conftest import warnings_of
+from tests.helpers.checkpoint_state import make_net, make_state, train_step
 
 
 def scramble_random_states():
@@ -57,27 +28,6 @@ def scramble_random_states():
 
 def params(model):
     return [p.detach().clone() for p in unwrap(model).parameters()]
-
-
-@pytest.fixture
-def log_records():
-    """What phalanx's logger says during the test (it may not propagate to the root logger)."""
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler, level = Keep(), px.logger.level
-    px.logger.addHandler(handler)
-    px.logger.setLevel(logging.INFO)
-    yield records
-    px.logger.removeHandler(handler)
-    px.logger.setLevel(level)
-
-
-def warnings_of(records):
-    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
 def save_states(directory, count, keep=2):
@@ -160,71 +110,6 @@ class TestRoundTrip:
     def test_keep_must_be_positive(self, tmp_path):
         with pytest.raises(ValueError, match="keep=0"):
             px.Checkpointer(tmp_path, keep=0)
-
-
-CRASHING_SAVE = textwrap.dedent("""
-    import os, signal, sys
-    sys.path.insert(0, {tests!r})
-    import torch
-    import phalanx as px
-    from phalanx.checkpoint import atomic_files
-    from test_checkpoint import make_state, train_step
-
-    where = sys.argv[1]
-    state = make_state(hidden=256)
-    train_step(state)
-    ckpt = px.Checkpointer(sys.argv[2])
-    ckpt.save(state)                      # the complete checkpoint that must survive
-    train_step(state)
-
-    def die():
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if where == "mid_write":              # the process dies with half a file on disk
-        write = atomic_files._HashingWriter.write
-        def write_then_die(self, data):
-            written = write(self, data)
-            if self.size > 4096:
-                self.file.flush()
-                die()
-            return written
-        atomic_files._HashingWriter.write = write_then_die
-    else:                                 # between a complete temporary file and its rename
-        replace = os.replace
-        target = "manifest.json" if where == "before_manifest_rename" else "ckpt-"
-        def die_before(src, dst):
-            if os.path.basename(dst).startswith(target):
-                die()
-            replace(src, dst)
-        os.replace = die_before
-    ckpt.save(state)
-    sys.exit("the crash was not injected")
-""")
-
-
-class TestCrashDuringSave:
-    @pytest.mark.parametrize("where", ["mid_write", "before_rename", "before_manifest_rename"])
-    def test_sigkill_during_save_leaves_the_previous_checkpoint(self, tmp_path, where, log_records):
-        script = tmp_path / "crash.py"
-        script.write_text(CRASHING_SAVE.format(tests=str(ROOT / "tests")))
-        directory = tmp_path / "run"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, str(script), where, str(directory)], env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == -signal.SIGKILL, done.stderr
-        if where != "before_manifest_rename":
-            assert list(directory.glob(".ckpt-00000002.pt.*.tmp")), "the crash left no partial file behind"
-
-        state = make_state(hidden=256)
-        assert px.Checkpointer(directory).restore(state) is True
-        assert state["step"] == 1
-        assert not warnings_of(log_records)
-        # The next save replaces the debris of the crashed one.
-        px.Checkpointer(directory).save(state)
-        assert not list(directory.glob(".*.tmp"))
-        kept = [p.name for p in px.Checkpointer(directory).checkpoints()]
-        assert kept[0] == "ckpt-00000001.pt" and len(kept) == 2
-        assert sorted(p.name for p in directory.glob("ckpt-*.pt")) == kept
 
 
 class TestDamagedFiles:

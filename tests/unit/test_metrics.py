@@ -1,7 +1,7 @@
-"""phalanx.metrics: on uneven shards the all-reduced metrics equal the single-process values, and
-gather_in_order returns predictions in dataset order without padding duplicates.
+"""phalanx.metrics without a world: the reductions are the local values, Mean weighs every sample once,
+gather_in_order undoes the shuffle and checks its sampler, and the docstring examples run.
 
-TestOneProcess runs without a world; TestThreeRanks on 3 spawned Gloo ranks (one spawn for all checks).
+The same metrics on 3 spawned Gloo ranks are in tests/ranks/test_metrics.py.
 """
 
 import doctest
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import phalanx.metrics
-from phalanx import DataConfigError, DataLoader, DistributedSampler
+from phalanx import DataConfigError, DistributedSampler
 from phalanx.metrics import (
     Mean,
     all_reduce_max,
@@ -21,16 +21,7 @@ from phalanx.metrics import (
     gather_in_order,
     weighted_mean,
 )
-from phalanx.testing import run_ranks
-
-SIZE = 29  # uneven over 3 ranks (10, 10, 9 without padding) and over batches of 4
-VALUES = torch.randn(SIZE, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-SHARD_LAYOUTS = {"padded": {"pad": True}, "unpadded": {"pad": False}, "drop-last": {"drop_last": True}}
-
-
-def model(values):
-    """A stand-in for predictions: one row (2 * value, value ** 2) per sample."""
-    return torch.stack([2 * values, values ** 2], dim=1)
+from tests.helpers.metrics_cases import SHARD_LAYOUTS, SIZE, VALUES, model
 
 
 class TestOneProcess:
@@ -70,70 +61,3 @@ class TestOneProcess:
     def test_docstring_examples_run(self):
         for module in (phalanx.data.metrics, phalanx.data.sampler, phalanx.data.loader):
             assert doctest.testmod(module, extraglobs={"torch": torch}).failed == 0, module.__name__
-
-
-def metrics_on_this_rank(rank):
-    """On a spawned rank: every metric over this rank's uneven share of VALUES."""
-    dataset = torch.utils.data.TensorDataset(VALUES)
-    sampler = DistributedSampler(dataset, seed=3, pad=False)
-    batch_means, per_sample = Mean(), Mean()
-    for (batch,) in DataLoader(dataset, batch_size=4, sampler=sampler):
-        batch_means.update(batch.mean(), weight=len(batch))  # the usual loop: mean loss times batch size
-        per_sample.update(batch)
-    local = VALUES[list(sampler)]
-    results = {
-        "batch_means": batch_means.compute(),
-        "per_sample": per_sample.compute(),
-        "sum": all_reduce_sum(local.sum()).item(),
-        "count": all_reduce_sum(len(local)),
-        "max": all_reduce_max(local.max().item()),
-        "min": all_reduce_min(local.min()).item(),
-        "mean_of_ranks": all_reduce_mean(rank),
-    }
-    collectives = []
-    real_all_reduce = torch.distributed.all_reduce
-    torch.distributed.all_reduce = lambda *args, **kwargs: collectives.append(1) or real_all_reduce(*args, **kwargs)
-    try:
-        per_sample.compute()
-    finally:
-        torch.distributed.all_reduce = real_all_reduce
-    results["collectives_per_mean"] = len(collectives)
-    for name, layout in SHARD_LAYOUTS.items():
-        eval_sampler = DistributedSampler(dataset, shuffle=True, seed=9, **layout)
-        eval_sampler.set_epoch(1)
-        results[name] = gather_in_order(model(VALUES[list(eval_sampler)]), eval_sampler)
-        results[name + "/objects"] = gather_in_order([f"item{i}" for i in eval_sampler], eval_sampler)
-    return results
-
-
-@pytest.fixture(scope="module")
-def per_rank():
-    return run_ranks(metrics_on_this_rank, 3)  # world size 3
-
-
-class TestThreeRanks:
-
-    def test_means_on_uneven_shards_equal_the_single_process_mean(self, per_rank):
-        for results in per_rank:
-            assert math.isclose(results["batch_means"], VALUES.mean().item(), rel_tol=1e-12)
-            assert math.isclose(results["per_sample"], VALUES.mean().item(), rel_tol=1e-12)
-
-    def test_sum_max_min_and_count_are_over_all_samples(self, per_rank):
-        for results in per_rank:
-            assert math.isclose(results["sum"], VALUES.sum().item(), rel_tol=1e-12)
-            assert results["count"] == SIZE
-            assert (results["max"], results["min"]) == (VALUES.max().item(), VALUES.min().item())
-            assert results["mean_of_ranks"] == 1.0  # (0 + 1 + 2) / 3
-
-    def test_a_mean_is_one_collective(self, per_rank):
-        assert [results["collectives_per_mean"] for results in per_rank] == [1, 1, 1]
-
-    @pytest.mark.parametrize("layout", SHARD_LAYOUTS, ids=SHARD_LAYOUTS.keys())
-    def test_gather_returns_dataset_order_without_duplicates(self, per_rank, layout):
-        sampler = DistributedSampler(range(SIZE), num_replicas=3, rank=0, seed=9, **SHARD_LAYOUTS[layout])
-        sampler.set_epoch(1)
-        kept = sorted(set(sampler.global_order().tolist()))  # all indices, or those drop_last kept
-        assert len(kept) == (SIZE if layout != "drop-last" else SIZE - SIZE % 3)
-        for results in per_rank:
-            assert torch.equal(results[layout], model(VALUES)[kept])
-            assert results[layout + "/objects"] == [f"item{i}" for i in kept]

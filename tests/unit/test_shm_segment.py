@@ -1,6 +1,9 @@
-"""Single-process tests of shared-memory segments: permissions, names, sweeping, liveness, chunking."""
+"""Single-process tests of shared-memory segments: permissions, names, attaching, chunking, the switch.
 
-import multiprocessing as mp
+Sweeping a dead creator's segments and telling a recycled pid apart need a child process: they are in
+tests/ranks/test_shm_segment.py.
+"""
+
 import os
 import stat
 
@@ -8,22 +11,9 @@ import pytest
 
 from phalanx.shm import shm_enabled
 from phalanx.shm.reduce import chunk_bounds
-from phalanx.shm.segment import (
-    PREFIX,
-    SHM_DIR,
-    Segment,
-    job_segments,
-    process_alive,
-    process_start_time,
-    sweep_stale_segments,
-)
+from phalanx.shm.segment import PREFIX, SHM_DIR, Segment
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs /dev/shm")
-
-
-def _create_and_abandon(queue):
-    # A creator that dies before unlinking: what a crash during setup leaves behind.
-    queue.put(Segment.create(4096).name)
 
 
 def test_segment_is_owner_only_even_with_open_umask():
@@ -69,36 +59,6 @@ def test_attach_shares_memory_with_the_creator():
         assert other.memory[:5] == b"hello"
     finally:
         segment.unlink()
-
-
-def test_sweep_removes_a_dead_creators_segment_and_keeps_live_ones():
-    queue = mp.get_context("fork").Queue()
-    child = mp.get_context("fork").Process(target=_create_and_abandon, args=(queue,))
-    child.start()
-    abandoned = queue.get(timeout=60)
-    child.join(60)
-    live = Segment.create(4096)
-    foreign = os.path.join(SHM_DIR, "not-phalanx-" + abandoned.rsplit(".", 1)[1])
-    open(foreign, "w").close()
-    try:
-        assert job_segments(abandoned) == [abandoned]
-        removed = sweep_stale_segments()
-        assert abandoned in removed
-        assert job_segments(abandoned) == []
-        assert os.path.exists(live.path) and os.path.exists(foreign)
-    finally:
-        live.unlink()
-        os.unlink(foreign)
-
-
-def test_process_alive_tells_a_recycled_pid_from_the_original():
-    me = os.getpid()
-    assert process_alive(me, process_start_time(me))
-    assert not process_alive(me, process_start_time(me) - 1)
-    child = mp.get_context("fork").Process(target=os.getpid)
-    child.start()
-    child.join(60)
-    assert process_start_time(child.pid) is None
 
 
 @pytest.mark.parametrize("numel,size,parts", [(0, 4, 2), (5, 4, 2), (17, 4, 3), (1000, 4, 3), (100_003, 2, 2)])

@@ -1,7 +1,6 @@
-"""`phalanx.init()` and the rank helpers.
-
-TestBadEnvironment runs init() in this process (it fails before creating a process group);
-TestWorld is multi-process (world size 2, Gloo on CPU, spawned by phalanx.spawn / phalanx.testing).
+"""`phalanx.init()` in a bad environment, in this process: it fails before creating a process group,
+with a typed error that names the variable. The rank helpers in a world of 2 spawned processes are
+in tests/ranks/test_world.py.
 """
 
 import socket
@@ -12,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import phalanx
-from phalanx.errors import MasterUnreachableError, PortInUseError, RanksTimedOutError, WorldConfigError
-from phalanx.testing import free_port, run_ranks
+from phalanx.errors import MasterUnreachableError, PortInUseError, WorldConfigError
+from phalanx.testing import free_port
 
 WORLD_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                    "TORCHELASTIC_USE_AGENT_STORE", "PHALANX_STORE_HOSTED", "SLURM_PROCID", "SLURM_NTASKS",
@@ -67,45 +66,3 @@ class TestBadEnvironment:
     def test_helpers_before_init_say_what_to_do(self, world_env):
         with pytest.raises(WorldConfigError, match=r"phalanx.init\(\)"):
             phalanx.local_rank()
-
-
-def _describe(rank):
-    again = phalanx.init()  # idempotent: spawn already called it
-    phalanx.logger.info("info from %d", rank)
-    phalanx.logger.warning("warning from %d", rank)
-    phalanx.print0("print0 from", rank)
-    return dict(rank=phalanx.rank(), world_size=phalanx.world_size(), local_rank=phalanx.local_rank(),
-                is_main=phalanx.is_main(), device=str(again), backend=dist.get_backend(),
-                threads=torch.get_num_threads())
-
-
-def _skip_barrier_on_rank_1(rank):
-    if rank == 1:
-        return None  # never arrives at the barrier (the store, hosted by spawn's parent, stays up)
-    try:
-        phalanx.barrier(timeout=1)
-    except RanksTimedOutError as error:
-        return error.missing_ranks, str(error)
-    return None
-
-
-class TestWorld:
-    """World size 2."""
-
-    def test_rank_helpers_logging_and_shared_cores(self, capfd, monkeypatch):
-        # No OMP_NUM_THREADS and no torch.set_num_threads: init() divides the cores among local ranks.
-        for name in ("OMP_NUM_THREADS", "PHALANX_RANK_PREFIXED"):
-            monkeypatch.delenv(name, raising=False)
-        threads = max(1, phalanx.world.usable_cores() // 2)
-        results = phalanx.spawn(_describe, 2, env={"PHALANX_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
-        assert results == [dict(rank=r, world_size=2, local_rank=r, is_main=r == 0, device="cpu", backend="gloo",
-                                threads=threads) for r in range(2)]
-        # Rank 0 logs INFO, every rank logs WARNING, each line carries the rank; print0 prints once.
-        out, err = capfd.readouterr()
-        assert "[rank 0] INFO info from 0" in err and "info from 1" not in err
-        assert "[rank 0] WARNING warning from 0" in err and "[rank 1] WARNING warning from 1" in err
-        assert "print0 from 0" in out and "print0 from 1" not in out
-
-    def test_barrier_timeout_names_the_missing_rank(self):
-        missing, message = run_ranks(_skip_barrier_on_rank_1, 2)[0]
-        assert missing == [1] and "[1]" in message
