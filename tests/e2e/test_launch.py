@@ -60,6 +60,7 @@ class TestAllReduceUnderEachLauncher:
     """World size 2 (and 1): the same script gets the right sum under every way of starting it."""
 
     def test_phalanx_run_two_workers(self):
+        """World size 2 under `phalanx run`."""
         result = phalanx_run("--nproc-per-node", "2", WORKER)
         assert result.returncode == 0, result.stderr
         assert sums_by_rank(result.stdout) == {0: (2, 1, 0), 1: (2, 1, 0)}
@@ -70,12 +71,14 @@ class TestAllReduceUnderEachLauncher:
         assert result.stdout.count("omp=unset") == 2
 
     def test_torchrun_two_workers(self):
+        """World size 2 under torchrun."""
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", WORKER],
                                 env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD)
         assert result.returncode == 0, result.stderr
         assert sums_by_rank(result.stdout) == {0: (2, 1, 0), 1: (2, 1, 0)}
 
     def test_plain_python_is_a_world_of_one(self):
+        """World size 1: the script under plain python."""
         result = subprocess.run([sys.executable, WORKER], env=clean_env(), cwd=ROOT, capture_output=True, text=True,
                                 timeout=HANG_GUARD)
         assert result.returncode == 0, result.stderr
@@ -86,6 +89,7 @@ class TestFailures:
     """World size 2: a failing rank stops the group, is named, and its traceback comes last."""
 
     def test_restart_after_a_failure_finishes_the_run(self):
+        """World size 2, --max-restarts 1: rank 1 fails on the first attempt."""
         result = phalanx_run("--nproc-per-node", "2", "--max-restarts", "1", WORKER, "--fail-rank", "1")
         assert result.returncode == 0, result.stderr
         assert "rank 1" in result.stderr and "ValueError: rank 1 fails on purpose" in result.stderr
@@ -93,6 +97,7 @@ class TestFailures:
         assert {rank: attempt for rank, (_, _, attempt) in sums_by_rank(result.stdout).items()} == {0: 1, 1: 1}
 
     def test_failure_stops_every_process_and_prints_the_traceback_last(self, tmp_path):
+        """World size 2: rank 1 fails; rank 0 and both DataLoader workers are stopped."""
         started = time.monotonic()
         result = phalanx_run("--nproc-per-node", "2", WORKER, "--fail-rank", "1", "--pid-dir", str(tmp_path))
         # Rank 0 sleeps for 600 s after its loader starts: returning at all means it was stopped.
@@ -115,6 +120,7 @@ class TestFailures:
 
     def test_sigterm_to_the_launcher_stops_every_process(self, tmp_path):
         # What a scheduler does at the end of a job's time: nothing of the run may outlive it.
+        """World size 2: SIGTERM to the launcher."""
         launcher = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "2", WORKER,
                                      "--pid-dir", str(tmp_path)], env=clean_env(), cwd=ROOT,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -138,6 +144,7 @@ class TestFailures:
         assert [pid for pid in pids if not is_gone(pid)] == []
 
     def test_busy_master_port_is_reported(self):
+        """World size 2: the master port is taken."""
         import socket
 
         with socket.socket() as busy:
@@ -184,6 +191,7 @@ class TestTwoNodes:
     """2 nodes x 1 worker, each node its own network namespace: a real rendezvous over a network link."""
 
     def test_all_reduce_across_two_nodes(self, two_hosts):
+        """World size 2: 2 nodes x 1 worker, each node a network namespace."""
         master = two_hosts[0]["addr"]
         nodes = []
         try:

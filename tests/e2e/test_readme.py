@@ -4,6 +4,9 @@ Every ```python block is run by a test below that checks what the README says it
 temporary folder, under `phalanx run --nproc-per-node 2` (world size 2, CPU only) or plain
 `python` (a world of one). A block is named by its first line (`# train.py`); a block that cannot
 run alone is marked `<!-- readme-test: skip (why) -->` on the line before it.
+
+The README is checked here as a whole: the tests that only read it (its opening, its blocks, its
+commands' flags, its links) run in this process, next to those that run what it says.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ class TestOpening:
             f"README.md must open with exactly `make demo` and `make test`; it opens with {lines[1:5]}")
 
     def test_make_installs_pinned_torch_first_then_runs_the_job_or_the_tests(self):
+        """No world: `make -n` (a dry run) of make demo and make test."""
         makefile = (ROOT / "Makefile").read_text()
         assert re.search(r"^TORCH_SPEC \?= torch==", makefile, flags=re.MULTILINE), "TORCH_SPEC must be overridable"
         if shutil.which("make") is None:
@@ -176,8 +180,8 @@ class TestPythonBlocks:
             assert callable(getattr(after["DDP"], name)), name
 
     def test_training_script_resumes_after_a_worker_dies(self, tmp_path):
-        """train.py under `phalanx run --max-restarts 3`, rank 1 dying after epoch 2 on the first attempt,
-        ends exactly as a run that was never interrupted."""
+        """World size 2: train.py under `phalanx run --max-restarts 3`, rank 1 dying after epoch 2 on the first
+        attempt, ends exactly as a run that was never interrupted."""
         script = python_block("train.py")
         clean, failing, inject = tmp_path / "clean", tmp_path / "failing", tmp_path / "inject"
         for folder in (clean, failing, inject):
@@ -203,6 +207,7 @@ class TestPythonBlocks:
         assert kept == ["ckpt-00000004.pt", "ckpt-00000005.pt"], f"keep=2 keeps the last two: {kept}"
 
     def test_training_script_runs_alone_under_python(self, tmp_path):
+        """World size 1: train.py under plain python, twice (the second run resumes at the end)."""
         (tmp_path / "train.py").write_text(python_block("train.py"))
         output = run([sys.executable, "train.py"], tmp_path)
         assert sorted(epoch_losses(output)) == [1, 2, 3, 4, 5], output
@@ -210,6 +215,7 @@ class TestPythonBlocks:
         assert "resumed from" in again and not epoch_losses(again), again
 
     def test_torch_ddp_with_the_shared_memory_hook(self, tmp_path):
+        """World size 2, under `phalanx run`, then under torchrun with PHALANX_SHM=0."""
         (tmp_path / "torch_ddp_shm.py").write_text(python_block("torch_ddp_shm.py"))
         output = run([*PHALANX, "run", "--nproc-per-node", "2", "torch_ddp_shm.py"], tmp_path)
         assert f"[rank 0] shared memory: {shm_possible()}" in output, output
@@ -222,6 +228,7 @@ class TestPythonBlocks:
 
 class TestCommands:
     def test_help(self, tmp_path):
+        """No world: `phalanx --help` and `phalanx run --help`, run as commands."""
         overview = run([*PHALANX, "--help"], tmp_path)
         assert all(name in overview for name in ("run", "demo", "bench")), overview
         run_help = run([*PHALANX, "run", "--help"], tmp_path)
@@ -254,6 +261,7 @@ class TestCommands:
         assert (ROOT / "examples/slurm/train.sbatch").is_file()
 
     def test_bench_quick(self, tmp_path):
+        """World size 2: the README's `phalanx bench --quick`."""
         command = next(w for w in shell_commands() if w[:3] == ["phalanx", "bench", "--quick"])
         output = run([*PHALANX, *command[1:]], tmp_path, timeout=120)
         assert "phalanx/torch" in output, output

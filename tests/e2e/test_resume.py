@@ -52,6 +52,7 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("kills, resumed_from", KILLS.values(), ids=KILLS.keys())
 def test_killed_run_ends_bitwise_equal_to_uninterrupted(tmp_path, uninterrupted, kills, resumed_from):
+    """World size 2 under `phalanx run --max-restarts 2`: two kills, three attempts."""
     final, attempts, output = launch(tmp_path / "run", kills)
     assert attempts == [0, 1, 2], "the workers were not killed and restarted as planned"
     assert re.findall(r"resumed from \S*/(ckpt-\d+\.pt)", output) == resumed_from

@@ -11,6 +11,7 @@ def _tiny_benchmark(rank: int):
 
 
 def test_benchmark_reports_every_variant_and_size_identically_on_all_ranks():
+    """World size 2."""
     per_rank = run_ranks(_tiny_benchmark, 2)
     rows = per_rank[0]
     assert per_rank[1] == rows  # the times are MAX-reduced over ranks: one answer

@@ -32,6 +32,7 @@ def results(request):
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 @pytest.mark.parametrize("case", CASES)
 def test_matches_single_process_on_concatenated_batch(results, case, opt):
+    """World sizes 2, 3 and 4 (one spawn each, read by every test of this file)."""
     for rank, per_rank in enumerate(results):
         outcome = per_rank[(case, opt)]
         assert outcome["moved"] > 1e-3, "training must change the parameters for the comparison to mean anything"
@@ -40,6 +41,7 @@ def test_matches_single_process_on_concatenated_batch(results, case, opt):
 
 
 def test_each_world_size_uses_its_exchange(results):
+    """World sizes 2, 3 and 4: posted exchange up to 3 ranks, the two-phase all-reduce at 4."""
     world = len(results)
     if results[0][("mlp", "sgd")]["exchange"] == "process group":
         pytest.skip("no shared memory on this host: every world size uses the process group")
@@ -52,6 +54,7 @@ def test_each_world_size_uses_its_exchange(results):
 
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_unused_parameters_keep_none_and_partly_used_get_the_average(results, opt):
+    """World sizes 2, 3 and 4."""
     for per_rank in results:
         outcome = per_rank[("unused", opt)]
         assert outcome["never_grad_is_none"], "a parameter unused on every rank must keep grad None"

@@ -67,6 +67,7 @@ def errors():
 
 
 def test_different_models_name_the_parameter_and_ranks(errors):
+    """World size 2: rank 1's last layer has another shape."""
     for rank, per_rank in enumerate(errors):
         caught = per_rank["mismatch"]
         assert caught["type"] == ParameterMismatchError.__name__
@@ -76,12 +77,14 @@ def test_different_models_name_the_parameter_and_ranks(errors):
 
 
 def test_module_without_trainable_parameters_is_a_runtime_error(errors):
+    """World size 2."""
     caught = errors[0]["frozen"]
     assert caught["type"] == NoTrainableParametersError.__name__ and caught["is_runtime"]
     assert "requires_grad" in caught["message"]
 
 
 def test_unused_parameter_without_flag_fails_at_next_forward_naming_it(errors):
+    """World size 2."""
     for per_rank in errors:
         caught = per_rank["unused_next_forward"]
         assert caught["type"] == UnusedParameterError.__name__
@@ -91,6 +94,7 @@ def test_unused_parameter_without_flag_fails_at_next_forward_naming_it(errors):
 
 def test_process_group_still_works_after_errors_and_uneven_evaluation(errors):
     # Both ranks got through the same synchronized steps and hold the same averaged gradient.
+    """World size 2."""
     assert errors[0]["after_errors_grad"] == errors[1]["after_errors_grad"]
     assert any(value != 0.0 for row in errors[0]["after_errors_grad"] for value in row)
 
@@ -132,6 +136,7 @@ def _uneven_rank0_waits(rank: int):
 
 @pytest.mark.parametrize("scenario", [_uneven_rank0_leaves, _uneven_rank0_waits], ids=["leaves", "stays"])
 def test_uneven_inputs_without_join_fail_with_rank_and_step(scenario):
+    """World size 2: rank 0 has 3 batches, rank 1 has 5 (PHALANX_DDP_STALL_TIMEOUT=4)."""
     rank0, rank1 = run_ranks(scenario, 2, timeout=90, env={"PHALANX_DDP_STALL_TIMEOUT": "4"})
     assert rank0 is None, "rank 0 finished its 3 batches normally"
     assert rank1 is not None, "rank 1 must get an error instead of hanging"

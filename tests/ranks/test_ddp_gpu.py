@@ -42,6 +42,7 @@ def _cuda_versus_torch(rank: int) -> dict:
 
 
 def test_nccl_phalanx_matches_torch_ddp():
+    """World size: one rank per visible GPU, at most 2 (NCCL); skipped without a GPU."""
     world = min(2, torch.cuda.device_count())
     results = phalanx.spawn(_cuda_versus_torch, world, timeout=300, env={"PHALANX_BACKEND": "nccl"})
     for outcome in results:

@@ -96,17 +96,20 @@ def joined():
 
 
 def test_join_averaging_over_active_ranks_equals_single_process(joined):
+    """World size 3: the ranks hold 3, 4 and 5 batches."""
     for rank, outcome in enumerate(joined):
         assert outcome["active_mean_vs_reference"] < 1e-10, f"rank {rank}: {outcome['active_mean_vs_reference']:.3g}"
         assert outcome["identical_after_join"]
 
 
 def test_training_continues_normally_after_join(joined):
+    """World size 3."""
     for outcome in joined:
         assert outcome["trains_after_join"] and outcome["identical_after_more"]
 
 
 def test_join_matches_torch_ddp_join_with_buffers(joined):
+    """World size 3."""
     for rank, outcome in enumerate(joined):
         assert outcome["moved"] > 1e-3
         assert outcome["phalanx_vs_torch"] < 1e-10, f"rank {rank}: {outcome['phalanx_vs_torch']:.3g} from torch's join"
@@ -114,5 +117,6 @@ def test_join_matches_torch_ddp_join_with_buffers(joined):
 
 
 def test_torch_generic_join_context_drives_phalanx_ddp(joined):
+    """World size 3."""
     for outcome in joined:
         assert outcome["generic_vs_method"] == 0.0 and outcome["phalanx_generic_join_identical"]

@@ -70,18 +70,22 @@ def single():
 
 
 def test_world_of_one_trains_bitwise_like_the_bare_module(single):
+    """World size 1 (one spawned process)."""
     assert single["bitwise_equal_to_bare"]
 
 
 def test_state_dict_keys_carry_the_module_prefix(single):
+    """World size 1 (one spawned process)."""
     assert single["keys"] == ["module." + key for key in single["bare_keys"]]
 
 
 def test_load_state_dict_accepts_both_forms_and_torch_ddp_loads_ours(single):
+    """World size 1 (one spawned process)."""
     assert single["load_prefixed"] and single["load_bare"] and single["torch_loads_ours"]
     assert single["strict_still_strict"]
 
 
 def test_misuse_is_reported(single):
+    """World size 1 (one spawned process)."""
     assert "device_ids" in single["cpu_device_ids"]
     assert "only be called once" in single["second_hook"]

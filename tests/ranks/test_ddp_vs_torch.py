@@ -171,6 +171,7 @@ def results(request):
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_phalanx_matches_torch_ddp(results, config):
+    """World size 2, over shared memory and over the process group."""
     for rank, per_rank in enumerate(results):
         outcome = per_rank[config]
         assert outcome["diff"] < 1e-5, f"rank {rank}: {config} differs from torch DDP by {outcome['diff']:.3g}"
@@ -179,12 +180,14 @@ def test_phalanx_matches_torch_ddp(results, config):
 
 
 def test_gradient_as_bucket_view_shares_bucket_storage(results):
+    """World size 2, over each transport."""
     as_view, copied = results[0]["as_view"], results[0]["default"]
     assert as_view["grad_storages"] == len(as_view["buckets"]), "each bucket's grads should live in its one buffer"
     assert copied["grad_storages"] > len(copied["buckets"]), "without the flag each grad owns its storage"
 
 
 def test_rebuilt_buckets_follow_rank_0s_order_on_every_rank(results):
+    """World size 2, over each transport."""
     plans = [per_rank["rank_order"]["buckets"] for per_rank in results]
     assert plans[0] == plans[1]
     # On rank 0 branch b's gradients arrive first: b is parameters 2 and 3.
@@ -192,6 +195,7 @@ def test_rebuilt_buckets_follow_rank_0s_order_on_every_rank(results):
 
 
 def test_buckets_are_grouped_by_dtype(results):
+    """World size 2, over each transport."""
     model = _model("mixed_dtypes")
     dtypes = [p.dtype for p in model.parameters()]
     for bucket in results[0]["mixed_dtypes"]["buckets"]:
@@ -199,6 +203,7 @@ def test_buckets_are_grouped_by_dtype(results):
 
 
 def test_small_cap_gives_several_buckets_in_reverse_order(results):
+    """World size 2, over each transport."""
     buckets = results[0]["small_buckets"]["buckets"]
     assert len(buckets) > 1
     flat = [i for bucket in buckets for i in bucket]
@@ -207,6 +212,7 @@ def test_small_cap_gives_several_buckets_in_reverse_order(results):
 
 @pytest.mark.parametrize("hook", list(HOOKS))
 def test_comm_hooks_stay_close_to_no_hook(results, hook):
+    """World size 2, over each transport."""
     tolerance = {"allreduce": 1e-6, "fp16": 5e-4, "bf16": 3e-3}[hook.split("_")[1]]
     for rank, per_rank in enumerate(results):
         outcome = per_rank[hook]
@@ -217,6 +223,7 @@ def test_comm_hooks_stay_close_to_no_hook(results, hook):
 
 
 def test_torch_powersgd_hook_runs_unchanged(results):
+    """World size 2, over each transport."""
     for per_rank in results:
         outcome = per_rank["torch_powersgd"]
         assert outcome["calls"] >= STEPS and outcome["identical"]
@@ -235,4 +242,5 @@ def _register_ours_on_torch_ddp(rank: int) -> list[str]:
 
 
 def test_phalanx_hooks_register_on_torch_ddp_as_they_are():
+    """World size 2, torch's DDP."""
     assert run_ranks(_register_ours_on_torch_ddp, 2) == [["allreduce_hook", "fp16_compress_hook"]] * 2

@@ -56,11 +56,13 @@ def per_rank():
 class TestThreeRanks:
 
     def test_means_on_uneven_shards_equal_the_single_process_mean(self, per_rank):
+        """World size 3."""
         for results in per_rank:
             assert math.isclose(results["batch_means"], VALUES.mean().item(), rel_tol=1e-12)
             assert math.isclose(results["per_sample"], VALUES.mean().item(), rel_tol=1e-12)
 
     def test_sum_max_min_and_count_are_over_all_samples(self, per_rank):
+        """World size 3."""
         for results in per_rank:
             assert math.isclose(results["sum"], VALUES.sum().item(), rel_tol=1e-12)
             assert results["count"] == SIZE
@@ -68,10 +70,12 @@ class TestThreeRanks:
             assert results["mean_of_ranks"] == 1.0  # (0 + 1 + 2) / 3
 
     def test_a_mean_is_one_collective(self, per_rank):
+        """World size 3."""
         assert [results["collectives_per_mean"] for results in per_rank] == [1, 1, 1]
 
     @pytest.mark.parametrize("layout", SHARD_LAYOUTS, ids=SHARD_LAYOUTS.keys())
     def test_gather_returns_dataset_order_without_duplicates(self, per_rank, layout):
+        """World size 3."""
         sampler = DistributedSampler(range(SIZE), num_replicas=3, rank=0, seed=9, **SHARD_LAYOUTS[layout])
         sampler.set_epoch(1)
         kept = sorted(set(sampler.global_order().tolist()))  # all indices, or those drop_last kept

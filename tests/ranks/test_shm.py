@@ -80,6 +80,7 @@ def _exchange_everything(rank: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_same_bits_on_every_rank_and_close_to_gloo(world_size):
+    """World sizes 2 and 3."""
     per_rank = run_ranks(_exchange_everything, world_size)
     for key, (result, expected) in per_rank[0].items():
         tolerance = 1e-2 if result.dtype in (torch.float16, torch.bfloat16) else 1e-6
@@ -127,6 +128,7 @@ def _posted_exchanges(rank: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_posted_exchange_gives_the_rank_order_sum_bitwise_on_every_rank(world_size):
+    """World sizes 2 and 3."""
     per_rank = run_ranks(_posted_exchanges, world_size)
     for key, (grid, expected, tail, expected_tail) in per_rank[0].items():
         assert torch.equal(grid, expected), f"{key}: not the rank-order sum"
@@ -161,6 +163,7 @@ def _split_exchanges(rank: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_split_exchange_gives_the_rank_order_sum_bitwise_on_every_rank(world_size):
+    """World sizes 2 and 3."""
     per_rank = run_ranks(_split_exchanges, world_size)
     for key, (result, expected, tag, expected_tag) in per_rank[0].items():
         assert torch.equal(result, expected), f"{key}: not the rank-order sum"
@@ -189,6 +192,7 @@ def _fast_writer_and_slow_reader(rank: int) -> tuple:
 
 
 def test_claim_keeps_a_fast_rank_from_overwriting_what_a_slow_rank_still_reads():
+    """World size 2: rank 1 reads late."""
     (sum0, waited0), (sum1, waited1) = run_ranks(_fast_writer_and_slow_reader, 2)
     assert sum0 == sum1 == [3.0]
     assert waited0 > 0.3, "rank 0 rewrote its copy before rank 1 had read it"
@@ -224,6 +228,7 @@ def _mismatched_and_missing_posts(rank: int) -> list:
 
 
 def test_posted_exchange_fails_on_every_rank_when_posts_differ_or_a_rank_never_posts():
+    """World size 2."""
     seen = run_ranks(_mismatched_and_missing_posts, 2)
     assert seen[0] == [("timeout", [1]), ("mismatch", 1), ("still failed",), ("not allocated",)]
     assert seen[1] == [("mismatch", 0), ("still failed",), ("not allocated",)]
@@ -249,6 +254,7 @@ def _phalanx_ddp_with_a_hook_on_another_communicator(rank: int) -> dict:
 
 
 def test_phalanx_ddp_calls_a_shm_hook_whose_communicator_did_not_allocate_its_buckets():
+    """World size 2."""
     for per_rank in run_ranks(_phalanx_ddp_with_a_hook_on_another_communicator, 2):
         (default_exchange, default), (hook_exchange, hooked) = per_rank[False], per_rank[True]
         assert (default_exchange, hook_exchange) == ("ShmExchange", "CommHookExchange")
@@ -277,6 +283,7 @@ def _train_torch_ddp(rank: int, steps: int) -> list:
 
 
 def test_torch_ddp_with_the_shm_hook_trains_like_its_default_all_reduce():
+    """World size 2."""
     (default_0, hooked_0), (default_1, hooked_1) = run_ranks(_train_torch_ddp, 2, args=(5,))
     torch.testing.assert_close(hooked_0, default_0)
     assert torch.equal(hooked_0, hooked_1) and torch.equal(default_0, default_1)
@@ -307,6 +314,7 @@ def _back_to_back_with_a_slow_rank(rank: int, rounds: int) -> list:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_back_to_back_async_ops_with_a_slow_rank(world_size):
+    """World sizes 2 and 3: rank 1 is the slow one."""
     assert run_ranks(_back_to_back_with_a_slow_rank, world_size, args=(60,)) == [[]] * world_size
 
 
@@ -336,6 +344,7 @@ def _stuck_and_mismatched_peers(rank: int) -> list:
 
 
 def test_stuck_peer_times_out_and_mismatched_sizes_or_allocs_fail_on_every_rank():
+    """World size 2."""
     seen = run_ranks(_stuck_and_mismatched_peers, 2)
     assert seen[0] == [("timeout", [1]), ("mismatch", 1), ("still failed",), ("alloc mismatch",)]
     assert seen[1] == [("mismatch", 0), ("still failed",), ("alloc mismatch",)]
@@ -350,6 +359,7 @@ def _factory_decisions(rank: int) -> list:
 
 
 def test_factory_respects_phalanx_shm_zero_on_any_rank():
+    """World size 2: PHALANX_SHM=0 on rank 1 only."""
     assert run_ranks(_factory_decisions, 2) == [[True, False], [True, False]]
 
 
@@ -395,6 +405,7 @@ def _victim_or_survivor(rank: int, world: int, port: int, results, posted: bool)
 @pytest.mark.parametrize("posted", [False, True], ids=["two-phase", "posted"])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_rank_killed_mid_exchange_fails_the_others_and_leaves_no_segment(world_size, posted):
+    """World sizes 2 and 3, ranks started by hand: the last rank is SIGKILLed."""
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     context = mp.get_context("spawn")
     results = context.Queue()

@@ -27,10 +27,12 @@ def _rank_1_raises(rank):
 
 
 def test_results_come_back_in_rank_order():
+    """World size 2 (phalanx.spawn)."""
     assert phalanx.spawn(_sum_of_ranks, 2, args=(10,), env=ENV, timeout=120) == [(10, 1), (11, 1)]
 
 
 def test_child_exception_reaches_the_parent_with_its_traceback():
+    """World size 2 (phalanx.spawn): rank 1 raises."""
     with pytest.raises(RankFailedError) as error:
         phalanx.spawn(_rank_1_raises, 2, env=ENV, timeout=120)
     assert error.value.rank == 1

@@ -146,6 +146,7 @@ CASE_IDS = [(world, name) for world in CASES for name in CASES[world]]
 
 @pytest.mark.parametrize("world,name", CASE_IDS, ids=[f"{w}ranks-{n}" for w, n in CASE_IDS])
 def test_matches_batchnorm_on_the_whole_batch(world, name):
+    """World sizes 2 and 3 (the id names it), one spawn per world size."""
     spec = spec_of(world, name)
     results = ran(world)
     members = spec["members"] or tuple(range(world))
@@ -179,6 +180,7 @@ def test_matches_batchnorm_on_the_whole_batch(world, name):
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_too_few_samples_in_the_group_raises_on_every_rank(world):
+    """World sizes 2 and 3."""
     for sizes in ((0,) * world, (1,) + (0,) * (world - 1)):
         outcomes = [r[f"error_{sizes}"] for r in ran(world)]
         assert all(o is not None and o[0] for o in outcomes), outcomes

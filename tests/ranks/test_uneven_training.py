@@ -76,8 +76,10 @@ def _check(world: int, samples: int) -> None:
 
 
 def test_two_ranks_with_three_and_two_batches_equal_one_process():
+    """World size 2."""
     _check(world=2, samples=21)  # shards 11 / 10 -> 3 / 2 batches of 5
 
 
 def test_three_ranks_with_uneven_batch_counts_equal_one_process():
+    """World size 3."""
     _check(world=3, samples=31)  # shards 11 / 10 / 10 -> 3 / 2 / 2 batches of 5

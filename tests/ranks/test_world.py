@@ -36,6 +36,7 @@ class TestWorld:
 
     def test_rank_helpers_logging_and_shared_cores(self, capfd, monkeypatch):
         # No OMP_NUM_THREADS and no torch.set_num_threads: init() divides the cores among local ranks.
+        """World size 2 (phalanx.spawn)."""
         for name in ("OMP_NUM_THREADS", "PHALANX_RANK_PREFIXED"):
             monkeypatch.delenv(name, raising=False)
         threads = max(1, phalanx.world.usable_cores() // 2)
@@ -49,5 +50,6 @@ class TestWorld:
         assert "print0 from 0" in out and "print0 from 1" not in out
 
     def test_barrier_timeout_names_the_missing_rank(self):
+        """World size 2: rank 1 never arrives at the barrier."""
         missing, message = run_ranks(_skip_barrier_on_rank_1, 2)[0]
         assert missing == [1] and "[1]" in message
