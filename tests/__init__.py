@@ -1,0 +1,1 @@
+"""phalanx's test suite, in three tiers: unit/, ranks/, e2e/ (see conftest.py)."""

@@ -1,0 +1,124 @@
+"""What every test of phalanx shares: where the checkout is, how to run a command, a clean environment,
+and the three tiers of the suite.
+
+One folder per tier; every test is marked with its folder's tier (pytest_collection_modifyitems):
+
+    tests/unit/   `unit`   one process: no child process (tests/unit/conftest.py fails a test that
+                           starts one), no process group beyond an in-process one; the tier runs in
+                           seconds.
+    tests/ranks/  `ranks`  library code in several processes: ranks started by phalanx.testing.run_ranks
+                           or phalanx.spawn, forked children, DataLoader workers, a script killed
+                           mid-save. Every test states its world size in its docstring.
+    tests/e2e/    `e2e`    phalanx as a user runs it: `phalanx run` and torchrun, `phalanx demo` and
+                           `phalanx bench`, the README, the examples, exact resume after a kill. Also
+                           marked `slow` (the suite's older name for these tests).
+
+    pytest tests/unit            # the unit tier alone
+    pytest -m "not e2e"          # unit and ranks
+    pytest                       # everything, as `make test` runs it
+
+tests/helpers/ holds modules that test files of several tiers import, tests/e2e/jobs/ the scripts the
+e2e tests start. `tests` is a package: test modules import `tests.conftest` and `tests.helpers.*` by
+name, and so do the ranks run_ranks starts (they import the test module to find their function).
+This file is not a test module: it runs nothing at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: README.md, examples/, phalanx/
+TESTS = ROOT / "tests"
+TIERS = ("unit", "ranks", "e2e")
+
+
+# -- the tiers -------------------------------------------------------------------------------------
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier (and e2e tests `slow` too); a test module outside the tiers is an error."""
+    for item in items:
+        try:
+            parts = item.path.relative_to(TESTS).parts
+        except ValueError:  # not one of ours
+            continue
+        tier = parts[0] if len(parts) > 1 else None
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.path}: a test module belongs in one of tests/{{{','.join(TIERS)}}}/ "
+                                    f"(see tests/conftest.py)")
+        item.add_marker(tier)
+        if tier == "e2e":
+            item.add_marker("slow")
+
+
+# -- a clean environment ---------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """After each test, os.environ and the working directory are as they were before it: a variable a
+    test sets (or a folder it moves to) never reaches the next test."""
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    yield
+    for name in [name for name in os.environ if name not in saved_env]:
+        del os.environ[name]
+    for name, value in saved_env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+    os.chdir(saved_cwd)
+
+
+@pytest.fixture
+def log_records():
+    """What phalanx's logger says during the test (it may not propagate to the root logger)."""
+    import phalanx
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    handler, level = Keep(), phalanx.logger.level
+    phalanx.logger.addHandler(handler)
+    phalanx.logger.setLevel(logging.INFO)
+    yield records
+    phalanx.logger.removeHandler(handler)
+    phalanx.logger.setLevel(level)
+
+
+def warnings_of(records) -> list[str]:
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+# -- running a command -----------------------------------------------------------------------------
+
+def checkout_on_pythonpath(*first: str | Path) -> str:
+    """PYTHONPATH for a child process: `first`, then this checkout (so `import phalanx` and
+    `import tests.helpers...` find it), then whatever PYTHONPATH this process had."""
+    return os.pathsep.join(filter(None, [*map(str, first), str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def run_command(command: list, cwd: Path, *, env: dict | None = None, timeout: float = 60) -> str:
+    """Run `command`; return stdout+stderr; fail with the output on a non-zero exit or a timeout.
+
+    Used by the tests that drive phalanx as a user does: `phalanx run`, `phalanx demo`, the examples
+    and the README's commands.
+    """
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": checkout_on_pythonpath(), **(env or {})}
+    # A session of its own, so that a timeout stops the launcher and every worker it started.
+    process = subprocess.Popen([str(c) for c in command], cwd=cwd, env=environment, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{command} did not finish within {timeout}s; output:\n{output}")
+    assert process.returncode == 0, f"{command} exited with {process.returncode}; output:\n{output}"
+    return output

@@ -1,0 +1,76 @@
+"""`phalanx bench` end to end: the harness runs, and its JSON, table and chart say what it measured.
+
+The runs use --quick on one small model at world size 2. No timing is asserted. The single-process
+checks (argument errors, the all-reduce import rule, the report) are in tests/unit/test_bench.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from phalanx.testing import run_ranks
+from phalanx.tools import bench
+from tests.conftest import checkout_on_pythonpath
+
+QUICK = ["--quick", "--models", "deep"]
+
+
+def _check_results(results: dict, variants: list[str]) -> None:
+    """The JSON schema the docs describe, with one entry per requested variant and consistent ratios."""
+    assert results["schema"] == "phalanx-bench/1"
+    assert {"date", "torch", "cpu", "threads_per_process"} <= set(results["environment"])
+    config = results["config"]
+    assert config["variants"] == variants and config["nproc"] == 2 and config["backend"] == "gloo"
+    assert results["environment"]["threads_per_process"] == 1
+    [model] = results["models"]
+    assert model["name"] == "deep" and model["tensors"] == 180 and model["batch_per_rank"] == 64
+    assert set(model["variants"]) == set(variants)
+    for summary in model["variants"].values():
+        assert len(summary["steps_ms"]) == config["blocks"]
+        assert all(len(block) == config["steps"] for block in summary["steps_ms"])
+        assert summary["min_ms"] <= summary["median_ms"] <= summary["p90_ms"]
+    for name, value in model["ratios"].items():
+        top, bottom = name.split("/")
+        assert value == pytest.approx(model["variants"][top]["median_ms"] / model["variants"][bottom]["median_ms"])
+    assert set(model["paired_ratios"]) == set(model["ratios"])
+
+
+# -- world size 2 --------------------------------------------------------------------------------
+
+def test_bench_command_times_torch_ddp_and_compute_only(tmp_path):
+    """World size 2, launched by the command itself: runs without the phalanx engine too."""
+    out = tmp_path / "results" / "bench.json"
+    env = {**os.environ, "PYTHONPATH": checkout_on_pythonpath()}
+    done = subprocess.run([sys.executable, "-m", "phalanx.tools.bench", *QUICK, "--variants", "torch,compute",
+                           "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())
+    _check_results(results, ["torch", "compute"])
+    assert results["allreduce"]["status"] in {"ok", "not installed"}
+    for expected in ("[bench] deep block 2/2 torch DDP", "torch DDP ms", "compute-only ms", "torch/compute"):
+        assert expected in done.stdout
+    if results["allreduce"]["status"] == "not installed":
+        assert "shared-memory transport is not installed" in done.stdout
+    pytest.importorskip("matplotlib")
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bench_inside_world(rank: int, out: str) -> int:
+    return bench.main([*QUICK, "--no-allreduce", "--out", out])
+
+
+def test_bench_inside_a_world_compares_every_variant(tmp_path, capfd):
+    """World size 2, already initialized (as under `phalanx run`): rank 0 reports every variant."""
+    out = tmp_path / "bench.json"
+    assert run_ranks(_bench_inside_world, 2, args=(str(out),), timeout=120) == [0, 0]
+    results = json.loads(out.read_text())
+    _check_results(results, ["torch", "phalanx", "phalanx-gloo", "compute"])
+    assert set(results["models"][0]["ratios"]) == {"phalanx/torch", "phalanx-gloo/torch", "phalanx/compute",
+                                                   "torch/compute"}
+    assert results["allreduce"]["status"] == "skipped"
+    assert "phalanx/torch" in capfd.readouterr().out

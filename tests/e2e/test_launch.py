@@ -1,0 +1,215 @@
+"""`phalanx run` end to end: real worker processes started by the launcher, as a user starts them.
+
+Multi-process tests (world size 2 on one node, and 2 nodes x 1 worker in two network namespaces).
+Each test starts tests/e2e/jobs/launch_worker.py; the subprocess timeouts only guard against hangs.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, checkout_on_pythonpath
+
+WORKER = str(Path(__file__).resolve().parent / "jobs" / "launch_worker.py")
+HANG_GUARD = 240  # seconds; a run that needs this long is stuck
+
+
+def clean_env(**extra) -> dict:
+    """The test runner's environment without any world variables, with this checkout importable."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PHALANX_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                         "OMP_NUM_THREADS", "GROUP_RANK")}
+    env["PYTHONPATH"] = checkout_on_pythonpath()
+    env.update(extra)
+    return env
+
+
+def phalanx_run(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "phalanx", "run", *args], env=env or clean_env(), cwd=cwd or ROOT,
+                          capture_output=True, text=True, timeout=HANG_GUARD)
+
+
+def sums_by_rank(stdout: str) -> dict:
+    """{rank: (world_size, sum, attempt)} from the worker's result lines."""
+    found = {}
+    for match in re.finditer(r"rank=(\d+) world_size=(\d+) sum=(\d+) attempt=(\d+)", stdout):
+        rank, world_size, total, attempt = map(int, match.groups())
+        found[rank] = (world_size, total, attempt)
+    return found
+
+
+def is_gone(pid: int) -> bool:
+    """True when no process `pid` runs (a zombie awaiting its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+class TestAllReduceUnderEachLauncher:
+    """World size 2 (and 1): the same script gets the right sum under every way of starting it."""
+
+    def test_phalanx_run_two_workers(self):
+        """World size 2 under `phalanx run`."""
+        result = phalanx_run("--nproc-per-node", "2", WORKER)
+        assert result.returncode == 0, result.stderr
+        assert sums_by_rank(result.stdout) == {0: (2, 1, 0), 1: (2, 1, 0)}
+        # Every line a worker prints carries its rank.
+        for rank in (0, 1):
+            assert f"[rank {rank}] rank={rank} world_size=2" in result.stdout
+        # phalanx run leaves OMP_NUM_THREADS alone (torchrun would set it to 1): init() shares the cores.
+        assert result.stdout.count("omp=unset") == 2
+
+    def test_torchrun_two_workers(self):
+        """World size 2 under torchrun."""
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", WORKER],
+                                env=clean_env(), cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD)
+        assert result.returncode == 0, result.stderr
+        assert sums_by_rank(result.stdout) == {0: (2, 1, 0), 1: (2, 1, 0)}
+
+    def test_plain_python_is_a_world_of_one(self):
+        """World size 1: the script under plain python."""
+        result = subprocess.run([sys.executable, WORKER], env=clean_env(), cwd=ROOT, capture_output=True, text=True,
+                                timeout=HANG_GUARD)
+        assert result.returncode == 0, result.stderr
+        assert sums_by_rank(result.stdout) == {0: (1, 0, 0)}
+
+
+class TestFailures:
+    """World size 2: a failing rank stops the group, is named, and its traceback comes last."""
+
+    def test_restart_after_a_failure_finishes_the_run(self):
+        """World size 2, --max-restarts 1: rank 1 fails on the first attempt."""
+        result = phalanx_run("--nproc-per-node", "2", "--max-restarts", "1", WORKER, "--fail-rank", "1")
+        assert result.returncode == 0, result.stderr
+        assert "rank 1" in result.stderr and "ValueError: rank 1 fails on purpose" in result.stderr
+        assert "attempt 2 of 2" in result.stderr
+        assert {rank: attempt for rank, (_, _, attempt) in sums_by_rank(result.stdout).items()} == {0: 1, 1: 1}
+
+    def test_failure_stops_every_process_and_prints_the_traceback_last(self, tmp_path):
+        """World size 2: rank 1 fails; rank 0 and both DataLoader workers are stopped."""
+        started = time.monotonic()
+        result = phalanx_run("--nproc-per-node", "2", WORKER, "--fail-rank", "1", "--pid-dir", str(tmp_path))
+        # Rank 0 sleeps for 600 s after its loader starts: returning at all means it was stopped.
+        assert time.monotonic() - started < HANG_GUARD
+        assert result.returncode != 0
+        lines = result.stderr.rstrip().splitlines()
+        header = max(i for i, line in enumerate(lines) if line.startswith("phalanx run: traceback of rank 1"))
+        traceback_lines = lines[header + 1:]
+        assert traceback_lines[0] == "Traceback (most recent call last):"
+        assert any("launch_worker.py" in line for line in traceback_lines)
+        assert traceback_lines[-1] == "ValueError: rank 1 fails on purpose"
+        assert "<N/A>" not in result.stderr and "error_file" not in result.stderr
+
+        pids = {path.name: int(path.read_text()) for path in tmp_path.glob("*.pid")}
+        assert set(pids) == {"rank0-main.pid", "rank0-loader.pid", "rank1-main.pid", "rank1-loader.pid"}
+        deadline = time.monotonic() + 10  # SIGKILL is delivered asynchronously
+        while time.monotonic() < deadline and not all(map(is_gone, pids.values())):
+            time.sleep(0.1)
+        assert [name for name, pid in pids.items() if not is_gone(pid)] == []
+
+    def test_sigterm_to_the_launcher_stops_every_process(self, tmp_path):
+        # What a scheduler does at the end of a job's time: nothing of the run may outlive it.
+        """World size 2: SIGTERM to the launcher."""
+        launcher = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "2", WORKER,
+                                     "--pid-dir", str(tmp_path)], env=clean_env(), cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + HANG_GUARD
+            while len(list(tmp_path.glob("*.pid"))) < 4 and launcher.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            launcher.send_signal(signal.SIGTERM)
+            _, stderr = launcher.communicate(timeout=HANG_GUARD)
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+        assert launcher.returncode == 128 + signal.SIGTERM, stderr
+        assert "stopped by SIGTERM" in stderr
+        pids = [int(path.read_text()) for path in tmp_path.glob("*.pid")]
+        assert len(pids) == 4
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(map(is_gone, pids)):
+            time.sleep(0.1)
+        assert [pid for pid in pids if not is_gone(pid)] == []
+
+    def test_busy_master_port_is_reported(self):
+        """World size 2: the master port is taken."""
+        import socket
+
+        with socket.socket() as busy:
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            port = busy.getsockname()[1]
+            result = phalanx_run("--nproc-per-node", "2", "--master-port", str(port), WORKER)
+        assert result.returncode != 0
+        assert f"port {port} is already in use" in result.stderr
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: ({"ns", "addr", "dev"} for host 0, for host 1)."""
+    if shutil.which("ip") is None:
+        pytest.skip("multi-node test skipped: the `ip` command (iproute2) is not installed")
+    tag = uuid.uuid4().hex[:6]
+    hosts = [{"ns": f"phx{tag}{i}", "dev": f"phx{tag}v{i}", "addr": f"10.213.{int(tag[:2], 16)}.{i + 1}"}
+             for i in (0, 1)]
+    created = []
+    try:
+        for host in hosts:
+            made = _ip("netns", "add", host["ns"], check=False)
+            if made.returncode != 0:
+                pytest.skip(f"multi-node test skipped: cannot create a network namespace ({made.stderr.strip()})")
+            created.append(host["ns"])
+        _ip("link", "add", hosts[0]["dev"], "type", "veth", "peer", "name", hosts[1]["dev"])
+        for host in hosts:
+            _ip("link", "set", host["dev"], "netns", host["ns"])
+            _ip("-n", host["ns"], "addr", "add", f"{host['addr']}/24", "dev", host["dev"])
+            _ip("-n", host["ns"], "link", "set", host["dev"], "up")
+            _ip("-n", host["ns"], "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for name in created:  # deleting a namespace also deletes its end of the veth pair
+            _ip("netns", "del", name, check=False)
+
+
+class TestTwoNodes:
+    """2 nodes x 1 worker, each node its own network namespace: a real rendezvous over a network link."""
+
+    def test_all_reduce_across_two_nodes(self, two_hosts):
+        """World size 2: 2 nodes x 1 worker, each node a network namespace."""
+        master = two_hosts[0]["addr"]
+        nodes = []
+        try:
+            for node_rank, host in enumerate(two_hosts):
+                # Inside a namespace the host name resolves to loopback: name Gloo's interface.
+                env = clean_env(GLOO_SOCKET_IFNAME=host["dev"])
+                command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run",
+                           "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
+                           "--master-addr", master, "--master-port", "29555", "--rdzv-timeout", "120", WORKER]
+                nodes.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+            outputs = [node.communicate(timeout=HANG_GUARD) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                    node.wait()
+        for node, (_, stderr) in zip(nodes, outputs):
+            assert node.returncode == 0, stderr
+        assert sums_by_rank(outputs[0][0]) == {0: (2, 1, 0)}
+        assert sums_by_rank(outputs[1][0]) == {1: (2, 1, 0)}

@@ -1,0 +1,1 @@
+"""Modules shared by the tests of several files (not test modules themselves)."""

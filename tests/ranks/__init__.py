@@ -1,0 +1,1 @@
+"""Ranks tier: library code in several processes (phalanx.testing.run_ranks, phalanx.spawn, a child process)."""

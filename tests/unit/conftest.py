@@ -1,0 +1,18 @@
+"""The unit tier runs in one process: starting a child process fails the test (move it to tests/ranks/)."""
+
+import multiprocessing.process
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_child_processes(monkeypatch):
+    """subprocess and multiprocessing (DataLoader workers included) refuse to start a process."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a unit test started a child process: tests that start processes belong in "
+                             "tests/ranks/ (library code) or tests/e2e/ (commands), see tests/conftest.py")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
