@@ -74,3 +74,22 @@ def test_bench_inside_a_world_compares_every_variant(tmp_path, capfd):
                                                    "torch/compute"}
     assert results["allreduce"]["status"] == "skipped"
     assert "phalanx/torch" in capfd.readouterr().out
+
+
+def _bench_profile_inside_world(rank: int, out: str) -> int:
+    return bench.main([*QUICK, "--no-allreduce", "--variants", "phalanx,compute", "--profile", "--out", out])
+
+
+def test_bench_profile_splits_a_phalanx_step_into_its_phases(tmp_path, capfd):
+    """World size 2: --profile adds, per model and rank, the time of each exchange phase and the rest."""
+    out = tmp_path / "bench.json"
+    assert run_ranks(_bench_profile_inside_world, 2, args=(str(out),), timeout=120) == [0, 0]
+    assert "where a phalanx DDP step goes" in capfd.readouterr().out
+    for model in json.loads(out.read_text())["models"]:
+        profile = model["profile"]
+        assert profile["exchange"] == "ShmExchange" and len(profile["ranks"]) == 2
+        for row in profile["ranks"]:
+            phases = [row[p] for p in ("copy_in", "reduce", "wait", "copy_out")]
+            assert all(value >= 0 for value in phases) and row["copy_in"] > 0 and row["reduce"] > 0
+            assert row["rest"] == pytest.approx(row["step_ms"] - sum(phases))
+            assert row["buckets"] and {b["mode"] for b in row["buckets"]} <= {"posted", "split", "all-reduce"}

@@ -80,6 +80,15 @@ def test_toy_example_trains_and_round_trips_its_checkpoint(tmp_path):
     assert (tmp_path / "toy.pt").exists()
 
 
+def test_ema_example_keeps_an_average_through_a_deep_copy_of_the_ddp_model(tmp_path):
+    """World size 2: AveragedModel deep-copies the phalanx DDP model; the EMA evaluates and is no worse."""
+    output = _launch(EXAMPLES / "ema.py", "--steps", "200", cwd=tmp_path)
+    found = re.findall(r"held-out loss: live model (\d+\.\d+), EMA (\d+\.\d+)", output)
+    assert len(found) == 1, output
+    live, ema = map(float, found[0])
+    assert ema < 0.5 and ema <= live * 1.05, output  # the noise floor is 0.25; an untrained model is far above
+
+
 def test_model_parallel_example_keeps_both_halves_on_the_cpu(tmp_path):
     """World size 2, no GPUs: each rank says where its halves are; replicas stay identical."""
     output = _launch(EXAMPLES / "model_parallel.py", cwd=tmp_path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "phalanx"
+PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 
 # What each part of phalanx may import from phalanx (besides itself). Lower layers come first:
 # errors and log know nobody; shm and world know only them; the engine builds on shm and world; the
