@@ -3,7 +3,9 @@
 The constructor checks that every rank holds the same model, copies rank 0's parameters and
 buffers to all, and chooses the exchange (shared memory on one host, else the process group);
 forward broadcasts buffers and prepares the reducer (reducer.py), which has the exchange average
-gradients during backward. `join()` (join.py) lets ranks with fewer batches finish early.
+gradients during backward. `join()` (join.py) lets ranks with fewer batches finish early. While the
+module runs, torch.compile's Dynamo sees this DDP as torch DDP's, so compiled graphs are split at bucket
+boundaries and backward still overlaps communication.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from ..errors import DDPPickleError, NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
 from ..log import logger
@@ -196,7 +199,19 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def _run_module(self, inputs: tuple, kwargs: dict):
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
-        return self.module(*inputs, **kwargs)
+        if self.bucket_bytes_cap < FIRST_BUCKET_BYTES:  # Dynamo's DDPOptimizer refuses caps below its first bucket
+            return self.module(*inputs, **kwargs)
+        # A compiled module's backward is one autograd node: every gradient would arrive at its end, with
+        # nothing left to overlap. Dynamo splits the graph at bucket boundaries (its DDPOptimizer) for the
+        # DDP that torch's class names active while the module runs, as torch DDP does: name ourselves.
+        previous = _TorchDDP._active_ddp_module
+        _TorchDDP._active_ddp_module = self
+        if torch.compiler.is_compiling():  # torch.compile(DDP(net)) traces this: compile the module in a
+            torch._dynamo.graph_break()     # frame of its own, which starts after the line above has run
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            _TorchDDP._active_ddp_module = previous
 
     def _sync_buffers(self, joining: bool, src: int | None = None) -> None:
         buffers = list(self.module.buffers())
