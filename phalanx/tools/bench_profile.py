@@ -67,7 +67,8 @@ def format_profile(models: list[dict]) -> str:
 
 
 def write_profile_chart(models: list[dict], path) -> object | None:
-    """Stacked bars per model (rank 0): the phases and the rest of a step; None without matplotlib."""
+    """Stacked bars per model (rank 0): the exchange's phases in ms, each bar labelled with the step time
+    and the rest (compute, optimizer, bookkeeping), which would dwarf them on a common scale."""
     rows = [(m["name"], m["profile"]["ranks"][0]) for m in models if m.get("profile")]
     if not rows:
         return None
@@ -79,14 +80,19 @@ def write_profile_chart(models: list[dict], path) -> object | None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 3.5))
+    names = [name for name, _ in rows]
     bottoms = [0.0] * len(rows)
-    for phase in (*PHASES, "rest"):
+    for phase in PHASES:
         heights = [row[phase] for _, row in rows]
-        axes.bar([name for name, _ in rows], heights, bottom=bottoms, label=phase.replace("_", " "))
+        axes.bar(names, heights, bottom=bottoms, label=phase.replace("_", " "))
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for x, (_, row), top in zip(range(len(rows)), rows, bottoms):
+        axes.annotate(f"step {row['step_ms']:.1f} ms\nrest {row['rest']:.1f} ms", (x, top), ha="center",
+                      va="bottom", fontsize="small")
+    axes.set_ylim(0, max(bottoms) * 1.35 if max(bottoms) > 0 else 1)
     axes.set_ylabel("ms per step (rank 0)")
-    axes.set_title("phalanx DDP step, by phase")
-    axes.legend(loc="upper left", fontsize="small")
+    axes.set_title("the gradient exchange of a phalanx DDP step, by phase")
+    axes.legend(loc="upper right", fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
