@@ -137,7 +137,7 @@ class Bucket:
         else:
             for grad, view in zip(new_grads, new_views):
                 view.copy_(grad) if scale is None else torch.mul(grad, scale, out=view)
-            if scale is not None:
+            if scale is not None and in_place:  # _foreach_ ops refuse an empty list
                 torch._foreach_mul_(in_place, scale)
         for p, view in zip(new_params, new_views):
             p.grad = view

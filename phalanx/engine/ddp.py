@@ -27,6 +27,7 @@ from ..shm.reduce import DTYPE_CODES
 from ..world.group import collective_device
 from .buckets import FIRST_BUCKET_BYTES
 from .comm_hook_checks import check_comm_hook
+from .dist_autograd import current_context
 from .exchange import AllReduceExchange, BucketExchange, CommHookExchange
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, count_active_ranks, find_common_rank
 from .reducer import Reducer
@@ -190,7 +191,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                         and not self._divide_by_initial_world_size else self.process_group.size())
             if syncs_buffers and self._has_buffers:
                 self._sync_buffers(joining)
-            reducer.prepare_for_backward()
+            reducer.prepare_for_backward(current_context())  # a context: distributed autograd (RPC)
         else:
             reducer.disarm()
         self.require_forward_param_sync = will_sync

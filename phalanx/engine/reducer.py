@@ -5,7 +5,8 @@ complete it is launched through the exchange (which overlaps the rest of backwar
 issues the same collectives in the same order. An autograd engine callback at the end of backward
 has the exchange deliver every bucket's average into the gradients. After the first synchronized
 iteration the buckets are rebuilt once, in the order rank 0 saw gradients arrive. How a bucket is
-averaged is the exchange's business alone (exchange.py).
+averaged is the exchange's business alone (exchange.py). Under distributed autograd (RPC) the
+gradients live in the context and other hooks count them (dist_autograd.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import Bucket, plan_buckets
+from .dist_autograd import accumulator_hooks, context_gradients
 from .exchange import BucketExchange
 from .step_guard import StepGuard
 
@@ -48,6 +50,8 @@ class Reducer:
         self._next = 0
         self._build(self._plan(list(reversed(range(len(params))))))
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        self._dist_context: int | None = None  # the distributed autograd context of the coming backward
+        self._accumulators: list = []  # AccumulateGrad nodes hooked, once a backward was distributed
 
     # -- plan -------------------------------------------------------------------------------------
 
@@ -139,6 +143,20 @@ class Reducer:
     def _finalize(self) -> None:
         self._queued = False
         self.armed = self._steady = False
+        context, self._dist_context = self._dist_context, None
+        if context is None:
+            self._finish()
+            return
+        if self.as_view:  # the buckets are about to hold the context's gradients, not these
+            for bucket in self.buckets:
+                bucket.detach_gradient_views()
+        # A parameter that got no gradient here but did elsewhere (find_unused_parameters) gets the
+        # average in .grad only: the context has no entry for it, and Python cannot add one.
+        with context_gradients(self.params, context):
+            self._launch_ready()
+            self._finish()
+
+    def _finish(self) -> None:
         buckets = self.buckets
         if self._next < len(buckets):
             if not self.tolerate_unused:
@@ -180,9 +198,11 @@ class Reducer:
     def disarm(self) -> None:
         """The coming backward is not synchronized (no_sync, or no grad): hooks only note readiness."""
         self.armed = self._steady = False
+        self._dist_context = None
 
-    def prepare_for_backward(self) -> None:
-        """Called by DDP's forward when gradients will be synchronized in the coming backward."""
+    def prepare_for_backward(self, dist_context: int | None = None) -> None:
+        """Called by DDP's forward when gradients will be synchronized in the coming backward (under
+        distributed autograd: the backward of context `dist_context`)."""
         if self._queued and torch._C._current_autograd_node() is not None:
             self.armed = True  # a forward run inside backward (reentrant checkpointing): keep counting
             return
@@ -191,7 +211,26 @@ class Reducer:
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
         self._next = 0
-        self.armed = True
+        self._dist_context = dist_context
+        if dist_context is not None and not self._accumulators:
+            self._accumulators, handles = accumulator_hooks(self.params, self._mark_ready_in_context)
+            self._handles += handles
+        # Under distributed autograd only the accumulators' hooks run: the tensors' stay disarmed.
+        self.armed = dist_context is None
+
+    def _mark_ready_in_context(self, index: int) -> None:
+        """A gradient arrived in the distributed autograd context; the buckets go at the end of backward
+        (the gradients are read from the context once, there)."""
+        if self._dist_context is None:  # a local backward: the tensor hooks count it
+            return
+        self._ready[index] = 1
+        if not self._queued:
+            self._queued = True
+            self.guard.begin()
+            _engine.queue_callback(self._finalize)
+        if not self.rebuilt:
+            self._order.append(index)
+        self._bucket_of[index].pending -= 1
 
     # -- the one-time rebuild ---------------------------------------------------------------------
 

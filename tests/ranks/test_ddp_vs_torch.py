@@ -52,7 +52,7 @@ def _model(config: str) -> nn.Module:
         return TwoBranches()
     if config == "cnn_bn_train":
         return cnn_bn()
-    if config == "unused":
+    if config in ("unused", "unused_as_view"):
         return Branchy()
     if config == "mixed_dtypes":
         return MixedDtypes()
@@ -69,7 +69,7 @@ def _loss(config: str, model, step: int, rank: int):
     if config == "cnn_bn_train":
         return F.cross_entropy(model(torch.randn(4, 3, 8, 8, generator=g)), torch.randint(0, 3, (4,), generator=g))
     x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-    if config == "unused":
+    if config in ("unused", "unused_as_view"):
         return F.mse_loss(model(x, rank % 2 == 1), y)
     if config == "rank_order":
         return F.mse_loss(model(x, rank % 2 == 0), y)
@@ -116,6 +116,8 @@ CONFIGS = {
     "cnn_bn_train": {}, "unused": {"find_unused_parameters": True}, "mixed_dtypes": {}, "autocast": {},
     "rank_order": {}, "large": {}, "large_as_view": {"gradient_as_bucket_view": True},
     "bf16_params": {},
+    # Buckets mixing gradients unused here (None), on no rank, and new ones: no in-place gradient to scale.
+    "unused_as_view": {"find_unused_parameters": True, "gradient_as_bucket_view": True},
 }
 HOOKS = {
     "torch_allreduce": default_hooks.allreduce_hook, "torch_fp16": default_hooks.fp16_compress_hook,
