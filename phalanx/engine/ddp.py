@@ -139,10 +139,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def __setstate__(self, state):
         """A working DDP on the default process group of this process. The copy shares no state with the
         original; its engine is built at its first forward that synchronizes gradients, on every rank
-        (as any DDP forward is), so copying on one rank alone (an EMA on rank 0) needs no collective."""
+        (as any DDP forward is), so copying on one rank alone (an EMA on rank 0) needs no collective.
+        A comm hook is not copied (it belongs to the original's engine, as in torch): register it again."""
         super().__setstate__(state)
         self.process_group = _default_group()
         self._guard = self._reducer = None
+        self._hook_registered = False
 
     def _ensure_engine(self) -> None:
         if self.process_group is None:

@@ -82,6 +82,15 @@ def _copies(rank: int) -> dict:
     with torch.no_grad():
         out["ema_forward_runs"] = tuple(ema(_batch(rank, 9)[0]).shape)
 
+    # A hook belongs to the original's engine (as in torch): the copy runs without one and takes a new one.
+    hooked = phalanx.DistributedDataParallel(_net())
+    hooked.register_comm_hook(None, default_hooks.allreduce_hook)
+    copied = copy.deepcopy(hooked)
+    copied.register_comm_hook(None, default_hooks.allreduce_hook)
+    _train(copied, rank, 2)
+    _train(hooked, rank, 2)
+    out["hooked_copy_trains_like_the_original"] = torch.equal(_flat(copied.module), _flat(hooked.module))
+
     # Another group than the default one: torch refuses to pickle, with these words; so do we.
     pair = dist.new_group([0, 1])
     on_pair = phalanx.DistributedDataParallel(_net(), process_group=pair)
@@ -101,6 +110,7 @@ def copies():
 def test_deepcopy_and_torch_save_give_working_ddp_models(copies):
     for outcome in copies:
         assert outcome["types"] == {"DistributedDataParallel"} and outcome["copy_shares_no_parameter"]
+        assert outcome["hooked_copy_trains_like_the_original"]
         for name in ("deepcopy", "torch.load"):
             assert torch.equal(outcome[name], outcome["original"]), name
             assert outcome[f"{name}_replicas_equal"], name
