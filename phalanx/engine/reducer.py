@@ -117,17 +117,24 @@ class Reducer:
 
     def _mark_ready_first(self, index: int) -> None:
         """The slow path: first gradient of a backward (queue finalize), or recording the first order."""
-        if not self._queued:
+        if self._count_ready(index):
+            self._steady = self.rebuilt
+        bucket = self._bucket_of[index]
+        if not bucket.pending and bucket.index == self._next:
+            self._launch_ready()
+
+    def _count_ready(self, index: int) -> bool:
+        """Count gradient `index` in its bucket; at the backward's first, queue the finish (True then).
+        Until the rebuild, record the order gradients arrive in."""
+        first = not self._queued
+        if first:
             self._queued = True
             self.guard.begin()
             _engine.queue_callback(self._finalize)
-            self._steady = self.rebuilt
         if not self.rebuilt:
             self._order.append(index)
-        bucket = self._bucket_of[index]
-        bucket.pending -= 1
-        if not bucket.pending and bucket.index == self._next:
-            self._launch_ready()
+        self._bucket_of[index].pending -= 1
+        return first
 
     @torch.no_grad()
     def _launch_ready(self) -> None:
@@ -224,13 +231,7 @@ class Reducer:
         if self._dist_context is None:  # a local backward: the tensor hooks count it
             return
         self._ready[index] = 1
-        if not self._queued:
-            self._queued = True
-            self.guard.begin()
-            _engine.queue_callback(self._finalize)
-        if not self.rebuilt:
-            self._order.append(index)
-        self._bucket_of[index].pending -= 1
+        self._count_ready(index)
 
     # -- the one-time rebuild ---------------------------------------------------------------------
 
