@@ -178,3 +178,8 @@ class CommHookError(PhalanxError, TypeError, ValueError):
 
 class DDPPickleError(PhalanxError):
     """A DistributedDataParallel on a process group other than the default one was pickled or deep-copied."""
+
+
+class ShardingError(PhalanxError, ValueError):
+    """A sharded DistributedDataParallel (shard="optimizer" / "gradients") was asked for something it cannot
+    do: an unsupported combination (join, comm hooks, sparse gradients), or an optimizer it cannot shard."""

@@ -19,7 +19,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from ..errors import DDPPickleError, NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
+from ..errors import (
+    DDPPickleError,
+    NoTrainableParametersError,
+    ShardingError,
+    UnusedParameterError,
+    WorldConfigError,
+    explain,
+)
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
 from ..shm import shm_communicator
@@ -29,10 +36,15 @@ from .buckets import FIRST_BUCKET_BYTES
 from .comm_hook_checks import check_comm_hook
 from .dist_autograd import current_context
 from .exchange import AllReduceExchange, BucketExchange, CommHookExchange
+from .grad_norm import clip_sharded_grad_norm_
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, count_active_ranks, find_common_rank
 from .reducer import Reducer
 from .replicas import broadcast_coalesced, check_same_signature
+from .shard_waits import install_gather_waits
+from .sharded_exchange import OPTIMIZER, SHARD_MODES, ShardedExchange
+from .sharded_optimizer import ShardedOptimizer
 from .shm_exchange import ShmExchange
+from .shm_sharded_exchange import ShmShardedExchange
 from .step_guard import StepGuard
 
 DEFAULT_BUCKET_CAP_MB = 25
@@ -54,7 +66,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, **unsupported):
+                 static_graph: bool = False, shard: str = "none", **unsupported):
         super().__init__()
         Joinable.__init__(self)
         if unsupported:
@@ -86,6 +98,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.shard = _check_shard(shard, gradient_as_bucket_view, named)
         # As torch: 25 MiB buckets, and a 1 MiB first bucket unless the user chose a cap.
         self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
         first_cap = min(FIRST_BUCKET_BYTES, self.bucket_bytes_cap) if bucket_cap_mb is None else self.bucket_bytes_cap
@@ -113,8 +126,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                 self._default_exchange([p for _, p in named]), cap_bytes=self.bucket_bytes_cap,
                                 first_cap_bytes=self._first_cap_bytes,
                                 tolerate_unused=self.find_unused_parameters or self.static_graph,
-                                as_view=self.gradient_as_bucket_view, guard=self._guard,
+                                # "optimizer" sharding reduce-scatters the gradients where they lie
+                                as_view=self.gradient_as_bucket_view or self.shard == OPTIMIZER, guard=self._guard,
                                 control_device=self._control_device, sparse=_sparse_indices(self.module, named))
+        self._named_params = named
+        if self.shard != "none" and self._reducer.exchange.defers_gathers:
+            self._gather_waits = install_gather_waits(self.module, self._reducer)
         # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
         # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
         weakref.finalize(self, self._reducer.remove)
@@ -166,7 +183,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             comm = shm_communicator(self.process_group)
             if comm is not None:
                 weakref.finalize(self, comm.close)
+                if self.shard != "none":
+                    return ShmShardedExchange(comm, self._guard, self.shard)
                 return ShmExchange(comm, self._guard)
+        if self.shard != "none":
+            return ShardedExchange(self.process_group, self._guard, self.shard)
         return AllReduceExchange(self.process_group, self._guard)
 
     # -- forward ---------------------------------------------------------------------------------
@@ -253,6 +274,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         >>> from torch.distributed.algorithms.ddp_comm_hooks import default_hooks   # doctest: +SKIP
         >>> model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         """
+        if self.shard != "none":
+            raise ShardingError(explain(
+                "comm hooks do not work with sharded DistributedDataParallel", rank=dist.get_rank(),
+                seen=f"register_comm_hook({getattr(hook, '__name__', hook)}) with shard={self.shard!r}",
+                expected="shard='none'",
+                fix="Leave the exchange to phalanx (it reduce-scatters), or use shard='none'."))
         check_comm_hook(hook, self._hook_registered)
         if self._reducer is None:
             self._ensure_engine()
@@ -261,7 +288,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def state_dict(self, *args, **kwargs):
         """torch DDP's keys ('module.x'), without torch.compile's '_orig_mod.' (so they load anywhere)."""
-        state = super().state_dict(*args, **kwargs)
+        state = super().state_dict(*args, **kwargs)  # a sharded model's pre-hook completes the all-gather
         if not any(COMPILED_PREFIX in key for key in state):
             return state
         renamed = type(state)((key.replace(COMPILED_PREFIX, ""), value) for key, value in state.items())
@@ -279,6 +306,45 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         plain = {keys[key][strip:]: value for key, value in state_dict.items()}
         return target.load_state_dict(plain, strict=strict, assign=assign)
 
+    # -- sharding -------------------------------------------------------------------------------------
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to step: with shard="optimizer" or "gradients", `optimizer` re-targeted at this
+        rank's chunks (a ShardedOptimizer); with shard="none", `optimizer` itself.
+
+        >>> model = phalanx.DistributedDataParallel(net, shard="gradients")          # doctest: +SKIP
+        >>> optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
+        """
+        if self.shard == "none":
+            return optimizer
+        if self._reducer is None:
+            self._ensure_engine()
+        named = self._named_params
+        return ShardedOptimizer(optimizer, self._reducer.exchange, [p for _, p in named], [n for n, _ in named])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model, sharded or not: returns the total norm.
+
+        With sharding each rank holds the average of its chunks only; their norms are combined across
+        ranks (collective), so every rank clips with the norm of the whole gradient.
+        """
+        if self.shard == "none" or self._reducer is None:
+            return torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], max_norm, norm_type,
+                                                  error_if_nonfinite, foreach)
+        return clip_sharded_grad_norm_(self._reducer.exchange, max_norm, norm_type, error_if_nonfinite)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.shard != "none" and self._reducer is not None:
+            for shard in self._reducer.exchange.shards:  # the averaged chunks the optimizer steps with
+                for piece in shard.pieces:
+                    if piece.tensor.grad is not None:
+                        if set_to_none:
+                            piece.tensor.grad = None
+                        else:
+                            piece.tensor.grad.zero_()
+
     # -- uneven inputs (torch's Joinable interface) ----------------------------------------------
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -289,6 +355,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         ...     for batch in my_shard:                      # ranks may differ in length
         ...         model(batch).sum().backward(); optimizer.step()
         """
+        if self.shard != "none" and enable:
+            raise ShardingError(explain(
+                "join() does not work with sharded DistributedDataParallel", rank=dist.get_rank(),
+                seen=f"shard={self.shard!r}", expected="shard='none'",
+                fix="Give every rank the same number of batches (phalanx.DistributedSampler does), or use "
+                    "shard='none'."))
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
@@ -331,6 +403,26 @@ def _unused_error(names: list[str], step: int) -> UnusedParameterError:
         fix="Pass find_unused_parameters=True to DistributedDataParallel if some parameters are legitimately "
             "unused in some steps, freeze them (requires_grad=False), or make them take part in the loss."),
         names=names)
+
+
+def _check_shard(shard: str, as_view: bool, named: list) -> str:
+    if shard not in SHARD_MODES:
+        raise ShardingError(explain("DistributedDataParallel shard must name a sharding mode", seen=f"shard={shard!r}",
+                                    expected=" | ".join(repr(m) for m in SHARD_MODES),
+                                    fix="Pass shard='optimizer' (ZeRO-1) or shard='gradients' (ZeRO-2)."))
+    if shard == "gradients" and as_view:
+        raise ShardingError(explain(
+            "gradient_as_bucket_view does not apply with shard='gradients'", rank=dist.get_rank(),
+            seen="gradient_as_bucket_view=True", expected="False",
+            fix="Drop gradient_as_bucket_view: with shard='gradients' the full gradients are freed once reduced."))
+    if shard != "none":
+        strided = [name for name, p in named if not p.is_contiguous()]
+        if strided:
+            raise ShardingError(explain(
+                "sharding cuts parameters into flat pieces: they must be contiguous", rank=dist.get_rank(),
+                seen=f"non-contiguous parameters {strided[:5]}", expected="contiguous parameters",
+                fix="Make them contiguous before wrapping (p.data = p.data.contiguous()), or use shard='none'."))
+    return shard
 
 
 def _check_device_ids(device_ids, devices: set) -> list | None:

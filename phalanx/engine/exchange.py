@@ -30,10 +30,12 @@ class BucketExchange(ABC):
     exchange) and is told the plan each time it changes (`prepare`). It holds the step guard it was
     built with, so its waits are bounded and name the ranks that are missing.
 
-    A sharded exchange fits the same calls without another design: `launch` reduce-scatters the
-    bucket and `deliver` writes the slice this rank owns into `.grad`; the all-gather of the updated
+    A sharded exchange (sharded_exchange.py) fits the same calls: `launch` reduce-scatters the bucket
+    and `deliver` hands the chunk this rank owns to the optimizer; its all-gather of the updated
     parameters after the optimizer step works over the same bucket layout.
     """
+
+    keeps_plan = False  # True: the bucket plan must not change once built (the one-time rebuild is skipped)
 
     def __init__(self, guard: StepGuard):
         self.guard = guard
@@ -45,6 +47,11 @@ class BucketExchange(ABC):
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Storage for a bucket: a zero-filled 1-D tensor. Collective for exchanges that share memory."""
         return torch.zeros(numel, dtype=dtype, device=device)
+
+    def allocate_plan(self, sizes: list) -> list:
+        """Storage for every bucket of a plan: `sizes` holds (numel, dtype, device) per bucket, None for a
+        sparse one (no storage). An exchange may give more elements than asked, or views of shared buffers."""
+        return [None if size is None else self.allocate(*size) for size in sizes]
 
     def release(self, storage: torch.Tensor) -> None:
         """`storage` (from allocate) is no longer a bucket's."""

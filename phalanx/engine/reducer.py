@@ -37,7 +37,7 @@ class Reducer:
         self.guard = guard
         self.control_device = control_device
         self.armed = False  # a synchronized backward is expected (set by DDP's forward)
-        self.rebuilt = False
+        self.rebuilt = exchange.keeps_plan  # no one-time rebuild for an exchange that keeps its plan
         self.unready_error: list[str] | None = None
         self._queued = False
         self._steady = False  # armed, finalize queued, buckets rebuilt: the hooks' fast path applies
@@ -59,12 +59,12 @@ class Reducer:
     def _build(self, plan: list[list[int]]) -> None:
         """Buckets for `plan` in the exchange's storage. Allocation may be collective (shared memory):
         every rank builds the same plan in the same order."""
-        self.buckets = []
-        for k, indices in enumerate(plan):
-            first = self.params[indices[0]]
-            storage = None if indices[0] in self.sparse else self.exchange.allocate(
-                Bucket.storage_numel(indices, self.params), first.dtype, first.device)
-            self.buckets.append(Bucket(k, indices, self.params, storage, self.as_view))
+        sizes = [None if indices[0] in self.sparse else (Bucket.storage_numel(indices, self.params),
+                                                          self.params[indices[0]].dtype, self.params[indices[0]].device)
+                 for indices in plan]
+        storages = self.exchange.allocate_plan(sizes)
+        self.buckets = [Bucket(k, indices, self.params, storage, self.as_view)
+                        for k, (indices, storage) in enumerate(zip(plan, storages))]
         for bucket in self.buckets:
             for i in bucket.indices:
                 self._bucket_of[i] = bucket

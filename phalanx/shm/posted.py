@@ -156,6 +156,30 @@ class PostedExchanges:
                               self.rank)
         return self._barrier.arrive()  # this rank's chunk of the result is in its copy
 
+    def reduce_scatter(self, tensor: torch.Tensor, ticket: int, start: int, out: torch.Tensor) -> None:
+        """A true reduce-scatter, after every rank's post(tensor) (see posted_ready): the sum in rank order
+        of every rank's `tensor[start:start + out.numel()]` goes into `out` (contiguous; it may be this
+        rank's own copy of those elements). Each rank reads only its own chunk of each peer's copy, once;
+        then it is done reading, and peers may claim() their copies again."""
+        allocation, offset = self._posted_piece(tensor, "reduce_scatter")
+        allocation.read_phase = self._guarded(self._reduce_scatter, allocation, offset, tensor, ticket, start, out)
+
+    def _reduce_scatter(self, allocation, offset, tensor, ticket, start, out) -> int:
+        self._barrier.wait_all(ticket, "exchange", self._spin)
+        self._check_same_post(allocation)
+        copies = self._copies(allocation, offset, tensor)
+        count = out.numel()
+        if tensor.dtype in KERNEL_DTYPES and kernel_available() and out.is_contiguous() and count:
+            addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
+            own = addresses[self.rank]  # its term is taken as it is (scale 1): peers read the same bits
+            sum_own_chunk(out.data_ptr(), out.data_ptr(), own, addresses, count, KERNEL_DTYPES[tensor.dtype], 1.0,
+                          self.rank)
+        else:  # torch's adds, into a total of its own: `out` may be one of the terms
+            total = torch.empty_like(out)
+            self._sum_into(copies, [(start, total)])
+            out.copy_(total)
+        return self._barrier.arrive()  # done reading the peers' copies
+
     def fetch_chunks(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
         """Split exchange, after every rank's reduce_own_chunk() (see posted_ready): copy each
         `(owner, start, out)` of `pieces` from rank `owner`'s result; then this rank is done reading."""

@@ -1,0 +1,268 @@
+"""`ShardedOptimizer`: the user's torch optimizer, updating only the chunks this rank owns.
+
+`DistributedDataParallel(..., shard="optimizer" | "gradients").shard_optimizer(opt)` re-targets
+`opt` at the pieces of the parameters in this rank's chunks (shard_plan.py): its state exists for
+those elements only, its step updates them in place, and the exchange then all-gathers the
+parameters. Param groups, hyperparameters, LR schedulers and GradScaler keep working on the
+returned object, which is a `torch.optim.Optimizer`. `state_dict()` is collective and returns
+torch's own format for the whole model, as the unsharded optimizer would, gathered bucket by bucket;
+`load_state_dict()` takes that format from any world size or shard mode and keeps its own pieces.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
+
+from ..errors import ShardingError, explain
+from .shard_plan import Piece
+from .sharded_exchange import ShardedExchange
+
+# Optimizers that read whole tensors (norms, factored moments, line searches): their update of a piece
+# would differ from their update of the parameter.
+WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+# The scaler passes itself to an optimizer that unscales on its own (our step makes the overflow check
+# global, which needs the scaler's per-device results); torch warns that this way may change one day.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Wraps `optimizer` (built over the DDP model's parameters) so each rank steps its own chunks only."""
+
+    _step_supports_amp_scaling = True  # GradScaler hands itself to step(): the overflow check is global
+
+    def __init__(self, optimizer: torch.optim.Optimizer, exchange: ShardedExchange, params: list, names: list[str]):
+        kind = type(optimizer).__name__
+        rank = exchange.rank
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
+            raise ShardingError(explain("shard_optimizer() takes a torch optimizer built over the model's parameters",
+                                        rank=rank, seen=f"a {kind}", expected="a torch.optim.Optimizer",
+                                        fix="Pass e.g. torch.optim.AdamW(model.parameters(), lr=...)."))
+        if kind in WHOLE_TENSOR_OPTIMIZERS:
+            raise ShardingError(explain(
+                f"{kind} cannot be sharded: its update reads whole tensors, and each rank holds pieces",
+                rank=rank, seen=kind, expected="an elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...)",
+                fix="Use an elementwise optimizer, or shard='none'."))
+        if any(optimizer.state.values()):
+            raise ShardingError(explain(
+                "shard_optimizer() needs an optimizer that has not stepped yet", rank=rank,
+                seen=f"a {kind} holding state for {sum(bool(s) for s in optimizer.state.values())} parameter(s)",
+                expected="no state", fix="Call shard_optimizer() right after building the optimizer; load a "
+                                         "checkpoint into the returned optimizer with load_state_dict()."))
+        index_of = {id(p): i for i, p in enumerate(params)}
+        pieces: dict[int, list[Piece]] = {}
+        for shard in exchange.shards:
+            for piece in shard.pieces:
+                pieces.setdefault(piece.index, []).append(piece)
+        self._groups = []  # the model's parameters of each group, as the user passed them
+        for number, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if id(p) not in index_of:
+                    raise ShardingError(explain(
+                        f"param group {number} of the {kind} holds a tensor the sharded model does not train",
+                        rank=rank, seen=f"a tensor of shape {tuple(p.shape)}",
+                        expected="only trainable parameters of the DistributedDataParallel model",
+                        fix="Build the optimizer over model.parameters() (frozen ones are left out of the model's "
+                            "buckets), or optimize extra tensors with an optimizer of their own."))
+            self._groups.append(list(group["params"]))
+            group["params"] = [piece.tensor for p in group["params"] for piece in pieces.get(index_of[id(p)], [])]
+        self.optimizer = optimizer
+        self.exchange = exchange
+        self._index_of = index_of
+        self._pieces = pieces
+        self._names = names
+        # torch.optim.Optimizer's surface, shared with the wrapped optimizer (not copied).
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self):
+        raise ShardingError(explain("a ShardedOptimizer cannot be pickled: it is tied to this process's model",
+                                    fix="Save optimizer.state_dict() (collective) instead."))
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ShardingError(explain("add_param_group() is not available on a sharded optimizer",
+                                    rank=self.exchange.rank, seen="a new param group after shard_optimizer()",
+                                    fix="Put every group in the optimizer before calling shard_optimizer()."))
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """Update this rank's chunks, then all-gather the parameters (collective)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.exchange.wait_gathered()
+        if grad_scaler is not None and self._overflowed(grad_scaler):
+            return loss  # skipped on every rank: the parameters are unchanged everywhere
+        for hook in self._optimizer_step_pre_hooks.values():
+            hook(self, (), {})
+        self.optimizer.step()
+        for hook in self._optimizer_step_post_hooks.values():
+            hook(self, (), {})
+        self.exchange.gather_parameters()
+        return loss
+
+    def _overflowed(self, scaler) -> bool:
+        """Unscale (unless the user did) and agree across ranks on whether any gradient overflowed: each
+        rank sees its own chunks only, and the scaler's update must be the same everywhere."""
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            scaler.unscale_(self)
+        found = state["found_inf_per_device"]
+        flag = torch.tensor([sum(v.item() for v in found.values())], dtype=torch.float32,
+                            device=self._control_device())
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.exchange.group, async_op=True)
+        self.exchange.guard.wait_work(work, "the all-reduce of GradScaler's overflow flag")
+        for value in found.values():
+            value.fill_(float(flag))
+        return bool(flag)
+
+    def _control_device(self) -> torch.device:
+        return next((b.storage.device for b in self.exchange.buckets), torch.device("cpu"))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the chunks' gradients and the model's `.grad`, as the wrapped optimizer would."""
+        self.optimizer.zero_grad(set_to_none)
+        for group in self._groups:
+            for p in group:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def state_dict(self, to: int | None = None) -> dict | None:
+        """Collective: torch's optimizer state dict of the whole model, as the unsharded optimizer would
+        give it, assembled bucket by bucket. With `to` (a rank of the model's group) only that rank gets
+        it and the others return None."""
+        self.exchange.wait_gathered()
+        group = self.exchange.group
+        me = self.exchange.rank
+        wanted = to is None or to == me
+        inner = self.optimizer.state_dict()  # hyperparameters and the pieces' own state
+        param_groups = []
+        for saved, params in zip(inner["param_groups"], self._groups):
+            indices = [self._number_of(p) for p in params]
+            param_groups.append({**saved, "params": indices})
+        # What each parameter's state holds: keys, and the values that are not per element (e.g. "step").
+        mine = {}
+        for pieces in self._pieces.values():
+            for piece in pieces:
+                found = self.state.get(piece.tensor)
+                if found:
+                    mine[piece.index] = {key: self._describe(key, value, piece) for key, value in found.items()}
+        everyone = [None] * self.exchange.world_size
+        dist.all_gather_object(everyone, mine, group=group)
+        layout = {}
+        for rank_layout in everyone:
+            for index, entries in rank_layout.items():
+                layout.setdefault(index, entries)
+        state = {}
+        for shard, bucket in zip(self.exchange.shards, self.exchange.buckets):
+            keys = sorted({(key, entry[1]) for i in bucket.indices if i in layout
+                           for key, entry in layout[i].items() if entry[0] == "shard"})
+            gathered = {}
+            for key, dtype_name in keys:  # one bucket of one state tensor in flight at a time
+                dtype = getattr(torch, dtype_name.split(".")[-1])
+                own = torch.zeros(shard.chunk, dtype=dtype, device=bucket.storage.device)
+                for piece in shard.pieces:
+                    value = self.state.get(piece.tensor, {}).get(key)
+                    if value is not None and _per_element(value, piece):
+                        own[piece.offset:piece.offset + piece.numel].copy_(value.reshape(-1))
+                full = torch.empty(shard.padded, dtype=dtype, device=bucket.storage.device)
+                dist.all_gather_single(full, own, group=group)
+                if wanted:
+                    gathered[key] = full
+            if not wanted:
+                continue
+            for i, p, offset in zip(bucket.indices, bucket.params, bucket.offsets):
+                if i not in layout or self._number_of(p, None) is None:
+                    continue
+                entry = {}
+                for key, (kind, value) in layout[i].items():
+                    entry[key] = (gathered[key][offset:offset + p.numel()].view(p.shape).clone()
+                                  if kind == "shard" else value)
+                state[self._number_of(p)] = entry
+        if not wanted:
+            return None
+        return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+
+    def _describe(self, key: str, value, piece: Piece) -> tuple:
+        """("shard", dtype) for state held per element, ("value", value) for the rest (e.g. "step")."""
+        if _per_element(value, piece):
+            return "shard", str(value.dtype)
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and not piece.whole:
+            raise ShardingError(explain(
+                f"{type(self.optimizer).__name__} keeps state {key!r} that is not per element", rank=self.exchange.rank,
+                seen=f"shape {tuple(value.shape)} for a piece of {self._names[piece.index]} of {piece.numel} elements",
+                expected=f"shape {tuple(piece.tensor.shape)} or a scalar",
+                fix="Use an elementwise optimizer with sharding, or shard='none'."))
+        return "value", value
+
+    def _number_of(self, param, default=KeyError):
+        """The parameter's index in torch's state dict format: its position over the param groups."""
+        numbers = self.__dict__.get("_numbers")
+        if numbers is None:
+            flat = [p for params in self._groups for p in params]
+            numbers = self._numbers = {id(p): n for n, p in enumerate(flat)}
+        if default is KeyError:
+            return numbers[id(param)]
+        return numbers.get(id(param), default)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's optimizer state dict of the whole model (saved sharded or not, at any world size):
+        this rank keeps the state of its own pieces."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self._groups) or any(
+                len(saved["params"]) != len(params) for saved, params in zip(saved_groups, self._groups)):
+            raise ValueError(explain(
+                "loaded state dict has a different number of parameter groups or parameters",
+                rank=self.exchange.rank, seen=[len(g["params"]) for g in saved_groups],
+                expected=[len(params) for params in self._groups],
+                fix="Build the optimizer with the same param groups as the one that was saved."))
+        saved_state = state_dict["state"]
+        pieces_state, inner_groups, number = {}, [], 0
+        for saved, params in zip(saved_groups, self._groups):
+            inner_indices = []
+            for saved_index, p in zip(saved["params"], params):
+                entry = saved_state.get(saved_index)
+                for piece in self._pieces.get(self._index_of[id(p)], []):
+                    if entry is not None:
+                        pieces_state[number] = {key: _slice_for(value, piece, p) for key, value in entry.items()}
+                    inner_indices.append(number)
+                    number += 1
+            inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": inner_indices})
+        self.optimizer.load_state_dict({"state": pieces_state, "param_groups": inner_groups})
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+
+
+def _per_element(value, piece: Piece) -> bool:
+    """Whether an optimizer state value holds one entry per element of the piece (sharded with it)."""
+    return isinstance(value, torch.Tensor) and value.shape == piece.tensor.shape
+
+
+def _slice_for(value, piece: Piece, param: torch.Tensor):
+    """This piece's part of a saved state value of `param`."""
+    if piece.whole or not (isinstance(value, torch.Tensor) and value.shape == param.shape):
+        return value
+    return value.reshape(-1)[piece.start:piece.stop].clone()
