@@ -1,9 +1,10 @@
 """`Checkpointer`: save a training run's state and resume it exactly after a worker dies.
 
-Every rank calls `save(state)`: every rank's random states are gathered, rank 0 writes one file
-(atomically, see atomic_files.py) with the unwrapped model, the other stateful objects and the plain
-values, and all ranks pass a barrier. `restore(state)` lets rank 0 pick the newest complete file;
-every rank then loads that file with weights_only=True onto its own device.
+Every rank calls `save(state)`: every rank's random states are gathered (and a sharded optimizer's
+state, to torch's unsharded format), rank 0 writes one file (atomically, see atomic_files.py) with
+the unwrapped model, the other stateful objects and the plain values, and all ranks pass a barrier.
+`restore(state)` lets rank 0 pick the newest complete file; every rank then loads that file with
+weights_only=True onto its own device. Saved so, a run restores at any world size and shard mode.
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def _is_wrapper(model: torch.nn.Module) -> bool:
     except ImportError:  # the engine is optional for checkpointing
         return False
     return isinstance(model, DistributedDataParallel)
+
+
+def _is_sharded_optimizer(value) -> bool:
+    try:
+        from ..engine.sharded_optimizer import ShardedOptimizer
+    except ImportError:  # the engine is optional for checkpointing
+        return False
+    return isinstance(value, ShardedOptimizer)
 
 
 def _kind(name: str, value) -> str:
@@ -147,10 +156,12 @@ class Checkpointer:
         kinds = {name: _kind(name, value) for name, value in state.items()}  # same check, same error, on all ranks
         device = _own_device()
         states = random_state.gather(random_state.capture(device), world.collective_device())
+        # A sharded optimizer's state dict is collective: every rank takes part, rank 0 receives it.
+        gathered = {name: value.state_dict(to=0) for name, value in state.items() if _is_sharded_optimizer(value)}
         path, failure = None, None
         if world.group_rank() == 0:
             try:
-                path = self._write(state, kinds, states)
+                path = self._write(state, kinds, states, gathered)
             except Exception as exc:  # told to the other ranks below, then raised here
                 failure = exc
         self._barrier()
@@ -168,12 +179,14 @@ class Checkpointer:
                 seen="a failure on rank 0", fix="See rank 0's error; the previous checkpoint is intact."))
         return self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
 
-    def _write(self, state: dict, kinds: dict, states: list) -> Path:
+    def _write(self, state: dict, kinds: dict, states: list, gathered: dict) -> Path:
         started = time.monotonic()
         entries = {}
         for name, value in state.items():
             if kinds[name] == "value":
                 saved = value
+            elif name in gathered:
+                saved = gathered[name]
             else:
                 saved = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
                 check_plain(saved, f"state[{name!r}].state_dict()")

@@ -22,7 +22,6 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 from ..errors import (
     DDPPickleError,
     NoTrainableParametersError,
-    ShardingError,
     UnusedParameterError,
     WorldConfigError,
     explain,
@@ -34,6 +33,7 @@ from ..shm.reduce import DTYPE_CODES
 from ..world.group import collective_device
 from .buckets import FIRST_BUCKET_BYTES
 from .comm_hook_checks import check_comm_hook
+from .devices import check_device_ids, move_to
 from .dist_autograd import current_context
 from .exchange import AllReduceExchange, BucketExchange, CommHookExchange
 from .grad_norm import clip_sharded_grad_norm_
@@ -41,7 +41,7 @@ from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, co
 from .reducer import Reducer
 from .replicas import broadcast_coalesced, check_same_signature
 from .shard_waits import install_gather_waits
-from .sharded_exchange import OPTIMIZER, SHARD_MODES, ShardedExchange
+from .sharded_exchange import OPTIMIZER, ShardedExchange, check_shard, unsupported_with_sharding
 from .sharded_optimizer import ShardedOptimizer
 from .shm_exchange import ShmExchange
 from .shm_sharded_exchange import ShmShardedExchange
@@ -91,14 +91,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 logger.info("torch.nn.SyncBatchNorm at %s replaced by phalanx.nn.SyncBatchNorm (CPU model)",
                             ", ".join(swapped))
         self.device = next(iter(devices)) if len(devices) == 1 else None
-        self.device_ids = _check_device_ids(device_ids, devices)
+        self.device_ids = check_device_ids(device_ids, devices)
         self.output_device = output_device
         self.dim = dim
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
-        self.shard = _check_shard(shard, gradient_as_bucket_view, named)
+        self.shard = check_shard(shard, gradient_as_bucket_view, named)
         # As torch: 25 MiB buckets, and a 1 MiB first bucket unless the user chose a cap.
         self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
         first_cap = min(FIRST_BUCKET_BYTES, self.bucket_bytes_cap) if bucket_cap_mb is None else self.bucket_bytes_cap
@@ -222,7 +222,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     def _run_module(self, inputs: tuple, kwargs: dict):
         if self.device_ids:
-            inputs, kwargs = _move_to(inputs, self.device), _move_to(kwargs, self.device)
+            inputs, kwargs = move_to(inputs, self.device), move_to(kwargs, self.device)
         if self.bucket_bytes_cap < FIRST_BUCKET_BYTES:  # Dynamo's DDPOptimizer refuses caps below its first bucket
             return self.module(*inputs, **kwargs)
         # A compiled module's backward is one autograd node: every gradient would arrive at its end, with
@@ -275,11 +275,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         >>> model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         """
         if self.shard != "none":
-            raise ShardingError(explain(
-                "comm hooks do not work with sharded DistributedDataParallel", rank=dist.get_rank(),
-                seen=f"register_comm_hook({getattr(hook, '__name__', hook)}) with shard={self.shard!r}",
-                expected="shard='none'",
-                fix="Leave the exchange to phalanx (it reduce-scatters), or use shard='none'."))
+            raise unsupported_with_sharding(f"register_comm_hook({getattr(hook, '__name__', hook)})", self.shard,
+                                            "Leave the exchange to phalanx (it reduce-scatters), or use shard='none'.")
         check_comm_hook(hook, self._hook_registered)
         if self._reducer is None:
             self._ensure_engine()
@@ -308,9 +305,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     # -- sharding -------------------------------------------------------------------------------------
 
-    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, *, overlap_forward: bool = False):
         """The optimizer to step: with shard="optimizer" or "gradients", `optimizer` re-targeted at this
-        rank's chunks (a ShardedOptimizer); with shard="none", `optimizer` itself.
+        rank's chunks (a ShardedOptimizer); with shard="none", `optimizer` itself. With `overlap_forward`
+        the parameters' all-gather after a step overlaps the next forward (see ShardedOptimizer).
 
         >>> model = phalanx.DistributedDataParallel(net, shard="gradients")          # doctest: +SKIP
         >>> optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-4))
@@ -320,7 +318,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if self._reducer is None:
             self._ensure_engine()
         named = self._named_params
-        return ShardedOptimizer(optimizer, self._reducer.exchange, [p for _, p in named], [n for n, _ in named])
+        return ShardedOptimizer(optimizer, self._reducer.exchange, [p for _, p in named], [n for n, _ in named],
+                                overlap_forward)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
@@ -337,13 +336,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         if self.shard != "none" and self._reducer is not None:
-            for shard in self._reducer.exchange.shards:  # the averaged chunks the optimizer steps with
-                for piece in shard.pieces:
-                    if piece.tensor.grad is not None:
-                        if set_to_none:
-                            piece.tensor.grad = None
-                        else:
-                            piece.tensor.grad.zero_()
+            self._reducer.exchange.zero_owned_grads(set_to_none)  # the averaged chunks the optimizer steps with
 
     # -- uneven inputs (torch's Joinable interface) ----------------------------------------------
 
@@ -356,11 +349,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         ...         model(batch).sum().backward(); optimizer.step()
         """
         if self.shard != "none" and enable:
-            raise ShardingError(explain(
-                "join() does not work with sharded DistributedDataParallel", rank=dist.get_rank(),
-                seen=f"shard={self.shard!r}", expected="shard='none'",
-                fix="Give every rank the same number of batches (phalanx.DistributedSampler does), or use "
-                    "shard='none'."))
+            raise unsupported_with_sharding("join()", self.shard, "Give every rank the same number of batches "
+                                            "(phalanx.DistributedSampler does), or use shard='none'.")
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
@@ -405,51 +395,8 @@ def _unused_error(names: list[str], step: int) -> UnusedParameterError:
         names=names)
 
 
-def _check_shard(shard: str, as_view: bool, named: list) -> str:
-    if shard not in SHARD_MODES:
-        raise ShardingError(explain("DistributedDataParallel shard must name a sharding mode", seen=f"shard={shard!r}",
-                                    expected=" | ".join(repr(m) for m in SHARD_MODES),
-                                    fix="Pass shard='optimizer' (ZeRO-1) or shard='gradients' (ZeRO-2)."))
-    if shard == "gradients" and as_view:
-        raise ShardingError(explain(
-            "gradient_as_bucket_view does not apply with shard='gradients'", rank=dist.get_rank(),
-            seen="gradient_as_bucket_view=True", expected="False",
-            fix="Drop gradient_as_bucket_view: with shard='gradients' the full gradients are freed once reduced."))
-    if shard != "none":
-        strided = [name for name, p in named if not p.is_contiguous()]
-        if strided:
-            raise ShardingError(explain(
-                "sharding cuts parameters into flat pieces: they must be contiguous", rank=dist.get_rank(),
-                seen=f"non-contiguous parameters {strided[:5]}", expected="contiguous parameters",
-                fix="Make them contiguous before wrapping (p.data = p.data.contiguous()), or use shard='none'."))
-    return shard
-
-
-def _check_device_ids(device_ids, devices: set) -> list | None:
-    if not device_ids:
-        return None
-    if len(devices) > 1 or next(iter(devices)).type == "cpu" or len(device_ids) != 1:
-        raise ValueError(explain(
-            "device_ids only applies to a module on a single GPU", seen=f"device_ids={device_ids}, "
-            f"parameters on {sorted(str(d) for d in devices)}", expected="device_ids=None or [the GPU index]",
-            fix="Leave device_ids=None for CPU and multi-device modules."))
-    return [torch.device(d).index if not isinstance(d, int) else d for d in device_ids]
-
-
 def _sparse_indices(module: torch.nn.Module, named: list) -> frozenset:
     """Which of the `named` parameters get sparse gradients (torch's embeddings with sparse=True)."""
     sparse = {id(sub.weight) for sub in module.modules()
               if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse}
     return frozenset(i for i, (_, p) in enumerate(named) if id(p) in sparse)
-
-
-def _move_to(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_move_to(v, device) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_move_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _move_to(v, device) for k, v in value.items()}
-    return value

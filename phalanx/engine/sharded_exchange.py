@@ -37,7 +37,7 @@ class ShardedExchange(BucketExchange):
     """Reduce-scatter gradients, all-gather parameters (see the module docstring)."""
 
     keeps_plan = True  # optimizer state is laid out on the buckets: they are not rebuilt
-    defers_gathers = True  # a bucket's parameter all-gather is waited for by the forward that needs it
+    defers_gathers = True  # a bucket's parameter all-gather may be waited for by the forward that needs it
 
     def __init__(self, group, guard: StepGuard, mode: str):
         super().__init__(guard)
@@ -167,7 +167,7 @@ class ShardedExchange(BucketExchange):
         for piece in shard.pieces:
             if used is not None and not used[piece.index]:
                 continue  # no rank gave it a gradient: like .grad, it stays as it was
-            grad = owned[piece.offset:piece.offset + piece.numel]
+            grad = owned[piece.offset:piece.offset + piece.numel].view(piece.tensor.shape)
             if piece.tensor.grad is None or piece.tensor.grad.data_ptr() != grad.data_ptr():
                 piece.tensor.grad = grad
 
@@ -177,9 +177,8 @@ class ShardedExchange(BucketExchange):
         self._reduced.pop(bucket.index, None)
 
     def shadow(self, buckets: list[Bucket]) -> None:
-        raise ShardingError(explain("join() does not work with sharded DistributedDataParallel", rank=self.rank,
-                                    fix="Give every rank the same number of batches (phalanx.DistributedSampler "
-                                        "does), or use shard='none'."))
+        raise unsupported_with_sharding("join()", self.mode, "Give every rank the same number of batches "
+                                        "(phalanx.DistributedSampler does), or use shard='none'.")
 
     # -- after the optimizer step: all-gather -----------------------------------------------------
 
@@ -194,7 +193,7 @@ class ShardedExchange(BucketExchange):
             own = staging[shard.start:shard.start + shard.chunk]
             if shard.pieces:
                 torch._foreach_copy_([own[p.offset:p.offset + p.numel] for p in shard.pieces],
-                                     [p.tensor for p in shard.pieces])
+                                     [p.tensor.view(-1) for p in shard.pieces])
             self._start_gather(index, staging, own)
         if not self.defers_gathers:
             self.wait_gathered()
@@ -215,6 +214,41 @@ class ShardedExchange(BucketExchange):
             if index in self._gathers:
                 self._finish_gather(index)
 
+    def zero_owned_grads(self, set_to_none: bool) -> None:
+        for shard in self.shards:
+            for piece in shard.pieces:
+                if piece.tensor.grad is not None:
+                    if set_to_none:
+                        piece.tensor.grad = None
+                    else:
+                        piece.tensor.grad.zero_()
+
     @property
     def gathering(self) -> bool:
         return bool(self._gathers)
+
+
+def check_shard(shard: str, as_view: bool, named: list) -> str:
+    """DistributedDataParallel's `shard` argument, checked against the rest of its configuration."""
+    if shard not in SHARD_MODES:
+        raise ShardingError(explain("DistributedDataParallel shard must name a sharding mode", seen=f"shard={shard!r}",
+                                    expected=" | ".join(repr(m) for m in SHARD_MODES),
+                                    fix="Pass shard='optimizer' (ZeRO-1) or shard='gradients' (ZeRO-2)."))
+    if shard == "gradients" and as_view:
+        raise ShardingError(explain(
+            "gradient_as_bucket_view does not apply with shard='gradients'", rank=dist.get_rank(),
+            seen="gradient_as_bucket_view=True", expected="False",
+            fix="Drop gradient_as_bucket_view: with shard='gradients' the full gradients are freed once reduced."))
+    if shard != "none":
+        strided = [name for name, p in named if not p.is_contiguous()]
+        if strided:
+            raise ShardingError(explain(
+                "sharding cuts parameters into flat pieces: they must be contiguous", rank=dist.get_rank(),
+                seen=f"non-contiguous parameters {strided[:5]}", expected="contiguous parameters",
+                fix="Make them contiguous before wrapping (p.data = p.data.contiguous()), or use shard='none'."))
+    return shard
+
+
+def unsupported_with_sharding(feature: str, shard: str, fix: str) -> ShardingError:
+    return ShardingError(explain(f"{feature} does not work with sharded DistributedDataParallel",
+                                 rank=dist.get_rank(), seen=f"shard={shard!r}", expected="shard='none'", fix=fix))

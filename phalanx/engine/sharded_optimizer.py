@@ -32,11 +32,17 @@ warnings.filterwarnings("ignore", message="GradScaler is going to stop passing i
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Wraps `optimizer` (built over the DDP model's parameters) so each rank steps its own chunks only."""
+    """Wraps `optimizer` (built over the DDP model's parameters) so each rank steps its own chunks only.
+
+    step() ends with the parameters' all-gather complete. With `overlap_forward`, it returns once the
+    all-gathers are under way: the next forward waits for each layer's parameters as it reaches them
+    (on a process group; in shared memory the all-gather is a copy, done within the step anyway).
+    """
 
     _step_supports_amp_scaling = True  # GradScaler hands itself to step(): the overflow check is global
 
-    def __init__(self, optimizer: torch.optim.Optimizer, exchange: ShardedExchange, params: list, names: list[str]):
+    def __init__(self, optimizer: torch.optim.Optimizer, exchange: ShardedExchange, params: list, names: list[str],
+                 overlap_forward: bool = False):
         kind = type(optimizer).__name__
         rank = exchange.rank
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
@@ -48,12 +54,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{kind} cannot be sharded: its update reads whole tensors, and each rank holds pieces",
                 rank=rank, seen=kind, expected="an elementwise optimizer (SGD, Adam, AdamW, RMSprop, Adagrad, ...)",
                 fix="Use an elementwise optimizer, or shard='none'."))
-        if any(optimizer.state.values()):
-            raise ShardingError(explain(
-                "shard_optimizer() needs an optimizer that has not stepped yet", rank=rank,
-                seen=f"a {kind} holding state for {sum(bool(s) for s in optimizer.state.values())} parameter(s)",
-                expected="no state", fix="Call shard_optimizer() right after building the optimizer; load a "
-                                         "checkpoint into the returned optimizer with load_state_dict()."))
+        # State it already holds (Adagrad's accumulators from the start, or a loaded checkpoint) is cut
+        # into pieces like any state dict.
+        existing = optimizer.state_dict() if any(optimizer.state.values()) else None
         index_of = {id(p): i for i, p in enumerate(params)}
         pieces: dict[int, list[Piece]] = {}
         for shard in exchange.shards:
@@ -76,10 +79,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._index_of = index_of
         self._pieces = pieces
         self._names = names
+        self.overlap_forward = overlap_forward
         # torch.optim.Optimizer's surface, shared with the wrapped optimizer (not copied).
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
+        if existing is not None:
+            self.load_state_dict(existing)
         for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                      "_optimizer_load_state_dict_post_hooks"):
@@ -115,7 +121,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for hook in self._optimizer_step_post_hooks.values():
             hook(self, (), {})
         self.exchange.gather_parameters()
+        if not self.overlap_forward:
+            self.exchange.wait_gathered()
         return loss
+
+    def wait_parameters(self) -> None:
+        """With overlap_forward=True: return once every parameter holds every rank's last update (the
+        forward waits for each layer's on its own; reading parameters elsewhere needs this first)."""
+        self.exchange.wait_gathered()
 
     def _overflowed(self, scaler) -> bool:
         """Unscale (unless the user did) and agree across ranks on whether any gradient overflowed: each
