@@ -60,7 +60,8 @@ def make_optimizer(kind, model):
 
 
 def train(rank, world, mode, *, steps=20, optimizer="adamw", clip=None, bucket_cap_mb=0.002, torch_ddp=False,
-          dtype=torch.float32, unused=False, accumulate=1, start=0, model=None, opt=None, scheduler=None):
+          dtype=torch.float32, unused=False, accumulate=1, start=0, model=None, opt=None, scheduler=None,
+          overlap=False):
     """Train `steps` steps; returns the parameters, the clip norms and the optimizer's state dict."""
     if model is None:
         net = make_net(dtype, unused)
@@ -72,7 +73,7 @@ def train(rank, world, mode, *, steps=20, optimizer="adamw", clip=None, bucket_c
                                                find_unused_parameters=unused)
         opt = make_optimizer(optimizer, model)
         if not torch_ddp:
-            opt = model.shard_optimizer(opt)
+            opt = model.shard_optimizer(opt, overlap_forward=overlap) if overlap else model.shard_optimizer(opt)
     norms = []
     for step in range(start, start + steps):
         opt.zero_grad()
@@ -91,6 +92,8 @@ def train(rank, world, mode, *, steps=20, optimizer="adamw", clip=None, bucket_c
         opt.step()
         if scheduler is not None:
             scheduler.step()
+    if overlap:
+        opt.wait_parameters()  # the forward waits for each layer's all-gather; reading them here needs this
     return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms,
             "optimizer": opt.state_dict(), "model": model, "opt": opt}
 

@@ -92,8 +92,10 @@ def test_gloo_sharding_matches_torch_ddp(optimizer):
 
 def _features(rank, world):
     out = {}
-    for name, options in {"no_sync": {"accumulate": 3}, "unused": {"unused": True}}.items():
-        reference = train(rank, world, "none", steps=6, **options)
+    cases = {"no_sync": {"accumulate": 3}, "unused": {"unused": True}, "one_bucket": {"bucket_cap_mb": 25},
+             "overlap_forward": {"overlap": True}}
+    for name, options in cases.items():
+        reference = train(rank, world, "none", steps=6, **{k: v for k, v in options.items() if k != "overlap"})
         for mode in MODES:
             run = train(rank, world, mode, steps=6, **options)
             out[(name, mode)] = (all(torch.equal(a, b) for a, b in zip(reference["params"], run["params"])),
@@ -101,10 +103,13 @@ def _features(rank, world):
     return out
 
 
-def test_no_sync_and_unused_parameters_work_sharded():
-    """World size 2: gradient accumulation under no_sync() and a branch no rank uses give the same
-    parameters and optimizer state as shard='none' (the unused branch gets no state, as unsharded)."""
-    for per_rank in run_ranks(_features, 2, (2,), timeout=240):
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
+def test_no_sync_unused_parameters_and_overlap_work_sharded(transport):
+    """World size 2: gradient accumulation under no_sync(), a branch no rank uses, one bucket for the
+    whole model and the all-gather overlapping the next forward give the same parameters and optimizer
+    state as shard='none' (the unused branch gets no state, as unsharded)."""
+    env = {"PHALANX_SHM": "0" if transport == "gloo" else "1"}
+    for per_rank in run_ranks(_features, 2, (2,), env=env, timeout=240):
         for key, (bitwise, state_equal) in per_rank.items():
             assert bitwise, f"{key}: parameters differ from shard='none'"
             assert state_equal, f"{key}: optimizer state differs from shard='none'"
