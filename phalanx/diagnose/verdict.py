@@ -111,11 +111,13 @@ def judge(snapshots: dict[int, Snapshot], expected: list[int], stacks: dict[int,
     """The verdict on ranks `expected` (this host's): their rings, stacks, and `dead` ({rank: how it ended})."""
     pids = pids or {}
     ranks = {r: _rank_info(r, snapshots.get(r), stacks.get(r), pids.get(r), now_ns) for r in expected}
+    desync = find_desync({r: s for r, s in snapshots.items() if r in ranks})
+    if desync is not None:  # the cause; a rank that then died (Gloo aborts on a size mismatch) is its effect
+        verdict = _desync_verdict(desync, snapshots, ranks)
+        verdict.lines += [f"then rank {r} {how}." for r, how in sorted((dead or {}).items())]
+        return verdict
     if dead:
         return _dead_verdict(snapshots, dead, ranks, now_ns)
-    desync = find_desync({r: s for r, s in snapshots.items() if r in ranks})
-    if desync is not None:
-        return _desync_verdict(desync, snapshots, ranks)
     return _stall_verdict(snapshots, expected, ranks, now_ns, elsewhere or [])
 
 
@@ -141,14 +143,15 @@ def _dead_verdict(snapshots, dead, ranks, now_ns) -> Verdict:
         lines.append(f"rank {rank} (pid {ranks[rank]['pid']}) {how}; {record}.")
         culprits.append({"rank": rank, "how": how, "phase": ranks[rank]["phase"], "step": ranks[rank]["step"],
                          "last": entry_json(last)})
-    first = min(dead)
-    return Verdict("dead", f"rank {first} {dead[first]}" + (f"; {lines[0].split('; ', 1)[1]}" if lines else ""),
-                   lines, culprits, ranks=ranks)
+    # The first dead rank is the headline; more than one dead rank get a line each.
+    return Verdict("dead", lines[0].rstrip("."), lines[1:], culprits, ranks=ranks)
 
 
 def _desync_verdict(desync, snapshots, ranks) -> Verdict:
     seq, entries, odd = desync["seq"], desync["entries"], desync["odd"]
-    lines = [f"rank {r} issued {e.describe()} in step {e.step} at {e.site}" for r, e in entries.items()]
+    lines = [f"rank {r} issued {e.describe()} in step {e.step} at {e.site}; it is now in phase "
+             f"{_phase_text(ranks[r])}" + (f" at {ranks[r]['location']}" if ranks[r].get("location") else "")
+             for r, e in entries.items()]
     named = ", ".join(map(str, odd))
     if desync["reason"] == "different collectives":
         headline = (f"desync at collective #{seq}: rank(s) {named} issued a different collective than the others "

@@ -34,6 +34,7 @@ class Samples(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         if self.stuck and index == self.first_of_step:
+            fault_now("data-sleep")
             time.sleep(HANG)
         return torch.full((32,), float(index % 7))
 
@@ -52,6 +53,11 @@ class SlowBackward(torch.autograd.Function):
         return grad, None
 
 
+def fault_now(name: str) -> None:
+    """Note when the fault starts: the test measures the time to the report from here."""
+    print(f"FAULT {name} at {time.time():.3f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--fault", required=True)
@@ -62,16 +68,20 @@ def main():
     me = int(os.environ["RANK"])
     faulty = me == args.rank
     if faulty and args.fault == "no-init":
+        fault_now(args.fault)
         time.sleep(HANG)
     phalanx.init()
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
                               torch.nn.Linear(64, 4))
     cap = 0.001 if faulty and args.fault == "bucket-size" else 0.02  # MiB: two buckets, or five
+    if faulty and args.fault == "bucket-size":
+        fault_now(args.fault)
     model = phalanx.DistributedDataParallel(net, bucket_cap_mb=cap)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     if faulty and args.fault == "sigkill":
         def die(grad):
             if step == args.step:
+                fault_now("sigkill")
                 os.kill(os.getpid(), signal.SIGKILL)
             return grad
         net[0].weight.register_hook(die)  # the last gradient of backward: the output's bucket is in flight
@@ -85,8 +95,10 @@ def main():
             out = SlowBackward.apply(out, 0.02)
         loss = out.square().mean()
         if faulty and step == args.step and args.fault == "skip-backward":
+            fault_now(args.fault)
             continue
         if faulty and step == args.step and args.fault == "gil-spin":
+            fault_now(args.fault)
             re.match(r"(a+)+$", "a" * 64 + "b")  # C code, GIL held, exponential time
         started = time.perf_counter()
         loss.backward()
