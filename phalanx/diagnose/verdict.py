@@ -37,8 +37,11 @@ class Verdict:
         out = [f"verdict: {self.headline}", *("  " + line for line in self.lines)]
         if with_stacks:
             for rank, info in sorted(self.ranks.items()):
-                if info.get("stack"):
-                    out.append(f"--- stack of rank {rank} (pid {info.get('pid')}) ---")
+                if info.get("main_thread"):  # innermost first, as faulthandler prints; all threads in the JSON
+                    out.append(f"--- main thread of rank {rank} (pid {info.get('pid')}), most recent call first ---")
+                    out += [f"  {frame}" for frame in info["main_thread"]]
+                elif info.get("stack"):
+                    out.append(f"--- rank {rank} (pid {info.get('pid')}) ---")
                     out.append(info["stack"].rstrip())
         return "\n".join(out) + "\n"
 
@@ -85,10 +88,8 @@ def find_desync(snapshots: dict[int, Snapshot]) -> dict | None:
     return None
 
 
-def _location(snapshot: Snapshot | None, stack: str | None) -> str | None:
-    if not stack:
-        return None
-    return user_location(main_frames(stack, snapshot.main_thread if snapshot else 0))
+def _main_stack(snapshot: Snapshot | None, stack: str | None) -> list:
+    return main_frames(stack, snapshot.main_thread if snapshot else 0) if stack else []
 
 
 def _ago(now_ns: int, then_ns: int) -> str:
@@ -96,7 +97,9 @@ def _ago(now_ns: int, then_ns: int) -> str:
 
 
 def _rank_info(rank, snap, stack, pid, now_ns) -> dict:
-    info = {"pid": snap.pid if snap else pid, "stack": stack, "location": _location(snap, stack)}
+    frames = _main_stack(snap, stack)
+    info = {"pid": snap.pid if snap else pid, "stack": stack, "location": user_location(frames) if frames else None,
+            "main_thread": [f"{file}:{line} in {function}" for file, line, function in frames]}
     if snap is not None:
         info.update(phase=snap.phase, step=snap.step, phase_for_s=round((now_ns - snap.phase_since_ns) / 1e9, 2),
                     last=entry_json(snap.last))
@@ -170,8 +173,19 @@ def _desync_verdict(desync, snapshots, ranks) -> Verdict:
                            "entries": {str(r): entry_json(e) for r, e in entries.items()}}, ranks=ranks)
 
 
+def _waiting_in(snap: Snapshot) -> Entry | None:
+    """The collective a rank waits in: its first unfinished entry after its last finished one (buckets
+    are delivered in launch order, so a rank waits in the earliest one it launched)."""
+    waiting = None
+    for entry in reversed(snap.entries):
+        if entry.state == "done":
+            break
+        waiting = entry
+    return waiting
+
+
 def _stall_verdict(snapshots, expected, ranks, now_ns, elsewhere) -> Verdict:
-    open_entries = {r: s.last for r, s in snapshots.items() if r in ranks and s.last and s.last.state != "done"}
+    open_entries = {r: e for r, s in snapshots.items() if r in ranks and (e := _waiting_in(s)) is not None}
     waiting, culprits, lines = [], [], []
     target = min(open_entries.values(), key=lambda e: e.seq) if open_entries else None
     for rank in expected:

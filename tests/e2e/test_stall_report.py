@@ -59,7 +59,7 @@ class TestStall:
         assert report["culprits"][0]["rank"] == 1 and report["culprits"][0]["phase"] == "data"
         assert report["collective"]["kind"] == "bucket" and report["waiting"][0]["rank"] == 0
         assert report["waiting"][0]["seq"] == report["collective"]["seq"]
-        assert "--- stack of rank 1" in result.stderr and "in __getitem__" in report["ranks"]["1"]["stack"]
+        assert "--- main thread of rank 1" in result.stderr and "in __getitem__" in report["ranks"]["1"]["stack"]
         assert delay is not None and delay < STALL + 10, delay
 
     def test_a_rank_spinning_in_c_holding_the_gil_still_gives_its_stack(self, tmp_path):
