@@ -10,6 +10,7 @@ import sys
 from . import hooks, nn
 from .checkpoint import Checkpointer
 from .data import DataLoader, DistributedSampler, metrics
+from .diagnose import RankSkew, straggler_report
 from .engine.ddp import DDP, DistributedDataParallel
 from .errors import (
     CheckpointCorruptError,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..diagnose import recorder
 from ..errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -153,6 +154,13 @@ class Checkpointer:
 
     def save(self, state: dict) -> Path:
         """Write `state` and every rank's random state as a new checkpoint; returns its path on every rank."""
+        previous = recorder.phase(recorder.SAVING)
+        try:
+            return self._save(state)
+        finally:
+            recorder.phase(previous)
+
+    def _save(self, state: dict) -> Path:
         kinds = {name: _kind(name, value) for name, value in state.items()}  # same check, same error, on all ranks
         device = _own_device()
         states = random_state.gather(random_state.capture(device), world.collective_device())
@@ -225,7 +233,9 @@ class Checkpointer:
         if world.group_size() == 1:
             return code, sequence
         message = torch.tensor([code, sequence], dtype=torch.int64, device=world.collective_device())
+        entry = recorder.begin(recorder.CHECKPOINT, -1, message.numel(), message.dtype)
         dist.broadcast(message, src=0)
+        recorder.done(entry)
         return int(message[0]), int(message[1])
 
     # -- restoring --------------------------------------------------------------------------------

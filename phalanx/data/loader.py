@@ -12,6 +12,7 @@ from collections import deque
 import torch
 import torch.utils.data
 
+from ..diagnose import recorder
 from ..errors import DataConfigError, ResumeStateError, explain
 from .sampler import DistributedSampler
 
@@ -46,7 +47,9 @@ class _CountingIterator:
         return self
 
     def __next__(self):
+        recorder.phase(recorder.DATA)
         batch = next(self._inner)
+        recorder.beat()  # a batch arrived: progress, even in a loop without collectives (evaluation)
         self._position["batches"] += 1
         self._position["consumed"] += self._sizes.popleft()
         return batch

@@ -19,13 +19,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from ..errors import (
-    DDPPickleError,
-    NoTrainableParametersError,
-    UnusedParameterError,
-    WorldConfigError,
-    explain,
-)
+from ..diagnose import recorder
+from ..errors import DDPPickleError, NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
 from ..shm import shm_communicator
@@ -203,6 +198,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             names, reducer.unready_error = reducer.unready_error, None
             raise _unused_error(names, self._guard.step)
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if will_sync:
+            recorder.next_step()  # the heartbeat's step count: synchronized forwards
+        else:
+            recorder.phase(recorder.FORWARD)
         syncs_buffers = will_sync and self.module.training and self.broadcast_buffers
         joining = self._join_config.enable
         self._guard.enabled = not joining

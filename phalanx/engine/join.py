@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook, _JoinConfig
 
+from ..diagnose import recorder
 from .replicas import broadcast_coalesced
 
 SYNCS_GRADIENTS, SYNCS_BUFFERS = 1, 2
@@ -49,8 +50,10 @@ class DDPJoinHook(JoinHook):
 def all_reduce_max(ddp, values: list[int]) -> list[int]:
     """Element-wise maximum over the ranks of the model's group (a join control collective)."""
     tensor = torch.tensor(values, dtype=torch.int64, device=ddp._control_device)
+    entry = recorder.begin(recorder.JOIN, -1, tensor.numel(), tensor.dtype)
     work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=ddp.process_group, async_op=True)
     ddp._guard.wait_work(work, "a join control all-reduce")
+    recorder.done(entry)
     return tensor.tolist()
 
 

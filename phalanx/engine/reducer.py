@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..diagnose import recorder
 from .buckets import Bucket, plan_buckets
 from .dist_autograd import accumulator_hooks, context_gradients
 from .exchange import BucketExchange
@@ -48,6 +49,7 @@ class Reducer:
         self.buckets: list[Bucket] = []
         self._bucket_of: list[Bucket | None] = [None] * len(params)  # updated in place: the hooks hold it
         self._next = 0
+        self._entries: dict[int, int] = {}  # bucket index -> its entry in the record (diagnose/)
         self._build(self._plan(list(reversed(range(len(params))))))
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
         self._dist_context: int | None = None  # the distributed autograd context of the coming backward
@@ -130,6 +132,7 @@ class Reducer:
         if first:
             self._queued = True
             self.guard.begin()
+            recorder.phase(recorder.BACKWARD)
             _engine.queue_callback(self._finalize)
         if not self.rebuilt:
             self._order.append(index)
@@ -141,8 +144,15 @@ class Reducer:
         """Launch the next buckets in index order, as long as they are complete."""
         buckets = self.buckets
         while self._next < len(buckets) and buckets[self._next].pending == 0:
-            self.exchange.launch(buckets[self._next])
+            self._launch(buckets[self._next])
             self._next += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        """exchange.launch, recorded: arrival (enqueued), then the transport started."""
+        entry = recorder.begin(recorder.BUCKET, bucket.index, bucket.numel, bucket.params[0].dtype, started=False)
+        self.exchange.launch(bucket)
+        recorder.started(entry)
+        self._entries[bucket.index] = entry
 
     # -- after backward ---------------------------------------------------------------------------
 
@@ -171,17 +181,19 @@ class Reducer:
                 # then report at the next forward, where the user can still act on it.
                 for bucket in buckets[:self._next]:
                     self.exchange.discard(bucket)
+                    recorder.done(self._entries.pop(bucket.index, -1))
                 self.unready_error = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
                 self._reset()
                 self.guard.end()
                 return
             for bucket in buckets[self._next:]:  # the missing gradients count as zeros
-                self.exchange.launch(bucket)
+                self._launch(bucket)
             self._next = len(buckets)
         # With unused parameters, which got a gradient anywhere decides what is written back.
         used = self._used_anywhere() if self.tolerate_unused else None
         for bucket in buckets:  # bucket by bucket, while the later ones are still in flight
             self.exchange.deliver(bucket, used)
+            recorder.done(self._entries.pop(bucket.index, -1))
         if not self.rebuilt:
             self._rebuild()
         self._reset()
@@ -191,8 +203,10 @@ class Reducer:
         """Collective: per parameter, the number of ranks where it got a gradient this backward."""
         self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8))
         self._used[-1] = self.guard.tag(2 ** 20)
+        entry = recorder.begin(recorder.USED_MAP, -1, self._used.numel(), self._used.dtype)
         future = dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
         self.guard.wait(future, "the all-reduce of the used-parameter map")
+        recorder.done(entry)
         self.guard.check_sum(int(self._used[-1]), self.guard.tag(2 ** 20), "the used-parameter map")
         return self._used[:-1].tolist()
 
@@ -244,8 +258,10 @@ class Reducer:
         message = torch.tensor(order + [self.guard.tag(2 ** 30)], dtype=torch.int64, device=self.control_device)
         sender = dist.get_global_rank(self.group, 0)
         own_tag = int(message[-1])
+        entry = recorder.begin(recorder.BROADCAST, -1, message.numel(), message.dtype)
         work = dist.broadcast(message, sender, group=self.group, async_op=True)
         self.guard.wait_work(work, "the broadcast of the bucket order")
+        recorder.done(entry)
         self.guard.check_equal(int(message[-1]), own_tag, "the broadcast of the bucket order")
         self.rebuild_with_order(message[:-1].tolist())
 
@@ -259,11 +275,16 @@ class Reducer:
     @torch.no_grad()
     def shadow_backward(self) -> None:
         """Issue the collectives of one synchronized backward with zero gradients."""
+        entries = [recorder.begin(recorder.SHADOW, b.index, b.numel, b.params[0].dtype) for b in self.buckets]
         self.exchange.shadow(self.buckets)
+        for entry in entries:
+            recorder.done(entry)
         if self.tolerate_unused:
             self._used.zero_()
+            entry = recorder.begin(recorder.USED_MAP, -1, self._used.numel(), self._used.dtype)
             self.guard.wait(dist.all_reduce(self._used, group=self.group, async_op=True).get_future(),
                             "the shadow all-reduce of the used-parameter map")
+            recorder.done(entry)
         if not self.rebuilt:
             self._ready[:] = self._no_ready
             self._rebuild()

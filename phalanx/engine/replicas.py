@@ -12,6 +12,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from ..diagnose import recorder
 from ..errors import ParameterMismatchError, explain
 from .step_guard import tag_modulus
 
@@ -33,7 +34,9 @@ def check_same_signature(module: torch.nn.Module, group, device: torch.device) -
     mine = torch.tensor(list(digest), dtype=torch.uint8, device=device)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
+    entry = recorder.begin(recorder.ALL_GATHER, -1, mine.numel(), mine.dtype)
     dist.all_gather(gathered, mine, group=group)
+    recorder.done(entry)
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return
     # Error path only: exchange the full signatures to say exactly what differs.
@@ -101,8 +104,10 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int, group, *, tag: in
             own = tag % tag_modulus(flat.dtype)
             if me == src:
                 flat[-1] = own
+        entry = recorder.begin(recorder.BROADCAST, -1, flat.numel(), flat.dtype)
         work = dist.broadcast(flat, src, group=group, async_op=True)
         work.wait() if wait is None else wait(work, "the broadcast of module buffers")
+        recorder.done(entry)
         if extra:
             tags = (int(flat[-1].item()), own)
         if me != src:

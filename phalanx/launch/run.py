@@ -17,16 +17,18 @@ import tempfile
 from datetime import timedelta
 
 import torch
-from torch.distributed.elastic.agent.server.api import WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig
 
+from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ..errors import PhalanxError, explain
 from ..world.group import usable_cores
 from ..world.rendezvous import LOOPBACK, StaticRendezvous
+from .diagnosis import STALL_EXIT_CODE, RunDiagnosis
 from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
 
 DEFAULT_MULTI_NODE_PORT = 29500
@@ -62,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between checks of the workers' health. Default 0.1")
     add("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", type=float, default=600.0, metavar="S",
         help="seconds the nodes wait for each other before giving up. Default 600")
+    add("--stall-timeout", "--stall_timeout", dest="stall_timeout", default=None, metavar="S",
+        help=f"report a hang when no rank made progress for S seconds (which rank is stuck, where, in which "
+             f"collective); 0 = off. Default: $PHALANX_STALL_TIMEOUT, else {DEFAULT_STALL_TIMEOUT:g}")
+    add("--on-stall", "--on_stall", dest="on_stall", choices=ON_STALL, default=None,
+        help="after a stall report: restart the group (under --max-restarts, else stop), stop it, or wait "
+             "(keep it alive for a debugger). Default: $PHALANX_ON_STALL, else restart")
+    add("--straggler-every", "--straggler_every", dest="straggler_every", type=int, default=None, metavar="N",
+        help="every N steps, name a rank that arrives consistently late at the gradient exchanges; 0 = off. "
+             "Default: $PHALANX_STRAGGLER_EVERY, else 100")
     add("-m", "--module", action="store_true",
         help="the target is a module to run as `python -m`, not a script path")
     add("target", metavar="script.py | module", help="the training script (or module with -m)")
@@ -116,6 +127,15 @@ def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
         raise ValueError(explain("--max-restarts is negative", seen=args.max_restarts, expected=">= 0"))
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         raise ValueError(explain("--master-port is out of range", seen=args.master_port, expected="0..65535"))
+    args.stall_timeout = stall_timeout(args.stall_timeout)
+    args.on_stall = args.on_stall or os.environ.get("PHALANX_ON_STALL", "restart")
+    if args.on_stall not in ON_STALL:
+        raise ValueError(explain("PHALANX_ON_STALL is not a stall action", seen=repr(args.on_stall),
+                                 expected=" or ".join(ON_STALL)))
+    if args.straggler_every is None:
+        args.straggler_every = int(os.environ.get("PHALANX_STRAGGLER_EVERY", "100"))
+    if args.straggler_every < 0:
+        raise ValueError(explain("--straggler-every is negative", seen=args.straggler_every, expected=">= 0"))
     if args.monitor_interval <= 0:
         raise ValueError(explain("--monitor-interval must be positive", seen=args.monitor_interval,
                                  expected="seconds > 0, e.g. 0.1"))
@@ -123,15 +143,20 @@ def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
 
 
 class _Agent(LocalElasticAgent):
-    """torch's local agent, plus: say which rank failed before a restart, and sweep stray processes."""
+    """torch's local agent, plus: say which rank failed before a restart, sweep stray processes, and
+    watch the workers' records for stalls and stragglers (diagnosis.py)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, diagnosis: RunDiagnosis, **kwargs):
         super().__init__(*args, **kwargs)
         self.group_pids: set[int] = set()
+        self.diagnosis = diagnosis
 
     def _start_workers(self, worker_group):
         pids = super()._start_workers(worker_group)
         self.group_pids = set(pids.values())
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts  # TORCHELASTIC_RESTART_COUNT
+        self.diagnosis.attempt_started(attempt, {worker_group.workers[local].global_rank: pid
+                                                 for local, pid in pids.items()})
         return pids
 
     def _stop_workers(self, worker_group, *args, **kwargs):
@@ -144,11 +169,17 @@ class _Agent(LocalElasticAgent):
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
         spec = worker_group.spec
-        if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
-            attempt = spec.max_restarts - self._remaining_restarts + 1
+        attempt = spec.max_restarts - self._remaining_restarts + 1
+        if result.state == WorkerState.HEALTHY and self.diagnosis.poll():
+            result = RunResult(state=WorkerState.FAILED)  # no worker failed: the group stalled
+            if self._remaining_restarts > 0:
+                _say(f"the stall ends attempt {attempt} of {spec.max_restarts + 1}; restarting the worker group "
+                     f"(attempt {attempt + 1} of {spec.max_restarts + 1}).")
+        elif result.state == WorkerState.FAILED and self._remaining_restarts > 0:
             rank, failure = root_cause(result.failures)
             _say(f"{describe_failure(rank, failure)} on attempt {attempt} of {spec.max_restarts + 1}; "
                  f"restarting the worker group (attempt {attempt + 1} of {spec.max_restarts + 1}).")
+            self.diagnosis.on_failure(result.failures)
         return result
 
 
@@ -208,6 +239,11 @@ def run(argv: list[str] | None = None) -> int:
     # prefixed with the rank. OMP_NUM_THREADS is deliberately left alone (init() shares the cores).
     os.environ["PHALANX_RANK_PREFIXED"] = "1"
     os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    # The workers' records of their collectives live here; this process watches them, not the workers.
+    rings = tempfile.mkdtemp(prefix="phalanx-rings-")
+    os.environ["PHALANX_RUN_DIR"] = rings
+    os.environ["PHALANX_STALL_WATCHER"] = "launcher"
+    diagnosis = RunDiagnosis(rings, args.stall_timeout, args.on_stall, args.log_dir, args.straggler_every)
     agent = handler = None
     try:
         handler = _rendezvous_handler(args, config, args.node_rank)
@@ -216,11 +252,15 @@ def run(argv: list[str] | None = None) -> int:
                           rdzv_handler=handler, max_restarts=args.max_restarts,
                           monitor_interval=args.monitor_interval)
         agent = _Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
-                       log_line_prefix_template=config.log_line_prefix_template)
+                       log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis)
         _quiet_torch_elastic()  # now that every torch module in use has made its logger
         result = agent.run()
         if result is None or not result.is_failed():
             return 0
+        if diagnosis.stalled:
+            _say("the workers were stopped after the stall reported above.")
+            return STALL_EXIT_CODE
+        diagnosis.on_failure(result.failures)
         return _report_failure(result.failures, args.max_restarts)
     except (PhalanxError, RendezvousError) as exc:
         _say(f"{type(exc).__name__}: {exc}")
@@ -235,6 +275,7 @@ def run(argv: list[str] | None = None) -> int:
             handler.shutdown()
         if own_log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
+        shutil.rmtree(rings, ignore_errors=True)
 
 
 def _report_failure(failures: dict, max_restarts: int) -> int:

@@ -6,9 +6,11 @@ starts this file by path (`python -u worker_entry.py [-m] target args...`): it i
 from phalanx, so the user's `import phalanx` is the first one and sees a fresh environment.
 """
 
+import faulthandler
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 import traceback
@@ -41,6 +43,25 @@ def _record(exc: BaseException, text: str) -> None:
         print(f"phalanx: could not write the error file {path}: {error}", file=sys.stderr)
 
 
+def _answer_stack_signal() -> None:
+    """From the first line of the worker on, `phalanx run` can ask for its stacks, even before (or without)
+    phalanx.init(): the signal and the file are diagnose/stacks.py's (STACK_SIGNAL, stack_path)."""
+    directory, rank = os.environ.get("PHALANX_RUN_DIR"), os.environ.get("RANK")
+    if not directory or rank is None:
+        return
+    attempt = os.path.join(directory, f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    try:
+        os.makedirs(attempt, mode=0o700, exist_ok=True)
+        handle = open(os.path.join(attempt, f"rank-{rank}.stack"), "a")
+    except OSError:
+        return
+    faulthandler.register(signal.SIGRTMIN + 6, file=handle, all_threads=True, chain=False)
+    _kept.append(handle)
+
+
+_kept: list = []
+
+
 def main(argv: list) -> None:
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
@@ -48,6 +69,7 @@ def main(argv: list) -> None:
     if not argv:
         sys.exit("usage: worker_entry.py [-m] target [args...]")
     target, args = argv[0], argv[1:]
+    _answer_stack_signal()
     # Same sys.path[0] as `python script.py` / `python -m module` would have (not this directory).
     sys.path[0] = os.getcwd() if as_module else os.path.dirname(os.path.abspath(target))
     sys.argv = [target, *args]

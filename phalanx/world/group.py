@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 from .. import log
+from ..diagnose import recorder, stacks
+from ..diagnose.watch import stall_timeout
+from ..diagnose.watchdog import Watchdog
 from ..errors import RanksTimedOutError, WorldConfigError, explain
 from .discovery import WorldSpec, discover
 from .rendezvous import host_store, join_store
@@ -29,6 +32,8 @@ _device: torch.device | None = None
 _store = None  # phalanx's own namespace in the rendezvous store (barriers, host identity)
 _owns_group = False
 _barrier_count = 0
+_watchdog: Watchdog | None = None
+DEAD_CHECK_AFTER = 1.0  # seconds a barrier waits before it asks whether a missing rank's process died
 
 
 def _seconds(value) -> float:
@@ -144,6 +149,8 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
                        else _env_seconds("PHALANX_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
     chosen = _choose_device(spec, device)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _start_diagnosis(spec)
+    rendezvous = recorder.begin(recorder.RENDEZVOUS)
     if dist.is_initialized():  # the user (or a framework) made the group: adopt it
         spec = WorldSpec(dist.get_rank(), dist.get_world_size(), spec.local_rank, spec.local_world_size,
                          spec.master_addr, spec.master_port, spec.source, spec.agent_store)
@@ -157,6 +164,7 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
                                 rank=spec.rank, world_size=spec.world_size, timeout=timeout,
                                 device_id=chosen if chosen.type == "cuda" else None)
         _owns_group = True
+    recorder.done(rendezvous)
     _share_cores(spec, chosen)
     _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
     _spec, _device = spec, chosen
@@ -169,7 +177,29 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
         except BaseException:
             shutdown()
             raise
+    recorder.phase(recorder.DATA)  # until the first forward: loading the first batch
     return chosen
+
+
+def _start_diagnosis(spec: WorldSpec) -> None:
+    """Record this rank's collectives where the launcher (or the watchdog) can read them; answer the stack
+    signal; under torchrun and srun, watch for stalls from inside (diagnose/watchdog.py)."""
+    global _watchdog
+    if spec.world_size == 1 and not os.environ.get("PHALANX_RUN_DIR"):
+        return  # a world of one has nobody to wait for
+    directory = recorder.run_directory()
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        signum = stacks.register(stacks.stack_path(directory, spec.rank))
+        recorder.start(directory, spec.rank, spec.world_size, spec.local_rank, signum)
+    except OSError as exc:  # diagnosis is an aid: a read-only temp dir must not stop training
+        log.logger.warning("stall diagnosis is off: cannot write %s (%s)", directory, exc)
+        return
+    timeout = stall_timeout()
+    if os.environ.get("PHALANX_STALL_WATCHER") != "launcher" and timeout > 0 and recorder.active():
+        _watchdog = Watchdog(directory, spec.rank, spec.local_rank, spec.local_world_size, spec.world_size, timeout,
+                             os.environ.get("PHALANX_ON_STALL", "stop"))
+        _watchdog.start()
 
 
 def shutdown() -> None:
@@ -180,7 +210,8 @@ def shutdown() -> None:
     or still tearing its own group down. Measured on 2-rank runs: 7 of 20 aborted with no wait
     (torch DDP), 3 of 25 with a wait before the teardown only (phalanx DDP), 0 of 25 with both.
     """
-    global _spec, _device, _store, _owns_group
+    global _spec, _device, _store, _owns_group, _watchdog
+    recorder.phase(recorder.SHUTDOWN)
     if _owns_group and dist.is_initialized():
         together = _spec is not None and _spec.world_size > 1 and _store is not None
         if together:
@@ -189,6 +220,11 @@ def shutdown() -> None:
         if together:
             _leave_together("shutdown/done")
             _keep_store_until_all_left()
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+    stacks.unregister()
+    recorder.stop(remove=not os.environ.get("PHALANX_RUN_DIR"))
     _spec = _device = _store = None
     _owns_group = False
 
@@ -197,13 +233,15 @@ def _leave_together(name: str) -> None:
     """A barrier that never raises: a rank that is busy for long, or gone, cannot be waited for."""
     try:
         barrier(timeout=SHUTDOWN_WAIT, name=name)
+    except RanksTimedOutError as exc:
+        log.logger.warning("shutdown() did not wait for every rank: %s", exc)
     except Exception:
         pass
 
 
 def _keep_store_until_all_left() -> None:
     """When rank 0 hosts the store itself, it stays until every rank has seen the last barrier end."""
-    hosts_store = _spec.rank == 0 and not _spec.agent_store
+    hosts_store = _spec.rank == 0 and not _spec.agent_store and not recorder.dead_peers(range(_spec.world_size))
     try:
         key = f"shutdown/left/{_barrier_count}"  # unique per shutdown, like the barriers before it
         left = _store.add(key, 1)
@@ -270,12 +308,25 @@ def barrier(timeout=None, name: str = "barrier") -> None:
         return
     _barrier_count += 1
     key = f"{name}/{_barrier_count}"
+    entry = recorder.begin(recorder.BARRIER)
     _store.set(f"{key}/{rank()}", b"1")
     arrived = _store.add(key, 1)
-    deadline = time.monotonic() + limit
+    now = time.monotonic()
+    deadline, dead_check = now + limit, now + DEAD_CHECK_AFTER
     pause = 0.0005
     while arrived < spec.world_size:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > dead_check:  # a peer that died will never come: say so now, not at the deadline
+            dead_check = now + 0.5
+            missing = [r for r in range(spec.world_size) if not _store.check([f"{key}/{r}"])]
+            dead = recorder.dead_peers(missing)
+            if dead:
+                raise RanksTimedOutError(explain(
+                    f"barrier '{name}' cannot complete", rank=rank(),
+                    seen=f"rank(s) {sorted(dead)} ended without arriving (pid {', '.join(map(str, dead.values()))})",
+                    expected="every rank alive", fix="Read the dead ranks' logs: they crashed or were killed "
+                                                     "(SIGKILL usually means out of memory)."), missing_ranks=dead)
+        if now > deadline:
             missing = [r for r in range(spec.world_size) if not _store.check([f"{key}/{r}"])]
             raise RanksTimedOutError(explain(
                 f"barrier '{name}' timed out after {limit:.0f}s", rank=rank(),
@@ -286,3 +337,4 @@ def barrier(timeout=None, name: str = "barrier") -> None:
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
         arrived = _store.add(key, 0)
+    recorder.done(entry)

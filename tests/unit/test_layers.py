@@ -9,21 +9,24 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 
 # What each part of phalanx may import from phalanx (besides itself). Lower layers come first:
-# errors and log know nobody; shm and world know only them; the engine builds on shm and world; the
+# errors and log know nobody; diagnose (the record of collectives) only them, so every layer above
+# can record into it; shm and world know only those; the engine builds on shm and world; the
 # launcher, data and checkpoints on the world; the bundled tools and the public face on everything.
 ALLOWED = {
     "errors": set(),
     "log": set(),
     "hooks": set(),
+    "diagnose": {"errors", "log"},
     "shm": {"errors", "log"},
-    "world": {"errors", "log"},
+    "world": {"errors", "log", "diagnose"},
     "nn": {"errors"},
-    "engine": {"errors", "log", "shm", "world", "nn"},
-    "data": {"errors", "log", "world"},
-    "checkpoint": {"errors", "log", "world", "engine"},
-    "launch": {"errors", "log", "world"},
+    "engine": {"errors", "log", "shm", "world", "nn", "diagnose"},
+    "data": {"errors", "log", "world", "diagnose"},
+    "checkpoint": {"errors", "log", "world", "engine", "diagnose"},
+    "launch": {"errors", "log", "world", "diagnose"},
     "testing": {"launch"},
-    "tools": {"errors", "log", "world", "shm", "engine", "data", "checkpoint", "launch", "hooks", "nn", "testing"},
+    "tools": {"errors", "log", "world", "shm", "engine", "data", "checkpoint", "launch", "hooks", "nn", "testing",
+              "diagnose"},
     "cli": {"errors", "__init__"},  # `phalanx --version` reads phalanx.__version__
     "__main__": {"cli"},
 }

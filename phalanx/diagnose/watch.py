@@ -1,0 +1,93 @@
+"""Stall detection over a run directory's rings, and the report that follows a stall or a failure.
+
+A rank makes progress when its ring changes: a collective entered or left, a phase changed, a
+batch arrived. The group is stalled when no rank of this host made progress for the stall timeout.
+The default, 300 s, is 6x below NCCL's 30-minute watchdog and Gloo's timeout yet above a slow first
+step (torch.compile, cold caches) and the collectives of a large checkpoint; a rank in the
+checkpoint phase gets CHECKPOINT_GRACE times longer, since writing a large file makes no record.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from ..errors import WorldConfigError, explain
+from . import stacks
+from .record import H_EXITED, H_PHASE, H_PID, H_PROGRESS, PHASE, read_header, read_rings, ring_path
+from .verdict import Verdict, judge
+
+DEFAULT_STALL_TIMEOUT = 300.0
+CHECKPOINT_GRACE = 4.0
+ON_STALL = ("restart", "stop", "wait")
+
+
+def stall_timeout(value: float | str | None = None) -> float:
+    """The stall timeout in seconds: `value`, else PHALANX_STALL_TIMEOUT, else 300 (0 turns detection off)."""
+    raw = value if value is not None else os.environ.get("PHALANX_STALL_TIMEOUT", DEFAULT_STALL_TIMEOUT)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        raise WorldConfigError(explain("the stall timeout is not a number of seconds", seen=repr(raw),
+                                       expected="seconds >= 0 (0 turns stall detection off), e.g. 300",
+                                       fix="Fix --stall-timeout or PHALANX_STALL_TIMEOUT."))
+    return seconds
+
+
+class StallWatch:
+    """Polls the rings of ranks `expected` in `directory`; `poll()` is True once per stall."""
+
+    def __init__(self, directory: str, timeout: float, expected: list[int]):
+        self.directory, self.timeout, self.expected = directory, timeout, list(expected)
+        self._progress: tuple | None = None
+        self._changed = time.monotonic()
+        self.fired = False
+
+    def silent_for(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self._changed
+
+    def poll(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        heads = [read_header(ring_path(self.directory, rank)) for rank in self.expected]
+        progress = tuple(h[H_PROGRESS] if h else -1 for h in heads)
+        if progress != self._progress:
+            self._progress, self._changed, self.fired = progress, now, False
+            return False
+        if self.timeout <= 0 or self.fired or all(h is not None and h[H_EXITED] for h in heads):
+            return False
+        saving = any(h is not None and h[H_PHASE] == PHASE["checkpoint"] for h in heads)
+        if now - self._changed < self.timeout * (CHECKPOINT_GRACE if saving else 1.0):
+            return False
+        self.fired = True
+        return True
+
+    @property
+    def stall_key(self) -> str:
+        """Names the current stall (the progress counters it froze at)."""
+        return repr(self._progress)
+
+    def pids(self) -> dict[int, int]:
+        found = {}
+        for rank in self.expected:
+            head = read_header(ring_path(self.directory, rank))
+            if head is not None:
+                found[rank] = head[H_PID]
+        return found
+
+
+def collect(directory: str, expected: list[int], *, pids: dict[int, int] | None = None,
+            dead: dict[int, str] | None = None, elsewhere: list[int] | None = None,
+            with_stacks: bool = True) -> Verdict:
+    """Read the rings, ask every live rank for its stack, and judge."""
+    pids = dict(pids or {})
+    rings = read_rings(directory)
+    for rank, snap in rings.items():
+        pids.setdefault(rank, snap.pid)
+    texts = {}
+    if with_stacks:
+        alive = {r: (pid, stacks.stack_path(directory, r)) for r, pid in pids.items()
+                 if r in expected and not (dead and r in dead)}
+        texts = stacks.request(alive)
+    return judge(rings, expected, texts, time.monotonic_ns(), dead=dead, pids=pids, elsewhere=elsewhere)
