@@ -59,6 +59,10 @@ class BucketExchange(ABC):
     def prepare(self, buckets: list[Bucket]) -> None:
         """The buckets were (re)built: precompute what each one's exchange needs."""
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Tensors this exchange holds besides the buckets' storage (for counting memory)."""
+        return []
+
     # -- one backward ----------------------------------------------------------------------------
 
     @abstractmethod

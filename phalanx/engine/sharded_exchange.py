@@ -77,13 +77,22 @@ class ShardedExchange(BucketExchange):
             slot = (dtype, device, counts.get(key, 0) % STAGING_BUFFERS)
             counts[key] = counts.get(key, 0) + 1
             self._slot_of.append(slot)
-            largest[slot] = max(largest.get(slot, 0), self.padded(numel))
+            largest[slot] = max(largest.get(slot, 0), self.staging_numel(self.padded(numel)))
         bases = {slot: self.allocate(numel, slot[0], slot[1]) for slot, numel in largest.items()}
         self._staging_bases = list(bases.values())
-        self.staging = [bases[slot][:self.padded(size[0])] for slot, size in zip(self._slot_of, sizes)]
+        self.staging = [bases[slot][:self.staging_numel(self.padded(size[0]))]
+                        for slot, size in zip(self._slot_of, sizes)]
         if self.mode == GRADIENTS:
             return list(self.staging)
         return [self.allocate(self.padded(numel), dtype, device) for numel, dtype, device in sizes]
+
+    def staging_numel(self, padded: int) -> int:
+        """Elements of a bucket's staging view: the all-gather's output, a whole bucket here."""
+        return padded
+
+    def own_offset(self, shard: BucketShard) -> int:
+        """Where this rank's chunk lies in the bucket's staging view."""
+        return shard.start
 
     def prepare(self, buckets: list[Bucket]) -> None:
         self.buckets = buckets
@@ -91,8 +100,12 @@ class ShardedExchange(BucketExchange):
         if self.mode == GRADIENTS:
             self.owned = [torch.zeros(s.chunk, dtype=b.storage.dtype, device=b.storage.device)
                           for s, b in zip(self.shards, buckets)]
+        self._plan_gathers()
+
+    def _plan_gathers(self) -> None:
+        """Each bucket's parameters as views of its staging buffer, where the all-gather leaves them."""
         self._gather_views = [[piece.view(p.shape) for piece, p in zip(view[:b.numel].split(
-            [p.numel() for p in b.params]), b.params)] for view, b in zip(self.staging, buckets)]
+            [p.numel() for p in b.params]), b.params)] for view, b in zip(self.staging, self.buckets)]
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor this exchange holds (for counting memory)."""
@@ -190,7 +203,7 @@ class ShardedExchange(BucketExchange):
             self._free_staging_for(index)
             shard, staging = self.shards[index], self.staging[index]
             self._claim(staging)
-            own = staging[shard.start:shard.start + shard.chunk]
+            own = staging[self.own_offset(shard):self.own_offset(shard) + shard.chunk]
             if shard.pieces:
                 torch._foreach_copy_([own[p.offset:p.offset + p.numel] for p in shard.pieces],
                                      [p.tensor.view(-1) for p in shard.pieces])

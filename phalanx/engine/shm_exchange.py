@@ -50,6 +50,9 @@ class ShmExchange(AllReduceExchange):
         self._pieces = {b.index: self._plan_pieces(b) for b in buckets if self.modes[b.index] == SPLIT}
         self._totals = {}
 
+    def buffers(self) -> list[torch.Tensor]:
+        return [total for total, _ in self._totals.values()] + [self._tag_total]
+
     def _mode_for(self, bucket: Bucket) -> str:
         # Views (gradient_as_bucket_view) need the result in the bucket itself: only the all-reduce puts it there.
         # A sparse gradient has no place in shared memory: its all-reduce is the process group's.

@@ -3,7 +3,8 @@
 Each rank posts its scaled bucket where it lies (its slot of the bucket's shared allocation), then
 sums only its own chunk, reading that chunk of every peer's slot once, in rank order (the same bits
 as the unsharded shared-memory exchange). After the step each rank posts its updated chunk in a
-staging buffer and copies the others' chunks straight from their slots into its parameters.
+staging buffer (one chunk per bucket in flight) and copies the others' chunks straight from their
+slots into its parameters.
 Gloo's reduce-scatter costs about as much as its all-reduce; here it moves half the bytes.
 """
 
@@ -16,7 +17,7 @@ import torch
 from ..shm import ShmCommunicator
 from .buckets import Bucket
 from .shard_plan import BucketShard
-from .sharded_exchange import ShardedExchange
+from .sharded_exchange import GRADIENTS, ShardedExchange
 from .step_guard import StepGuard
 
 
@@ -36,9 +37,17 @@ class ShmShardedExchange(ShardedExchange):
     def release(self, storage: torch.Tensor) -> None:
         self.comm.release(storage)
 
-    def prepare(self, buckets: list[Bucket]) -> None:
-        super().prepare(buckets)
-        self._fetches = [_fetch_plan(bucket, shard) for bucket, shard in zip(buckets, self.shards)]
+    def staging_numel(self, padded: int) -> int:
+        # Peers copy a rank's chunk straight from its slot: the all-gather stages one chunk, unless the
+        # staging buffers also carry the reduce-scatter's whole buckets ("gradients").
+        return padded if self.mode == GRADIENTS else padded // self.world_size
+
+    def own_offset(self, shard: BucketShard) -> int:
+        return shard.start if self.mode == GRADIENTS else 0
+
+    def _plan_gathers(self) -> None:
+        self._fetches = [_fetch_plan(bucket, shard, whole=self.mode == GRADIENTS)
+                         for bucket, shard in zip(self.buckets, self.shards)]
 
     def settle(self, buckets: list[Bucket]) -> None:
         for storage in [b.storage for b in buckets] + self._staging_bases:
@@ -77,9 +86,10 @@ class ShmShardedExchange(ShardedExchange):
             self.comm.fetch_chunks(self.staging[index], ticket, self._fetches[index])
 
 
-def _fetch_plan(bucket: Bucket, shard: BucketShard) -> list[tuple[int, int, torch.Tensor]]:
-    """(owner, start in the bucket, the parameter's elements there) for every part of the bucket's
-    parameters in another rank's chunk: fetch_chunks() copies them straight into the parameters."""
+def _fetch_plan(bucket: Bucket, shard: BucketShard, whole: bool) -> list[tuple[int, int, torch.Tensor]]:
+    """(owner, start in the owner's staging, the parameter's elements there) for every part of the bucket's
+    parameters in another rank's chunk: fetch_chunks() copies them straight into the parameters. The
+    staging holds the whole bucket (`whole`) or only its owner's chunk."""
     plan = []
     for param, offset in zip(bucket.params, bucket.offsets):
         flat = param.detach().view(-1)
@@ -87,5 +97,5 @@ def _fetch_plan(bucket: Bucket, shard: BucketShard) -> list[tuple[int, int, torc
             if owner == shard.rank:
                 continue
             lo, hi = max(offset, owner * shard.chunk), min(offset + param.numel(), (owner + 1) * shard.chunk)
-            plan.append((owner, lo, flat[lo - offset:hi - offset]))
+            plan.append((owner, lo if whole else lo - owner * shard.chunk, flat[lo - offset:hi - offset]))
     return plan

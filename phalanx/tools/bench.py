@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="bench-results/bench.json", help="JSON results file; the chart goes "
                         "next to it as .png (default bench-results/bench.json)")
     parser.add_argument("--quick", action="store_true", help="tiny step counts, for smoke tests")
+    parser.add_argument("--memory", action="store_true", help="instead: what sharding saves and costs (model-state "
+                        "bytes, peak RSS beside torch DDP / ZeRO / FSDP2, step times); see --memory --help")
     parser.add_argument("--profile", action="store_true", help="then one more phalanx block with its exchange "
                         "timed by phase: copy in, reduce, wait, copy out, rest (per rank and bucket)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
@@ -366,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--memory" in argv:
+        from .bench_memory import main as memory_main
+        return memory_main(argv)
     try:
         config = parse_config(argv)
     except SystemExit as exc:  # argparse: --help, or a malformed flag (its message is already printed)
