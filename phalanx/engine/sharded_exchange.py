@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..diagnose import recorder
 from ..errors import ShardingError, explain
 from .buckets import Bucket
 from .exchange import BucketExchange
@@ -53,6 +54,7 @@ class ShardedExchange(BucketExchange):
         self._reduces: dict[int, object] = {}  # bucket index -> handle of its reduce-scatter
         self._reduced: dict[int, torch.Tensor] = {}  # bucket index -> where its averaged chunk landed
         self._gathers: dict[int, object] = {}  # bucket index -> handle of its parameter all-gather
+        self._gather_entries: dict[int, int] = {}  # bucket index -> its all-gather's entry in the record
         self._gather_views: list[list[torch.Tensor]] = []
         self.buckets: list[Bucket] = []
 
@@ -133,7 +135,7 @@ class ShardedExchange(BucketExchange):
         previous = self._slot_user.get(slot)
         if previous is not None and previous != index:
             if previous in self._gathers:
-                self._finish_gather(previous)
+                self._complete_gather(previous)
             if previous in self._reduces:
                 self._finish_reduce(previous)
         self._slot_user[slot] = index
@@ -207,6 +209,7 @@ class ShardedExchange(BucketExchange):
             if shard.pieces:
                 torch._foreach_copy_([own[p.offset:p.offset + p.numel] for p in shard.pieces],
                                      [p.tensor.view(-1) for p in shard.pieces])
+            self._gather_entries[index] = recorder.begin(recorder.ALL_GATHER, index, shard.padded, staging.dtype)
             self._start_gather(index, staging, own)
         if not self.defers_gathers:
             self.wait_gathered()
@@ -225,7 +228,11 @@ class ShardedExchange(BucketExchange):
         """The parameters of these buckets (None: all) hold every rank's update."""
         for index in list(self._gathers) if indices is None else indices:
             if index in self._gathers:
-                self._finish_gather(index)
+                self._complete_gather(index)
+
+    def _complete_gather(self, index: int) -> None:
+        self._finish_gather(index)
+        recorder.done(self._gather_entries.pop(index, -1))
 
     def zero_owned_grads(self, set_to_none: bool) -> None:
         for shard in self.shards:

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worlds", default="2,4", help="world sizes for the byte count (default 2,4)")
     parser.add_argument("--width", type=int, default=2048, help="width of the MLP counted and measured: "
                         "12 x Linear(w, w), 50.4M parameters at 2048 (default)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size of phalanx DDP in the byte "
+                        "count and peak RSS (default 25, as torch's)")
     parser.add_argument("--time-models", default="wide,gpt", help="models for the step times (default wide,gpt)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per block (default 10)")
     parser.add_argument("--blocks", type=int, default=3, help="interleaved blocks per variant (default 3)")
@@ -80,12 +82,12 @@ def model_state_bytes(model: DistributedDataParallel, optimizer: torch.optim.Opt
     return counted
 
 
-def _count_rank(rank: int, width: int) -> dict:
+def _count_rank(rank: int, width: int, bucket_cap_mb: float) -> dict:
     counts = {}
     for mode in (LEAN,) + MODES:
         torch.manual_seed(0)
         model = DistributedDataParallel(mlp(width), shard=mode if mode != LEAN else "none",
-                                        gradient_as_bucket_view=mode == LEAN)
+                                        gradient_as_bucket_view=mode == LEAN, bucket_cap_mb=bucket_cap_mb)
         optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
         _train(model, optimizer, width, rank)
         counts[mode] = model_state_bytes(model, optimizer)  # after a step: what a rank holds between steps
@@ -112,17 +114,17 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _rss_rank(rank: int, variant: str, width: int) -> dict:
+def _rss_rank(rank: int, variant: str, width: int, bucket_cap_mb: float) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     baseline = _peak_rss_mb()  # torch imported, the group up: what every variant starts from
     torch.manual_seed(0)
     module = mlp(width)
     if variant == "torch-ddp":
-        model = nn.parallel.DistributedDataParallel(module)
+        model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     elif variant == "torch-zero":
-        model = nn.parallel.DistributedDataParallel(module)
+        model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
         optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE)
     elif variant == "torch-fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -134,7 +136,7 @@ def _rss_rank(rank: int, variant: str, width: int) -> dict:
         model = fully_shard(module, mesh=mesh, reshard_after_forward=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     else:
-        model = DistributedDataParallel(module, shard=variant.split("-", 1)[1])
+        model = DistributedDataParallel(module, shard=variant.split("-", 1)[1], bucket_cap_mb=bucket_cap_mb)
         optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE))
     _train(model, optimizer, width, rank)
     return {"peak_mb": _peak_rss_mb(), "baseline_mb": baseline}
@@ -204,14 +206,15 @@ def run(args) -> dict:
         results["count"] = {}
         for world_size in [int(w) for w in args.worlds.split(",")]:
             _say(f"counting model-state bytes on {world_size} ranks, modes {', '.join(MODES)}")
-            per_rank = spawn(_count_rank, world_size, args=(args.width,), env=_env(), timeout=1800)
+            per_rank = spawn(_count_rank, world_size, args=(args.width, args.bucket_cap_mb), env=_env(), timeout=1800)
             results["count"][world_size] = per_rank
     if "rss" not in skip:
         results["rss"] = {}
         params = results["params"]
         for variant in RSS_VARIANTS:
             _say(f"peak RSS of {variant} on 2 ranks ({params / 1e6:.1f}M parameters, AdamW), in fresh processes")
-            results["rss"][variant] = spawn(_rss_rank, 2, args=(variant, args.width), env=_env(), timeout=1800)
+            results["rss"][variant] = spawn(_rss_rank, 2, args=(variant, args.width, args.bucket_cap_mb), env=_env(),
+                                            timeout=1800)
     if "time" not in skip:
         names = [n.strip() for n in args.time_models.split(",") if n.strip()]
         _say(f"step times of {', '.join(names)} on 2 ranks x 1 thread, AdamW, {args.blocks} interleaved blocks "

@@ -93,3 +93,28 @@ def test_bench_profile_splits_a_phalanx_step_into_its_phases(tmp_path, capfd):
             assert all(value >= 0 for value in phases) and row["copy_in"] > 0 and row["reduce"] > 0
             assert row["rest"] == pytest.approx(row["step_ms"] - sum(phases))
             assert row["buckets"] and {b["mode"] for b in row["buckets"]} <= {"posted", "split", "all-reduce"}
+
+
+def test_bench_memory_counts_bytes_rss_and_step_times(tmp_path):
+    """World sizes 2 and 4 (byte count), 2 (peak RSS, step times), on a small MLP with a bucket per layer:
+    the report's three parts; sharded modes hold fewer model-state bytes than shard='none'. No timing
+    is asserted."""
+    out = tmp_path / "memory.json"
+    env = {**os.environ, "PYTHONPATH": checkout_on_pythonpath()}
+    command = [sys.executable, "-m", "phalanx", "bench", "--memory", "--width", "256", "--bucket-cap-mb", "0.3",
+               "--time-models", "deep", "--steps", "2", "--blocks", "1", "--out", str(out)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())
+    for world_size in ("2", "4"):
+        per_rank = results["count"][world_size]
+        assert len(per_rank) == int(world_size)
+        for rank in per_rank:
+            assert rank["gradients"]["total"] < rank["optimizer"]["total"] < rank["none"]["total"]
+            assert rank["gradients"]["optimizer"] * int(world_size) == pytest.approx(rank["none"]["optimizer"],
+                                                                                      rel=0.05)
+    assert set(results["rss"]) == {"torch-ddp", "torch-zero", "torch-fsdp2", "phalanx-none", "phalanx-optimizer",
+                                   "phalanx-gradients"}
+    assert set(results["time"]["deep"]) == {"phalanx-none", "phalanx-optimizer", "phalanx-gradients", "torch-zero"}
+    for expected in ("model-state bytes per rank, 4 ranks", "peak RSS per rank", "step time, deep"):
+        assert expected in done.stdout

@@ -4,7 +4,6 @@ combinations sharding does not support."""
 
 import math
 
-import pytest
 import torch
 
 import phalanx as px

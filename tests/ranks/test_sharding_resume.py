@@ -11,7 +11,7 @@ import torch
 
 import phalanx as px
 from phalanx.testing import run_ranks
-from tests.helpers.shard_cases import make_optimizer, make_net, train
+from tests.helpers.shard_cases import make_net, make_optimizer, train
 
 STEPS = 4
 
