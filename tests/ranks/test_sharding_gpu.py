@@ -1,0 +1,49 @@
+"""Sharded DDP on CUDA tensors over NCCL, world size 1: each shard mode trains as shard='none' does,
+and holds less GPU memory (torch.cuda.max_memory_allocated, printed). Skipped without a GPU."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import phalanx
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()),
+                                reason="needs a CUDA GPU and NCCL")
+
+
+def _train_cuda(rank: int) -> dict:
+    device = phalanx.device()
+    results = {}
+    for mode in ("none", "optimizer", "gradients"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(device)
+        model = phalanx.DistributedDataParallel(net, device_ids=[device.index], shard=mode, bucket_cap_mb=4)
+        opt = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+        for step in range(10):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(32, 1024, generator=g).to(device)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+        torch.cuda.synchronize(device)
+        results[mode] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu(),
+                         torch.cuda.max_memory_allocated(device))
+        del model, opt, net
+    return results
+
+
+def test_shard_modes_on_cuda_match_none_and_hold_less_memory(capsys):
+    """World size 1 (NCCL); skipped without a GPU."""
+    [results] = phalanx.spawn(_train_cuda, 1, timeout=300, env={"PHALANX_BACKEND": "nccl"})
+    reference, reference_bytes = results["none"]
+    with capsys.disabled():
+        print(f"\nmax_memory_allocated: none {reference_bytes / 2**20:.1f} MiB")
+    for mode in ("optimizer", "gradients"):
+        params, peak = results[mode]
+        torch.testing.assert_close(params, reference, rtol=1e-5, atol=1e-6)
+        with capsys.disabled():
+            print(f"max_memory_allocated: {mode} {peak / 2**20:.1f} MiB ({peak / reference_bytes:.3f} of none)")
+        assert peak < reference_bytes
