@@ -61,7 +61,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, shard: str = "none", **unsupported):
+                 static_graph: bool = False, *, shard: str = "none", **unsupported):
         super().__init__()
         Joinable.__init__(self)
         if unsupported:

@@ -173,9 +173,13 @@ class TestPythonBlocks:
         exec(added[0], after)
         assert before["DDP"] is torch.nn.parallel.DistributedDataParallel
         assert after["DDP"] is phalanx.DistributedDataParallel
-        ours = [p for p in inspect.signature(after["DDP"].__init__).parameters if p not in ("self", "unsupported")]
+        signature = inspect.signature(after["DDP"].__init__).parameters
+        ours = [p for p, info in signature.items()
+                if p not in ("self", "unsupported") and info.kind != info.KEYWORD_ONLY]
         torchs = list(inspect.signature(before["DDP"].__init__).parameters)[1:]
         assert ours == torchs[:len(ours)] and ours[-1] == "static_graph", (ours, torchs)
+        # phalanx's own arguments (shard=) are keyword-only: torch's positional order stays intact
+        assert [p for p, info in signature.items() if info.kind == info.KEYWORD_ONLY] == ["shard"]
         for name in ("no_sync", "join", "register_comm_hook", "state_dict", "load_state_dict"):
             assert callable(getattr(after["DDP"], name)), name
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import phalanx
 from phalanx.engine.buckets import Bucket, GradBucket, plan_buckets
-from phalanx.engine.ddp import _move_to
+from phalanx.engine.devices import move_to
 from phalanx.engine.step_guard import tag_modulus
 from phalanx.errors import WorldConfigError
 
@@ -134,7 +134,7 @@ def test_tags_summed_over_the_world_stay_exact(dtype, world):
 
 
 def test_inputs_move_recursively():
-    moved = _move_to({"a": [torch.zeros(1), (torch.ones(1), 3)]}, torch.device("cpu"))
+    moved = move_to({"a": [torch.zeros(1), (torch.ones(1), 3)]}, torch.device("cpu"))
     assert isinstance(moved["a"][1], tuple) and moved["a"][1][1] == 3
 
 
