@@ -8,7 +8,7 @@
 import sys
 
 from . import hooks, nn
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, export_weights, load_weights
 from .data import DataLoader, DistributedSampler, metrics
 from .diagnose import RankSkew, straggler_report
 from .engine.ddp import DDP, DistributedDataParallel
@@ -30,6 +30,7 @@ from .errors import (
     RankFailedError,
     RanksTimedOutError,
     ResumeStateError,
+    ShardingError,
     ShmUnavailableError,
     SyncBatchNormError,
     UnevenInputsError,

@@ -1,4 +1,6 @@
 """Checkpoints: what is saved (`checkpointer.py`), how it reaches the disk atomically and loads without
-running code (`atomic_files.py`), and every rank's random states (`random_state.py`)."""
+running code (`atomic_files.py`), every rank's random states (`random_state.py`), and whole weights
+exported for inference (`export.py`)."""
 
 from .checkpointer import Checkpointer, unwrap
+from .export import export_weights, load_weights

@@ -60,12 +60,24 @@ def _is_wrapper(model: torch.nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
-def _is_sharded_optimizer(value) -> bool:
+def _holds_shards(value) -> bool:
+    """A sharded optimizer (its state_dict is collective) or a model whose parameters are FSDP2 shards."""
     try:
-        from ..engine.sharded_optimizer import ShardedOptimizer
+        from ..engine.full_state import holds_dtensors
+        from ..engine.optimizer_view import OptimizerView
     except ImportError:  # the engine is optional for checkpointing
         return False
-    return isinstance(value, ShardedOptimizer)
+    if isinstance(value, OptimizerView):
+        return True
+    return isinstance(value, torch.nn.Module) and holds_dtensors(unwrap(value))
+
+
+def _gather_whole(value) -> dict | None:
+    """Collective: the unsharded state dict of a sharded optimizer or model, on rank 0 (None elsewhere)."""
+    if isinstance(value, torch.nn.Module):
+        from ..engine.full_state import full_model_state
+        return full_model_state(unwrap(value), to=0, rank=world.group_rank())
+    return value.state_dict(to=0)
 
 
 def _kind(name: str, value) -> str:
@@ -164,8 +176,8 @@ class Checkpointer:
         kinds = {name: _kind(name, value) for name, value in state.items()}  # same check, same error, on all ranks
         device = _own_device()
         states = random_state.gather(random_state.capture(device), world.collective_device())
-        # A sharded optimizer's state dict is collective: every rank takes part, rank 0 receives it.
-        gathered = {name: value.state_dict(to=0) for name, value in state.items() if _is_sharded_optimizer(value)}
+        # Sharded state is gathered whole, collectively: every rank takes part, rank 0 receives it.
+        gathered = {name: _gather_whole(value) for name, value in state.items() if _holds_shards(value)}
         path, failure = None, None
         if world.group_rank() == 0:
             try:
@@ -374,4 +386,8 @@ def _load_model(name: str, model: torch.nn.Module, saved: dict, path: Path) -> N
             expected=f"the {len(expected)} keys and shapes of {type(module).__name__}.state_dict()",
             fix="Build the model as it was when the checkpoint was written, or start in another directory."),
             entry=name, missing=missing, unexpected=unexpected, mismatched=mismatched)
-    module.load_state_dict(saved)
+    from ..engine.full_state import holds_dtensors, load_full_model_state
+    if holds_dtensors(module):  # FSDP2 shards (shard="parameters"): each rank keeps its part of the whole
+        load_full_model_state(module, saved)
+    else:
+        module.load_state_dict(saved)

@@ -55,6 +55,13 @@ def plan_buckets(params: list[torch.Tensor], order: list[int], cap_bytes: int,
     return closed
 
 
+def sparse_indices(module: torch.nn.Module, named: list) -> frozenset:
+    """Which of the `named` parameters get sparse gradients (torch's embeddings with sparse=True)."""
+    sparse = {id(sub.weight) for sub in module.modules()
+              if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse}
+    return frozenset(i for i, (_, p) in enumerate(named) if id(p) in sparse)
+
+
 # A bucket whose tensors average this many elements (64 KB of fp32) or more holds "large tensors":
 # a call per tensor is cheap against its bytes. Below, batched calls over the flat buffer win.
 LARGE_TENSOR_NUMEL = 16384

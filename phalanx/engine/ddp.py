@@ -20,20 +20,20 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from ..diagnose import recorder
-from ..errors import DDPPickleError, NoTrainableParametersError, UnusedParameterError, WorldConfigError, explain
+from ..errors import DDPPickleError, NoTrainableParametersError, WorldConfigError, explain
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
 from ..shm import shm_communicator
 from ..shm.reduce import DTYPE_CODES
 from ..world.group import collective_device
-from .buckets import FIRST_BUCKET_BYTES
+from .buckets import FIRST_BUCKET_BYTES, sparse_indices
 from .comm_hook_checks import check_comm_hook
 from .devices import check_device_ids, move_to
 from .dist_autograd import current_context
 from .exchange import AllReduceExchange, BucketExchange, CommHookExchange
 from .grad_norm import clip_sharded_grad_norm_
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, count_active_ranks, find_common_rank
-from .reducer import Reducer
+from .reducer import Reducer, unused_parameters_error
 from .replicas import broadcast_coalesced, check_same_signature
 from .shard_waits import install_gather_waits
 from .sharded_exchange import OPTIMIZER, ShardedExchange, check_shard, unsupported_with_sharding
@@ -56,6 +56,12 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     >>> model = phalanx.DistributedDataParallel(torch.nn.Linear(8, 2))
     >>> model(torch.randn(4, 8)).sum().backward()               # grads now averaged over ranks
     """
+
+    def __new__(cls, *args, shard: str = "none", **kwargs):
+        if shard == "parameters" and cls is DistributedDataParallel:  # torch's FSDP2 (fully_sharded.py)
+            from .fully_sharded import ParameterShardedDDP
+            cls = ParameterShardedDDP
+        return super().__new__(cls)
 
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
@@ -123,7 +129,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                 tolerate_unused=self.find_unused_parameters or self.static_graph,
                                 # "optimizer" sharding reduce-scatters the gradients where they lie
                                 as_view=self.gradient_as_bucket_view or self.shard == OPTIMIZER, guard=self._guard,
-                                control_device=self._control_device, sparse=_sparse_indices(self.module, named))
+                                control_device=self._control_device, sparse=sparse_indices(self.module, named))
         self._named_params = named
         if self.shard != "none" and self._reducer.exchange.defers_gathers:
             self._gather_waits = install_gather_waits(self.module, self._reducer)
@@ -196,7 +202,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         reducer = self._reducer
         if reducer.unready_error:
             names, reducer.unready_error = reducer.unready_error, None
-            raise _unused_error(names, self._guard.step)
+            raise unused_parameters_error(names, self._guard.step)
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if will_sync:
             recorder.next_step()  # the heartbeat's step count: synchronized forwards
@@ -382,20 +388,3 @@ def _default_group():
 
 
 SHM_DTYPES = frozenset(dtype for dtype in DTYPE_CODES if dtype.is_floating_point)
-
-
-def _unused_error(names: list[str], step: int) -> UnusedParameterError:
-    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-    return UnusedParameterError(explain(
-        f"parameters received no gradient in the backward of step {step}: {shown}", rank=dist.get_rank(),
-        seen=f"{len(names)} parameter(s) without a gradient", expected="every trainable parameter to get one",
-        fix="Pass find_unused_parameters=True to DistributedDataParallel if some parameters are legitimately "
-            "unused in some steps, freeze them (requires_grad=False), or make them take part in the loss."),
-        names=names)
-
-
-def _sparse_indices(module: torch.nn.Module, named: list) -> frozenset:
-    """Which of the `named` parameters get sparse gradients (torch's embeddings with sparse=True)."""
-    sparse = {id(sub.weight) for sub in module.modules()
-              if isinstance(sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and sub.sparse}
-    return frozenset(i for i, (_, p) in enumerate(named) if id(p) in sparse)

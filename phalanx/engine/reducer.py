@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..diagnose import recorder
+from ..errors import UnusedParameterError, explain
 from .buckets import Bucket, plan_buckets
 from .dist_autograd import accumulator_hooks, context_gradients
 from .exchange import BucketExchange
@@ -292,3 +293,13 @@ class Reducer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def unused_parameters_error(names: list[str], step: int) -> UnusedParameterError:
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return UnusedParameterError(explain(
+        f"parameters received no gradient in the backward of step {step}: {shown}", rank=dist.get_rank(),
+        seen=f"{len(names)} parameter(s) without a gradient", expected="every trainable parameter to get one",
+        fix="Pass find_unused_parameters=True to DistributedDataParallel if some parameters are legitimately "
+            "unused in some steps, freeze them (requires_grad=False), or make them take part in the loss."),
+        names=names)

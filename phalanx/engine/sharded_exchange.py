@@ -30,7 +30,7 @@ from .shard_plan import BucketShard, chunk_size, cut_bucket
 from .step_guard import StepGuard
 
 OPTIMIZER, GRADIENTS = "optimizer", "gradients"
-SHARD_MODES = ("none", OPTIMIZER, GRADIENTS)
+SHARD_MODES = ("none", OPTIMIZER, GRADIENTS, "parameters")  # "parameters": torch's FSDP2 (fully_sharded.py)
 STAGING_BUFFERS = 2  # per dtype and device: two buckets in flight, the rest of the gradients freed
 
 
@@ -253,7 +253,8 @@ def check_shard(shard: str, as_view: bool, named: list) -> str:
     if shard not in SHARD_MODES:
         raise ShardingError(explain("DistributedDataParallel shard must name a sharding mode", seen=f"shard={shard!r}",
                                     expected=" | ".join(repr(m) for m in SHARD_MODES),
-                                    fix="Pass shard='optimizer' (ZeRO-1) or shard='gradients' (ZeRO-2)."))
+                                    fix="Pass shard='optimizer' (ZeRO-1), 'gradients' (ZeRO-2) or 'parameters' "
+                                        "(FSDP2)."))
     if shard == "gradients" and as_view:
         raise ShardingError(explain(
             "gradient_as_bucket_view does not apply with shard='gradients'", rank=dist.get_rank(),

@@ -12,13 +12,13 @@ torch's own format for the whole model, as the unsharded optimizer would, gather
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from ..errors import ShardingError, explain
+from .optimizer_view import OptimizerView
 from .shard_plan import Piece
 from .sharded_exchange import ShardedExchange
 
@@ -31,7 +31,7 @@ WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(OptimizerView):
     """Wraps `optimizer` (built over the DDP model's parameters) so each rank steps its own chunks only.
 
     step() ends with the parameters' all-gather complete. With `overlap_forward`, it returns once the
@@ -74,34 +74,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             "buckets), or optimize extra tensors with an optimizer of their own."))
             self._groups.append(list(group["params"]))
             group["params"] = [piece.tensor for p in group["params"] for piece in pieces.get(index_of[id(p)], [])]
-        self.optimizer = optimizer
+        self._wrap(optimizer, rank)
         self.exchange = exchange
         self._index_of = index_of
         self._pieces = pieces
         self._names = names
         self.overlap_forward = overlap_forward
-        # torch.optim.Optimizer's surface, shared with the wrapped optimizer (not copied).
-        self.defaults = optimizer.defaults
-        self.param_groups = optimizer.param_groups
-        self.state = optimizer.state
         if existing is not None:
             self.load_state_dict(existing)
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
-
-    def __repr__(self) -> str:
-        return f"ShardedOptimizer({self.optimizer!r})"
-
-    def __getstate__(self):
-        raise ShardingError(explain("a ShardedOptimizer cannot be pickled: it is tied to this process's model",
-                                    fix="Save optimizer.state_dict() (collective) instead."))
-
-    def add_param_group(self, param_group: dict) -> None:
-        raise ShardingError(explain("add_param_group() is not available on a sharded optimizer",
-                                    rank=self.exchange.rank, seen="a new param group after shard_optimizer()",
-                                    fix="Put every group in the optimizer before calling shard_optimizer()."))
 
     # -- one step ---------------------------------------------------------------------------------
 
@@ -115,11 +95,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.exchange.wait_gathered()
         if grad_scaler is not None and self._overflowed(grad_scaler):
             return loss  # skipped on every rank: the parameters are unchanged everywhere
-        for hook in self._optimizer_step_pre_hooks.values():
-            hook(self, (), {})
-        self.optimizer.step()
-        for hook in self._optimizer_step_post_hooks.values():
-            hook(self, (), {})
+        self._step_wrapped()
         self.exchange.gather_parameters()
         if not self.overlap_forward:
             self.exchange.wait_gathered()
@@ -265,8 +241,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     number += 1
             inner_groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": inner_indices})
         self.optimizer.load_state_dict({"state": pieces_state, "param_groups": inner_groups})
-        self.param_groups = self.optimizer.param_groups
-        self.state = self.optimizer.state
+        self._rebind()
 
 
 def _per_element(value, piece: Piece) -> bool:

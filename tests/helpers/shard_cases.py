@@ -7,6 +7,7 @@ N ranks sees the same data as one process on the whole batch.
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import phalanx as px
 
@@ -94,8 +95,13 @@ def train(rank, world, mode, *, steps=20, optimizer="adamw", clip=None, bucket_c
             scheduler.step()
     if overlap:
         opt.wait_parameters()  # the forward waits for each layer's all-gather; reading them here needs this
-    return {"params": [p.detach().clone() for p in model.parameters()], "norms": norms,
+    return {"params": whole_parameters(model), "norms": norms,
             "optimizer": opt.state_dict(), "model": model, "opt": opt}
+
+
+def whole_parameters(model):
+    """The model's parameters as whole tensors (collective for FSDP2's DTensor shards)."""
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
 
 
 def exchange_name(model):

@@ -94,9 +94,10 @@ def _errors(rank, world):
 def test_unsupported_combinations_raise_typed_errors():
     """World size 2: each names the combination, what was seen and what to do."""
     seen = run_ranks(_errors, 2, (2,))[0]
-    expectations = {"bad mode": "'none' | 'optimizer' | 'gradients'", "as_view": "gradient_as_bucket_view",
-                    "lbfgs": "LBFGS cannot be sharded", "foreign": "does not train", "comm hook": "register_comm_hook",
-                    "join": "join()", "add group": "add_param_group", "sparse": "sparse"}
+    expectations = {"bad mode": "'none' | 'optimizer' | 'gradients' | 'parameters'",
+                    "as_view": "gradient_as_bucket_view", "lbfgs": "LBFGS cannot be sharded",
+                    "foreign": "does not train", "comm hook": "register_comm_hook", "join": "join()",
+                    "add group": "add_param_group", "sparse": "sparse"}
     for name, needle in expectations.items():
         assert seen[name] is not None, f"{name}: no ShardingError"
         assert needle in seen[name], f"{name}: {seen[name]}"

@@ -1,5 +1,6 @@
 """Checkpoints of sharded runs restore at any world size and in any shard mode.
 
+The modes are the shard levels: "none", "optimizer", "gradients", and "parameters" (torch's FSDP2).
 A run trains 4 steps on N ranks in one mode and saves; another run restores it on M ranks in another
 mode and trains 4 more. Every rank takes its rows of the same global batch, so the result must be
 one process training 8 steps on the whole batch (float64: the sums differ only in their order).
@@ -47,7 +48,9 @@ def reference():
 
 
 MATRIX = [((2, "gradients"), (1, "none")), ((4, "optimizer"), (2, "gradients")), ((2, "none"), (2, "gradients")),
-          ((2, "gradients"), (2, "none")), ((1, "none"), (3, "optimizer")), ((3, "gradients"), (4, "gradients"))]
+          ((2, "gradients"), (2, "none")), ((1, "none"), (3, "optimizer")), ((3, "gradients"), (4, "gradients")),
+          ((2, "parameters"), (1, "none")), ((2, "gradients"), (2, "parameters")),
+          ((4, "parameters"), (3, "optimizer"))]
 
 
 @pytest.mark.parametrize("saved,restored", MATRIX, ids=[f"{a[0]}{a[1]}-to-{b[0]}{b[1]}" for a, b in MATRIX])
@@ -66,7 +69,7 @@ def test_resume_at_any_world_size_and_shard_mode(tmp_path, reference, saved, res
                                            rtol=1e-9, atol=1e-11)
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+@pytest.mark.parametrize("mode", ["optimizer", "gradients", "parameters"])
 def test_resume_same_world_and_mode_is_bitwise(tmp_path, mode):
     """World size 2: saved after 4 steps and resumed, the run is bitwise the uninterrupted one."""
     run_ranks(_first_half, 2, (2, mode, str(tmp_path)))

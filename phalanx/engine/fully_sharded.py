@@ -1,0 +1,200 @@
+"""`shard="parameters"`: torch's FSDP2 (`fully_shard`) behind phalanx's DistributedDataParallel surface.
+
+For models whose parameters alone crowd a device, each rank keeps one dim-0 shard of every
+parameter, gradient and optimizer state tensor (16 bytes per parameter / N with AdamW in fp32);
+FSDP2 all-gathers a block's parameters before its forward and backward and reduce-scatters its
+gradients after. phalanx does not reimplement that engine: it applies `fully_shard` per block (the
+class the user names, or the repeated submodules it finds), then to the root, and gives the result
+the same training loop as the other levels: `shard_optimizer`, `clip_grad_norm_`, `no_sync`, and
+checkpoints in the unsharded formats (full_state.py), so they restore at any world size and level.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..errors import ShardingError, WorldConfigError, explain
+from .ddp import DistributedDataParallel
+from .devices import check_device_ids, move_to
+from .full_state import whole
+from .optimizer_view import OptimizerView
+from .sharded_exchange import unsupported_with_sharding
+
+PARAMETERS = "parameters"
+
+
+def choose_blocks(module: torch.nn.Module, blocks=None) -> list[torch.nn.Module]:
+    """The submodules to shard one by one: instances of `blocks` (a class or a tuple of them), else the
+    coarsest class of submodules that repeats and holds at least half the parameters the repeating
+    classes hold (a transformer's blocks rather than their Linear layers). Outermost instances only."""
+    children = [m for name, m in module.named_modules() if name]
+    if blocks is None:
+        sizes: Counter = Counter()
+        counts: Counter = Counter()
+        for sub in children:
+            owned = sum(p.numel() for p in sub.parameters())
+            if owned:
+                sizes[type(sub)] += owned
+                counts[type(sub)] += 1
+        repeated = {kind: size for kind, size in sizes.items() if counts[kind] >= 2}
+        if not repeated:
+            return []
+        best = max(repeated.values())
+        blocks = min((kind for kind, size in repeated.items() if size >= best / 2), key=lambda kind: counts[kind])
+    chosen = []
+    for sub in children:
+        if isinstance(sub, blocks) and not any(sub in set(outer.modules()) for outer in chosen):
+            chosen.append(sub)
+    return chosen
+
+
+class ParameterShardedDDP(DistributedDataParallel):
+    """What `DistributedDataParallel(module, shard="parameters")` returns (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, *, shard: str = PARAMETERS, shard_blocks=None,
+                 reshard_after_forward: bool = True, **unsupported):
+        torch.nn.Module.__init__(self)
+        Joinable.__init__(self)
+        if unsupported:
+            raise TypeError(f"phalanx.DistributedDataParallel does not support {sorted(unsupported)}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise WorldConfigError(explain(
+                "DistributedDataParallel needs a process group", seen="torch.distributed not initialized",
+                fix="Call phalanx.init() (or torch.distributed.init_process_group) before wrapping the model."))
+        if gradient_as_bucket_view:
+            raise unsupported_with_sharding("gradient_as_bucket_view", shard, "FSDP2 keeps gradient shards of its "
+                                            "own: drop gradient_as_bucket_view.")
+        self.shard = shard
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        devices = {p.device for p in module.parameters()}
+        if len(devices) != 1:
+            raise ShardingError(explain(
+                "shard='parameters' needs the whole model on one device", rank=dist.get_rank(),
+                seen=sorted(str(d) for d in devices), expected="one device",
+                fix="Move the model to this rank's device first, or use shard='gradients'."))
+        self.device = next(iter(devices))
+        self.device_ids = check_device_ids(device_ids, devices)
+        self.output_device, self.dim = output_device, dim
+        self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        if init_sync:  # every rank starts from rank 0's weights, as with the other levels
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor.data, dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
+        self.blocks = choose_blocks(module, shard_blocks)
+        for block in self.blocks:
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        self.module = fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        self._reducer = None
+
+    def forward(self, *inputs, **kwargs):
+        if self.device_ids:
+            inputs, kwargs = move_to(inputs, self.device), move_to(kwargs, self.device)
+        return self.module(*inputs, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, unsharded (FSDP2 reduce-scatters them at the next synchronized backward)."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer, **_ignored) -> FullStateOptimizer:
+        """`optimizer` (built over this model's parameters, which are DTensor shards) with state dicts in the
+        unsharded format: checkpoints that restore at any world size and shard level."""
+        return FullStateOptimizer(optimizer, self)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """torch's clip_grad_norm_ over the sharded gradients; returns the whole model's norm (a plain tensor)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type, error_if_nonfinite,
+                                              foreach)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        torch.nn.Module.zero_grad(self, set_to_none)
+
+    def register_comm_hook(self, state, hook) -> None:
+        raise unsupported_with_sharding("register_comm_hook", self.shard, "FSDP2 does the exchange; use "
+                                        "shard='none' for comm hooks.")
+
+    def join(self, *args, **kwargs):
+        raise unsupported_with_sharding("join()", self.shard, "Give every rank the same number of batches "
+                                        "(phalanx.DistributedSampler does), or use shard='none'.")
+
+    def __getstate__(self):
+        raise ShardingError(explain("a shard='parameters' model cannot be pickled or copied: its parameters are "
+                                    "shards tied to this process group", rank=dist.get_rank(),
+                                    fix="Save model.state_dict() (or use phalanx.Checkpointer / export_full)."))
+
+
+class FullStateOptimizer(OptimizerView):
+    """A torch optimizer over FSDP2's DTensor parameters whose state dicts hold whole tensors, in torch's
+    format: they load into an unsharded optimizer, and come back from one, at any world size."""
+
+    _step_supports_amp_scaling = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: ParameterShardedDDP):
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerView):
+            raise ShardingError(explain("shard_optimizer() takes a torch optimizer built over the model's parameters",
+                                        rank=dist.get_rank(), seen=f"a {type(optimizer).__name__}",
+                                        expected="a torch.optim.Optimizer",
+                                        fix="Pass e.g. torch.optim.AdamW(model.parameters(), lr=...)."))
+        self._wrap(optimizer, dist.get_rank(model.process_group))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_wrapped()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+    def state_dict(self, to: int | None = None) -> dict | None:
+        """Collective: torch's optimizer state dict with whole tensors, for rank `to` (None: every rank)."""
+        inner = self.optimizer.state_dict()
+        keep = to is None or to == self.rank
+        state = {}
+        for index in sorted(inner["state"]):  # the same order on every rank: each whole() is collective
+            entry = {key: whole(value, keep) for key, value in inner["state"][index].items()}
+            if keep:
+                state[index] = entry
+        return {"state": state, "param_groups": inner["param_groups"]} if keep else None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's optimizer state dict with whole tensors (from any run): each rank keeps its shards."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = {}
+        for index, entry in state_dict["state"].items():
+            param = params[index] if index < len(params) else None
+            state[index] = {key: _shard_like(value, param) for key, value in entry.items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+        self._rebind()
+
+
+def _shard_like(value, param):
+    """A saved state value for a DTensor parameter: its shard of a whole per-element tensor."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+            and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                 src_data_rank=None)
+    return value

@@ -1,0 +1,57 @@
+"""`OptimizerView`: a torch optimizer standing for one it wraps, as sharded models hand back.
+
+Its param groups, state and defaults are the wrapped optimizer's own objects (shared, not copied),
+so an LR scheduler or a GradScaler given the view acts on the wrapped optimizer, and hyperparameters
+set on either are seen by both. Subclasses decide what step() and the state dicts do.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..errors import ShardingError, explain
+
+_HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                "_optimizer_load_state_dict_post_hooks")
+
+
+class OptimizerView(torch.optim.Optimizer):
+    """Base of the optimizers that sharded models return (torch.optim.Optimizer's constructor is not
+    called: there are no parameters of its own to register)."""
+
+    def _wrap(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
+        self.optimizer = optimizer
+        self.rank = rank
+        self.defaults = optimizer.defaults
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        for name in _HOOK_TABLES:
+            setattr(self, name, OrderedDict())
+
+    def _step_wrapped(self) -> None:
+        """The wrapped optimizer's step, between this view's own step hooks."""
+        for hook in self._optimizer_step_pre_hooks.values():
+            hook(self, (), {})
+        self.optimizer.step()
+        for hook in self._optimizer_step_post_hooks.values():
+            hook(self, (), {})
+
+    def _rebind(self) -> None:
+        """After the wrapped optimizer loaded a state dict (which replaces its groups and state)."""
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.optimizer!r})"
+
+    def __getstate__(self):
+        raise ShardingError(explain(f"a {type(self).__name__} cannot be pickled: it is tied to this process's model",
+                                    rank=self.rank, fix="Save optimizer.state_dict() (collective) instead."))
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ShardingError(explain(f"add_param_group() is not available on a {type(self).__name__}",
+                                    rank=self.rank, seen="a new param group after shard_optimizer()",
+                                    fix="Put every group in the optimizer before calling shard_optimizer()."))
