@@ -7,7 +7,8 @@
 
 Shows: mixed precision on GPU (autocast + GradScaler), gradient accumulation that exchanges gradients
 once per step (`no_sync` on the other micro-batches), checkpoints and resume (run the same command
-again: it continues from the last checkpoint; `--fresh` starts over), and sampling at the end.
+again: it continues from the last checkpoint; `--fresh` starts over), sharding (`--shard optimizer`,
+`gradients` or `parameters`; a checkpoint resumes at any other level), and sampling at the end.
 It prints the character unigram entropy of the text: what a model that ignores context scores.
 """
 
@@ -77,7 +78,7 @@ def train_step(model, group, optimizer, scheduler, scaler, autocast, device) -> 
             scaler.scale(loss / len(group)).backward()
         mean_loss += loss.detach() / len(group)
     scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    model.clip_grad_norm_(1.0)  # the whole model's norm, at every --shard level
     scaler.step(optimizer)  # skips the step if fp16 gradients overflowed
     scaler.update()
     scheduler.step()
@@ -85,9 +86,10 @@ def train_step(model, group, optimizer, scheduler, scaler, autocast, device) -> 
 
 
 @torch.no_grad()
-def validation_loss(model, dataset, batch_size, autocast, device) -> float:
-    """Mean loss per character over `dataset`, every window counted once across the ranks."""
-    sampler = px.DistributedSampler(dataset, shuffle=False, pad=False)  # disjoint shards, no duplicates
+def validation_loss(model, dataset, batch_size, autocast, device, pad: bool) -> float:
+    """Mean loss per character over `dataset`, every window counted once across the ranks (with `pad`, a
+    few windows twice: FSDP2's forward is collective, so every rank must run as many batches)."""
+    sampler = px.DistributedSampler(dataset, shuffle=False, pad=pad)  # disjoint shards
     mean = px.metrics.Mean()
     model.eval()
     for x, y in px.DataLoader(dataset, batch_size=batch_size, sampler=sampler):
@@ -119,6 +121,9 @@ def parse_args():
     run.add_argument("--out", type=Path, default=Path("runs/gpt"))
     run.add_argument("--fresh", action="store_true", help="delete earlier checkpoints and start over")
     run.add_argument("--sample-chars", type=int, default=300)
+    run.add_argument("--shard", choices=("none", "optimizer", "gradients", "parameters"), default="none",
+                     help="what each rank keeps only its part of: nothing (plain DDP), the optimizer state, also "
+                          "the gradients, also the parameters (torch's FSDP2); docs/sharding.md")
     return parser.parse_args()
 
 
@@ -139,8 +144,9 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     config = GPTConfig(len(vocab), args.block_size, args.n_layer, args.n_head, args.d_model, args.dropout)
-    model = px.DistributedDataParallel(GPT(config).to(device), device_ids=[device] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model = px.DistributedDataParallel(GPT(config).to(device), device_ids=[device] if device.type == "cuda" else None,
+                                       shard=args.shard)
+    optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, args.max_steps))
     # fp16 autocast + loss scaling on GPUs; full precision on the CPU (both objects are no-ops there).
@@ -155,7 +161,7 @@ def main() -> None:
     parameters = sum(p.numel() for p in model.parameters())
     px.print0(f"model: {parameters / 1e6:.2f}M parameters (n_layer {args.n_layer}, n_head {args.n_head}, "
               f"d_model {args.d_model}, block {args.block_size}); {px.world_size()} process(es) on {device}"
-              f"{', fp16 autocast' if use_amp else ''}")
+              f"{', fp16 autocast' if use_amp else ''}{f', shard={args.shard}' if args.shard != 'none' else ''}")
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum * px.world_size()
     px.print0(f"each step: {args.grad_accum} micro-batches x {args.batch_size} x {args.block_size} chars "
               f"x {px.world_size()} process(es) = {tokens_per_step:,} characters")
@@ -190,14 +196,21 @@ def main() -> None:
         else:
             state["epoch"] += 1  # the loader ran dry: the next pass reshuffles
 
-    val = validation_loss(model.module, val_set, args.batch_size, autocast, device)
+    val = validation_loss(model.module, val_set, args.batch_size, autocast, device, pad=args.shard == "parameters")
     px.print0(f"validation loss: {val:.3f} nats/char (unigram entropy {entropy:.3f}; lower means it learned context)")
 
+    sampler_model = model.module
+    if args.shard == "parameters":  # each rank holds shards: export the whole weights, sample from a plain copy
+        path = px.export_weights(model, args.out / "weights.safetensors")  # every rank takes part
+        if px.is_main():
+            sampler_model = GPT(config).to(device)
+            sampler_model.load_state_dict(px.load_weights(path, device))
+            px.print0(f"exported the whole weights to {path}")
     if px.is_main():
         generator = torch.Generator(device=device).manual_seed(args.seed)
         prompt = torch.tensor([[index["\n"]]], device=device)
         with autocast:
-            sample = model.module.generate(prompt, args.sample_chars, generator=generator)[0].tolist()
+            sample = sampler_model.generate(prompt, args.sample_chars, generator=generator)[0].tolist()
         print("sample:\n" + "".join(vocab[i] for i in sample).strip(), flush=True)
     px.shutdown()
 

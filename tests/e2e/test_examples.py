@@ -113,6 +113,20 @@ def test_gpt_example_learns_below_the_unigram_entropy_and_resumes(tmp_path):
     assert re.search(r"step\s+140/140", second) and not re.search(r"step\s+20/140", second)
 
 
+def test_gpt_example_trains_with_fsdp2_and_resumes_at_another_shard_level(tmp_path):
+    """World size 2: --shard parameters (torch's FSDP2) trains, exports its whole weights and samples
+    from them; the same checkpoints then resume under --shard gradients."""
+    tiny = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--block-size", "32", "--batch-size", "8",
+            "--grad-accum", "1", "--lr", "1e-2", "--log-every", "10", "--checkpoint-every", "20",
+            "--sample-chars", "40", "--out", tmp_path / "gpt"]
+    first = _launch(EXAMPLES / "gpt" / "train.py", "--max-steps", "40", "--shard", "parameters", *tiny, cwd=tmp_path)
+    assert "shard=parameters" in first and "exported the whole weights to" in first and "sample:" in first, first
+    assert (tmp_path / "gpt" / "weights.safetensors").exists()
+    second = _launch(EXAMPLES / "gpt" / "train.py", "--max-steps", "50", "--shard", "gradients", *tiny, cwd=tmp_path)
+    assert "resuming at step 40 of 50" in second and "shard=gradients" in second, second
+    assert re.search(r"step\s+50/50", second), second
+
+
 def test_slurm_template_runs_under_a_stand_in_srun(tmp_path):
     """World size 2 through the sbatch script: a stand-in `srun` starts the tasks with SLURM's variables
     (SLURM_PROCID, SLURM_NTASKS, ...), and phalanx.init() must build the world from them alone."""
