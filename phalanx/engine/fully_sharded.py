@@ -147,7 +147,7 @@ class FullStateOptimizer(OptimizerView):
     """A torch optimizer over FSDP2's DTensor parameters whose state dicts hold whole tensors, in torch's
     format: they load into an unsharded optimizer, and come back from one, at any world size."""
 
-    _step_supports_amp_scaling = False
+    _step_supports_amp_scaling = True  # GradScaler hands itself to step(): the overflow check is global
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: ParameterShardedDDP):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerView):
@@ -156,13 +156,16 @@ class FullStateOptimizer(OptimizerView):
                                         expected="a torch.optim.Optimizer",
                                         fix="Pass e.g. torch.optim.AdamW(model.parameters(), lr=...)."))
         self._wrap(optimizer, dist.get_rank(model.process_group))
+        self.group, self.device = model.process_group, model.device
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if grad_scaler is not None and self._overflowed_anywhere(grad_scaler, self.group, self.device):
+            return loss  # skipped on every rank
         self._step_wrapped()
         return loss
 

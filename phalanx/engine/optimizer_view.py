@@ -7,11 +7,18 @@ set on either are seen by both. Subclasses decide what step() and the state dict
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
+from torch.amp.grad_scaler import OptState
 
 from ..errors import ShardingError, explain
+
+# The scaler passes itself to an optimizer that unscales on its own (our step makes the overflow check
+# global, which needs the scaler's per-device results); torch warns that this way may change one day.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                 "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
@@ -38,6 +45,21 @@ class OptimizerView(torch.optim.Optimizer):
         self.optimizer.step()
         for hook in self._optimizer_step_post_hooks.values():
             hook(self, (), {})
+
+    def _overflowed_anywhere(self, scaler, group, device: torch.device, wait=None) -> bool:
+        """For step(grad_scaler=...): unscale (unless the user did) and agree across ranks on whether any
+        gradient overflowed. Each rank sees its own shards only, and the scaler's update must be the same
+        everywhere, so its per-device flags are overwritten with the agreed one (collective)."""
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:
+            scaler.unscale_(self)
+        found = state["found_inf_per_device"]
+        flag = torch.tensor([sum(v.item() for v in found.values())], dtype=torch.float32, device=device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        work.wait() if wait is None else wait(work, "the all-reduce of GradScaler's overflow flag")
+        for value in found.values():
+            value.fill_(float(flag))
+        return bool(flag)
 
     def _rebind(self) -> None:
         """After the wrapped optimizer loaded a state dict (which replaces its groups and state)."""

@@ -11,11 +11,8 @@ torch's own format for the whole model, as the unsharded optimizer would, gather
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
-from torch.amp.grad_scaler import OptState
 
 from ..errors import ShardingError, explain
 from .optimizer_view import OptimizerView
@@ -26,9 +23,6 @@ from .sharded_exchange import ShardedExchange
 # would differ from their update of the parameter.
 WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
-# The scaler passes itself to an optimizer that unscales on its own (our step makes the overflow check
-# global, which needs the scaler's per-device results); torch warns that this way may change one day.
-warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
 
 class ShardedOptimizer(OptimizerView):
@@ -107,19 +101,8 @@ class ShardedOptimizer(OptimizerView):
         self.exchange.wait_gathered()
 
     def _overflowed(self, scaler) -> bool:
-        """Unscale (unless the user did) and agree across ranks on whether any gradient overflowed: each
-        rank sees its own chunks only, and the scaler's update must be the same everywhere."""
-        state = scaler._per_optimizer_states[id(self)]
-        if state["stage"] is OptState.READY:
-            scaler.unscale_(self)
-        found = state["found_inf_per_device"]
-        flag = torch.tensor([sum(v.item() for v in found.values())], dtype=torch.float32,
-                            device=self._control_device())
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.exchange.group, async_op=True)
-        self.exchange.guard.wait_work(work, "the all-reduce of GradScaler's overflow flag")
-        for value in found.values():
-            value.fill_(float(flag))
-        return bool(flag)
+        return self._overflowed_anywhere(scaler, self.exchange.group, self._control_device(),
+                                         self.exchange.guard.wait_work)
 
     def _control_device(self) -> torch.device:
         return next((b.storage.device for b in self.exchange.buckets), torch.device("cpu"))

@@ -109,3 +109,40 @@ def test_default_blocks_are_the_repeated_transformer_blocks_not_their_layers():
     assert choose_blocks(model) == list(model.blocks)
     assert choose_blocks(model, torch.nn.Linear) == [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert choose_blocks(torch.nn.Linear(3, 3)) == []
+
+
+def _scaled(rank, world, level):
+    net = make_net()
+    if level == "torch":
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        model = px.DistributedDataParallel(net, shard="parameters")
+        opt = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scales = []
+    for step in range(6):
+        x, y = batch(step, rank, world)
+        opt.zero_grad()
+        out = model(x)
+        if step == 3 and rank == 1:  # an overflow in one rank's backward: every rank must skip the step
+            out.register_hook(lambda grad: grad * float("inf"))
+        scaler.scale(F.mse_loss(out, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scheduler.step()
+        scales.append(scaler.get_scale())
+    return whole_parameters(model), scales, [g["lr"] for g in opt.param_groups]
+
+
+def _scaled_both(rank, world):
+    return _scaled(rank, world, "torch"), _scaled(rank, world, "parameters")
+
+
+def test_grad_scaler_and_scheduler_at_the_fsdp2_level():
+    """World size 2: GradScaler skips the overflowing step on every rank and scales alike; StepLR acts."""
+    for (ref_params, ref_scales, ref_lrs), (params, scales, lrs) in run_ranks(_scaled_both, 2, (2,)):
+        assert ref_scales[3] == ref_scales[2] / 2 and scales == ref_scales
+        assert lrs == ref_lrs
+        assert max(float((a - b).abs().max()) for a, b in zip(ref_params, params)) < 1e-5
