@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..engine.ddp import DistributedDataParallel
 from ..errors import BenchConfigError, PhalanxError, explain
@@ -29,7 +30,7 @@ from ..launch.spawn import spawn
 from ..world import group as world
 from .bench_models import MODELS, make_batches
 
-MODES = ("none", "optimizer", "gradients")
+MODES = ("none", "optimizer", "gradients", "parameters")
 LEAN = "none+view"  # unsharded with gradient_as_bucket_view: the buckets are the gradients (16 bytes/param)
 RSS_VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp2") + tuple(f"phalanx-{mode}" for mode in MODES)
 TIME_VARIANTS = tuple(f"phalanx-{mode}" for mode in MODES) + ("torch-zero",)
@@ -67,18 +68,33 @@ def _distinct_bytes(tensors) -> int:
     return total
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def model_state_bytes(model: DistributedDataParallel, optimizer: torch.optim.Optimizer) -> dict:
-    """Parameters, gradients, optimizer state and exchange buffers of this rank, in bytes."""
-    params = [p for p in model.parameters()]
-    grads = [p.grad for p in params if p.grad is not None]
-    state = [v for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
-    exchange = model._reducer.exchange
-    grads += [piece.tensor.grad for shard in getattr(exchange, "shards", []) for piece in shard.pieces
-              if piece.tensor.grad is not None]
-    buffers = [b.storage for b in model._reducer.buckets if b.storage is not None] + exchange.buffers()
+    """Parameters, gradients, optimizer state and exchange buffers of this rank, in bytes. At the FSDP2
+    level ("parameters") the exchange column is the largest block FSDP2 all-gathers whole at a time."""
+    params = [_local(p) for p in model.parameters()]
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    state = [_local(v) for entry in optimizer.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    unsharded = 0
+    if model._reducer is None:  # FSDP2: no buckets; a block's whole parameters exist while it runs
+        buffers = []
+        units = list(model.blocks) + [model.module]
+        in_blocks = {id(p) for block in model.blocks for p in block.parameters()}
+        sizes = [sum(p.numel() * p.element_size() for p in block.parameters()) for block in model.blocks]
+        sizes.append(sum(p.numel() * p.element_size() for p in model.module.parameters() if id(p) not in in_blocks))
+        unsharded = max(sizes) if units else 0
+    else:
+        exchange = model._reducer.exchange
+        grads += [piece.tensor.grad for shard in getattr(exchange, "shards", []) for piece in shard.pieces
+                  if piece.tensor.grad is not None]
+        buffers = [b.storage for b in model._reducer.buckets if b.storage is not None] + exchange.buffers()
     parts = {"parameters": params, "gradients": grads, "optimizer": state, "exchange": buffers}
     counted = {name: _distinct_bytes(tensors) for name, tensors in parts.items()}
-    counted["total"] = _distinct_bytes([t for tensors in parts.values() for t in tensors])
+    counted["exchange"] += unsharded
+    counted["total"] = _distinct_bytes([t for tensors in parts.values() for t in tensors]) + unsharded
     return counted
 
 
