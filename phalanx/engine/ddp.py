@@ -306,6 +306,9 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         prefixed = sum(plain.startswith("module.") and plain[len("module."):] in own for plain in keys.values())
         strip = len("module.") if prefixed > bare else 0
         plain = {keys[key][strip:]: value for key, value in state_dict.items()}
+        return self._load_plain(target, plain, strict, assign)
+
+    def _load_plain(self, target: torch.nn.Module, plain: dict, strict: bool, assign: bool):
         return target.load_state_dict(plain, strict=strict, assign=assign)
 
     # -- sharding -------------------------------------------------------------------------------------

@@ -50,6 +50,8 @@ def load_full_model_state(module: torch.nn.Module, saved: dict) -> None:
     own = module.state_dict()
     plain = {}
     for key, target in own.items():
+        if key not in saved:  # the caller checked strictness
+            continue
         value = saved[key]
         if isinstance(target, DTensor):
             target.to_local().copy_(local_part(value, target))

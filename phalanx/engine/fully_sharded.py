@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..errors import ShardingError, WorldConfigError, explain
 from .ddp import DistributedDataParallel
 from .devices import check_device_ids, move_to
-from .full_state import whole
+from .full_state import load_full_model_state, whole
 from .optimizer_view import OptimizerView
 from .sharded_exchange import unsupported_with_sharding
 
@@ -128,6 +128,19 @@ class ParameterShardedDDP(DistributedDataParallel):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         torch.nn.Module.zero_grad(self, set_to_none)
+
+    def _load_plain(self, target: torch.nn.Module, plain: dict, strict: bool, assign: bool):
+        """Whole tensors (a checkpoint of any level) are cut into this rank's shards; DTensors load as they are."""
+        if any(isinstance(value, DTensor) for value in plain.values()):
+            return target.load_state_dict(plain, strict=strict, assign=assign)
+        own = target.state_dict()
+        missing = [key for key in own if key not in plain]
+        unexpected = [key for key in plain if key not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(target).__name__}: missing keys "
+                               f"{missing}, unexpected keys {unexpected}")
+        load_full_model_state(target, {key: value for key, value in plain.items() if key in own})
+        return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def register_comm_hook(self, state, hook) -> None:
         raise unsupported_with_sharding("register_comm_hook", self.shard, "FSDP2 does the exchange; use "

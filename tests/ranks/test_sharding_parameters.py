@@ -146,3 +146,21 @@ def test_grad_scaler_and_scheduler_at_the_fsdp2_level():
         assert ref_scales[3] == ref_scales[2] / 2 and scales == ref_scales
         assert lrs == ref_lrs
         assert max(float((a - b).abs().max()) for a, b in zip(ref_params, params)) < 1e-5
+
+
+def _load_whole(rank, world):
+    source = make_net()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    model = px.DistributedDataParallel(make_net(), shard="parameters")
+    model.load_state_dict(source.state_dict())               # bare keys, whole tensors
+    bare = all(torch.equal(a, b) for a, b in zip(whole_parameters(model), source.parameters()))
+    model.load_state_dict({"module." + k: v + 1 for k, v in source.state_dict().items()})  # DDP's keys
+    prefixed = all(torch.equal(a, b + 1) for a, b in zip(whole_parameters(model), source.parameters()))
+    return bare, prefixed
+
+
+def test_load_state_dict_takes_whole_tensors_from_an_unsharded_model():
+    """World size 2: model.load_state_dict with a plain model's (or DDP's) state dict keeps each rank's shards."""
+    assert run_ranks(_load_whole, 2, (2,)) == [(True, True), (True, True)]
