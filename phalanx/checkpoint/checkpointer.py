@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..log import logger
 from ..world import group as world
-from . import atomic_files, random_state
+from . import atomic_files, random_state, shard_files
 
 FORMAT = 1
 _NOTHING, _LOAD, _FAILED = 0, 1, 2  # what rank 0 tells the others after choosing or writing
@@ -58,26 +58,6 @@ def _is_wrapper(model: torch.nn.Module) -> bool:
     except ImportError:  # the engine is optional for checkpointing
         return False
     return isinstance(model, DistributedDataParallel)
-
-
-def _holds_shards(value) -> bool:
-    """A sharded optimizer (its state_dict is collective) or a model whose parameters are FSDP2 shards."""
-    try:
-        from ..engine.full_state import holds_dtensors
-        from ..engine.optimizer_view import OptimizerView
-    except ImportError:  # the engine is optional for checkpointing
-        return False
-    if isinstance(value, OptimizerView):
-        return True
-    return isinstance(value, torch.nn.Module) and holds_dtensors(unwrap(value))
-
-
-def _gather_whole(value) -> dict | None:
-    """Collective: the unsharded state dict of a sharded optimizer or model, on rank 0 (None elsewhere)."""
-    if isinstance(value, torch.nn.Module):
-        from ..engine.full_state import full_model_state
-        return full_model_state(unwrap(value), to=0, rank=world.group_rank())
-    return value.state_dict(to=0)
 
 
 def _kind(name: str, value) -> str:
@@ -176,12 +156,27 @@ class Checkpointer:
         kinds = {name: _kind(name, value) for name, value in state.items()}  # same check, same error, on all ranks
         device = _own_device()
         states = random_state.gather(random_state.capture(device), world.collective_device())
-        # Sharded state is gathered whole, collectively: every rank takes part, rank 0 receives it.
-        gathered = {name: _gather_whole(value) for name, value in state.items() if _holds_shards(value)}
-        path, failure = None, None
+        # FSDP2's shards (shard="parameters") are written by their ranks, each into a part file of its own;
+        # a sharded optimizer's pieces (shard="optimizer"/"gradients") are gathered to rank 0, bucket by bucket.
+        split = {name: shard_files.split(dtensors) for name, value in state.items()
+                 if (dtensors := shard_files.dtensor_state(value, unwrap)) is not None}
+        gathered = {name: value.state_dict(to=0) for name, value in state.items()
+                    if shard_files.is_optimizer_view(value) and name not in split}
+        path, failure, sequence, parts = None, None, -1, None
         if world.group_rank() == 0:
             try:
-                path = self._write(state, kinds, states, gathered)
+                sequence = self._next_sequence()
+            except Exception as exc:  # told to the other ranks below, then raised here
+                failure = exc
+        if split:  # every rank writes its part first, under the sequence rank 0 chose
+            code, sequence = self._from_rank0(_FAILED if failure else _LOAD, None, sequence)
+            if code != _FAILED:
+                local = {name: shards for name, (_, shards) in split.items()}
+                parts = shard_files.write_parts(self.directory, sequence, local)
+                gathered.update({name: skeleton for name, (skeleton, _) in split.items()})
+        if world.group_rank() == 0 and failure is None:
+            try:
+                path = self._write(state, kinds, states, gathered, sequence, parts, set(split))
             except Exception as exc:  # told to the other ranks below, then raised here
                 failure = exc
         self._barrier()
@@ -199,7 +194,14 @@ class Checkpointer:
                 seen="a failure on rank 0", fix="See rank 0's error; the previous checkpoint is intact."))
         return self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
 
-    def _write(self, state: dict, kinds: dict, states: list, gathered: dict) -> Path:
+    def _next_sequence(self) -> int:
+        """Rank 0: the sequence number of the next checkpoint."""
+        listed = atomic_files.read_manifest(self.directory) or []
+        present = atomic_files.checkpoint_files(self.directory)
+        return 1 + max([e.sequence for e in listed] + list(present), default=0)
+
+    def _write(self, state: dict, kinds: dict, states: list, gathered: dict, sequence: int, parts: list | None,
+               split: set) -> Path:
         started = time.monotonic()
         entries = {}
         for name, value in state.items():
@@ -210,14 +212,12 @@ class Checkpointer:
             else:
                 saved = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
                 check_plain(saved, f"state[{name!r}].state_dict()")
-            entries[name] = {"kind": kinds[name], "state": saved}
+            entries[name] = {"kind": kinds[name], "state": saved, "sharded": name in split}
         self.directory.mkdir(parents=True, exist_ok=True)
         atomic_files.remove_stale_temps(self.directory)
         listed = atomic_files.read_manifest(self.directory) or []
-        present = atomic_files.checkpoint_files(self.directory)
-        sequence = 1 + max([e.sequence for e in listed] + list(present), default=0)
         payload = {"format": FORMAT, "sequence": sequence, "world_size": world.group_size(),
-                   "entries": entries, "random_states": states}
+                   "entries": entries, "random_states": states, "parts": parts or []}
         path = self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
         size, crc32 = atomic_files.write_atomic(path, lambda file: torch.save(payload, file))
         # The manifest is renamed into place after the file: a crash in between leaves the
@@ -228,6 +228,7 @@ class Checkpointer:
         for name in atomic_files.checkpoint_files(self.directory).values():
             if name not in keep_names:
                 (self.directory / name).unlink(missing_ok=True)
+        shard_files.remove_parts_except(self.directory, {e.sequence for e in kept})
         logger.info("saved checkpoint %s (%.1f MB in %.2fs)", path, size / 1e6, time.monotonic() - started)
         return path
 
@@ -239,9 +240,9 @@ class Checkpointer:
         else:
             dist.barrier()
 
-    def _from_rank0(self, code: int, path: Path | None) -> tuple[int, int]:
+    def _from_rank0(self, code: int, path: Path | None, sequence: int = -1) -> tuple[int, int]:
         """Broadcast (code, checkpoint sequence) from rank 0, so every rank acts on the same decision."""
-        sequence = atomic_files.sequence_of(path.name) if path is not None else -1
+        sequence = atomic_files.sequence_of(path.name) if path is not None else sequence
         if world.group_size() == 1:
             return code, sequence
         message = torch.tensor([code, sequence], dtype=torch.int64, device=world.collective_device())
@@ -304,8 +305,11 @@ class Checkpointer:
                 try:
                     payload = atomic_files.load_safely(path, location)
                     if isinstance(payload, dict) and payload.get("format") == FORMAT:
-                        return path, payload
-                    reason = "not a phalanx checkpoint"
+                        reason = shard_files.verify_parts(self.directory, payload.get("parts", []))
+                        if reason is None:
+                            return path, payload
+                    else:
+                        reason = "not a phalanx checkpoint"
                 except UnsafeCheckpointError:
                     raise  # a planted file is reported, not skipped
                 except Exception as exc:  # truncated zip, I/O error, ...
@@ -343,8 +347,11 @@ class Checkpointer:
                 expected=f"the entries {sorted(saved)}",
                 fix="Restore into a state dict with the same names as the one saved, or start in another directory."),
                 entry="", missing=missing, unexpected=unexpected)
+        parts = shard_files.load_parts(self.directory, payload["parts"]) if payload.get("parts") else []
         for name, value in state.items():
             entry = saved[name]
+            if entry.get("sharded"):  # written by every rank: whole tensors again, from every part
+                entry = {**entry, "state": shard_files.assemble(entry["state"], [part[name] for part in parts])}
             if entry["kind"] == "model":
                 _load_model(name, value, entry["state"], path)
             elif entry["kind"] == "object":

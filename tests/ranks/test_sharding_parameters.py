@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.engine.fully_sharded import ParameterShardedDDP, choose_blocks
-from phalanx.errors import ShardingError
+from phalanx.errors import CheckpointError, ShardingError
 from phalanx.testing import run_ranks
 from tests.helpers.shard_cases import Net, batch, make_net, replicas_identical, train, whole_parameters
 
@@ -164,3 +164,54 @@ def _load_whole(rank, world):
 def test_load_state_dict_takes_whole_tensors_from_an_unsharded_model():
     """World size 2: model.load_state_dict with a plain model's (or DDP's) state dict keeps each rank's shards."""
     assert run_ranks(_load_whole, 2, (2,)) == [(True, True), (True, True)]
+
+
+def _save_twice(rank, world, directory):
+    model = px.DistributedDataParallel(make_net(), shard="parameters")
+    opt = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ckpt = px.Checkpointer(directory, keep=1)
+    for step in range(2):
+        x, y = batch(step, rank, world)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        ckpt.save({"model": model, "optimizer": opt, "step": step + 1})
+    return whole_parameters(model)
+
+
+def _restore(rank, world, directory):
+    model = px.DistributedDataParallel(make_net(), shard="parameters")
+    opt = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    px.Checkpointer(directory, keep=1).restore(state)
+    return state["step"], whole_parameters(model)
+
+
+def test_each_rank_writes_its_own_part_and_only_kept_checkpoints_keep_parts(tmp_path):
+    """World size 2: no rank gathers the model to save it. The checkpoint file holds placeholders, each rank
+    its own part; pruning removes old parts; a damaged part makes restore refuse that checkpoint."""
+    expected = run_ranks(_save_twice, 2, (2, str(tmp_path)))[0]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-"))
+    assert names == ["ckpt-00000002.part-00000.pt", "ckpt-00000002.part-00001.pt", "ckpt-00000002.pt"]
+    payload = torch.load(tmp_path / "ckpt-00000002.pt", weights_only=True)
+    assert payload["entries"]["model"]["sharded"] and payload["entries"]["optimizer"]["sharded"]
+    assert not any(isinstance(v, torch.Tensor) and v.numel() > 1 for v in payload["entries"]["model"]["state"].values())
+    part = torch.load(tmp_path / "ckpt-00000002.part-00001.pt", weights_only=True)
+    total = sum(p.numel() for p in make_net().parameters())
+    held = sum(piece["tensor"].numel() for piece in part["model"].values())
+    assert 0 < held < total  # a shard, not the model
+    step, restored = run_ranks(_restore, 2, (2, str(tmp_path)))[0]
+    assert step == 2 and all(torch.equal(a, b) for a, b in zip(restored, expected))
+    damaged = tmp_path / "ckpt-00000002.part-00001.pt"
+    damaged.write_bytes(damaged.read_bytes()[:-10])
+    rank0, rank1 = run_ranks(_restore_refused, 2, (2, str(tmp_path)))
+    assert "ckpt-00000002.pt: its part ckpt-00000002.part-00001.pt is truncated" in rank0, rank0
+    assert "rank 0 could not restore a checkpoint" in rank1, rank1
+
+
+def _restore_refused(rank, world, directory):
+    try:
+        _restore(rank, world, directory)
+    except CheckpointError as exc:
+        return str(exc)
+    return "restored"
