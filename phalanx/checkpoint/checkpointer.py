@@ -350,8 +350,9 @@ class Checkpointer:
         parts = shard_files.load_parts(self.directory, payload["parts"]) if payload.get("parts") else []
         for name, value in state.items():
             entry = saved[name]
-            if entry.get("sharded"):  # written by every rank: whole tensors again, from every part
-                entry = {**entry, "state": shard_files.assemble(entry["state"], [part[name] for part in parts])}
+            if entry.get("sharded"):  # written by every rank: put together again from every part
+                state_of = shard_files.restored(value, entry["state"], [p[name] for p in parts], unwrap)
+                entry = {**entry, "state": state_of}
             if entry["kind"] == "model":
                 _load_model(name, value, entry["state"], path)
             elif entry["kind"] == "object":
@@ -393,8 +394,4 @@ def _load_model(name: str, model: torch.nn.Module, saved: dict, path: Path) -> N
             expected=f"the {len(expected)} keys and shapes of {type(module).__name__}.state_dict()",
             fix="Build the model as it was when the checkpoint was written, or start in another directory."),
             entry=name, missing=missing, unexpected=unexpected, mismatched=mismatched)
-    from ..engine.full_state import holds_dtensors, load_full_model_state
-    if holds_dtensors(module):  # FSDP2 shards (shard="parameters"): each rank keeps its part of the whole
-        load_full_model_state(module, saved)
-    else:
-        module.load_state_dict(saved)
+    shard_files.load_model_state(module, saved)

@@ -51,25 +51,57 @@ def split(state):
     return walk(state), local
 
 
-def assemble(skeleton, parts: list[dict]):
-    """The state dict `split` made the skeleton of, with whole tensors put back together from every part."""
-    def fill(value):
+def assemble(skeleton, parts: list[dict], like=None):
+    """The state dict `split` made the skeleton of, its tensors put back together from every part.
+
+    `like` mirrors the structure with this rank's DTensors where it keeps shards (a FSDP2 model's state
+    dict, or the optimizer's parameters): there only this rank's region is read, and a DTensor cut like
+    the target comes back. Elsewhere the whole tensor does."""
+    def fill(value, target):
         if isinstance(value, dict) and PLACEHOLDER in value:
-            whole = torch.empty(value["shape"], dtype=getattr(torch, value["dtype"]))
-            for part in parts:
-                piece = part[value[PLACEHOLDER]]
-                tensor = piece["tensor"]
-                if tensor.numel():
-                    region = tuple(slice(o, o + n) for o, n in zip(piece["offset"], tensor.shape))
-                    whole[region].copy_(tensor)
-            return whole
+            dtype, pieces = getattr(torch, value["dtype"]), [part[value[PLACEHOLDER]] for part in parts]
+            if isinstance(target, DTensor) and list(target.shape) == value["shape"]:
+                shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
+                                                                      target.placements)
+                local = _read_region(pieces, list(offset), torch.empty(shape, dtype=dtype))
+                return DTensor.from_local(local.to(target.device), target.device_mesh, target.placements,
+                                          run_check=False, shape=target.shape, stride=target.stride())
+            return _read_region(pieces, [0] * len(value["shape"]), torch.empty(value["shape"], dtype=dtype))
         if isinstance(value, dict):
-            return type(value)((k, fill(v)) for k, v in value.items())
+            return type(value)((k, fill(v, target.get(k) if isinstance(target, dict) else None))
+                               for k, v in value.items())
         if isinstance(value, (list, tuple)):
-            return type(value)(fill(v) for v in value)
+            return type(value)(fill(v, None) for v in value)
         return value
 
-    return fill(skeleton)
+    return fill(skeleton, like)
+
+
+def _read_region(pieces: list[dict], offset: list[int], out: torch.Tensor) -> torch.Tensor:
+    """Fill `out`, the region of a whole tensor starting at `offset`, from the parts that overlap it."""
+    for piece in pieces:
+        tensor, start = piece["tensor"], piece["offset"]
+        if not tensor.numel():
+            continue
+        lows = [max(s, o) for s, o in zip(start, offset)]
+        highs = [min(s + n, o + m) for s, n, o, m in zip(start, tensor.shape, offset, out.shape)]
+        if any(high <= low for low, high in zip(lows, highs)):
+            continue
+        out[tuple(slice(lo - o, hi - o) for lo, hi, o in zip(lows, highs, offset))].copy_(
+            tensor[tuple(slice(lo - s, hi - s) for lo, hi, s in zip(lows, highs, start))])
+    return out
+
+
+def shard_targets(value, skeleton, unwrap):
+    """What `assemble` should cut like, for restoring into `value`: its DTensors (FSDP2 at this rank's world
+    size), so no rank reads more than its shards; None when `value` keeps whole tensors."""
+    if dtensor_state(value, unwrap) is None:
+        return None
+    if isinstance(value, torch.nn.Module):
+        return unwrap(value).state_dict()
+    params = [p for group in value.optimizer.param_groups for p in group["params"]]
+    return {"state": {index: {key: params[index] for key in entry}
+                      for index, entry in skeleton.get("state", {}).items() if index < len(params)}}
 
 
 def part_entries(sequence: int, sizes: list[tuple[int, int]]) -> list[dict]:
@@ -145,3 +177,17 @@ def dtensor_state(value, unwrap) -> dict | None:
     if isinstance(value, torch.nn.Module) and any(isinstance(p, DTensor) for p in unwrap(value).parameters()):
         return unwrap(value).state_dict()
     return None
+
+
+def restored(value, skeleton, parts: list[dict], unwrap):
+    """A sharded entry put back together for restoring into `value` (its shards only, where it keeps shards)."""
+    return assemble(skeleton, parts, shard_targets(value, skeleton, unwrap))
+
+
+def load_model_state(module: torch.nn.Module, saved: dict) -> None:
+    """`module.load_state_dict(saved)`; into FSDP2 shards (shard="parameters") each rank keeps its part."""
+    if any(isinstance(p, DTensor) for p in module.parameters()):
+        from ..engine.full_state import load_full_model_state  # the engine is needed only here
+        load_full_model_state(module, saved)
+    else:
+        module.load_state_dict(saved)

@@ -14,10 +14,6 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
-def holds_dtensors(module: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in module.parameters())
-
-
 def whole(value, keep: bool):
     """A DTensor's whole tensor (collective), on the CPU where `keep`, else None; other values as they are."""
     if isinstance(value, DTensor):
@@ -53,8 +49,8 @@ def load_full_model_state(module: torch.nn.Module, saved: dict) -> None:
         if key not in saved:  # the caller checked strictness
             continue
         value = saved[key]
-        if isinstance(target, DTensor):
-            target.to_local().copy_(local_part(value, target))
+        if isinstance(target, DTensor):  # a DTensor from a checkpoint's parts is already this rank's shard
+            target.to_local().copy_(value.to_local() if isinstance(value, DTensor) else local_part(value, target))
         else:
             plain[key] = value
     if plain:

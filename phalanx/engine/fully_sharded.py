@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..errors import ShardingError, WorldConfigError, explain
 from .ddp import DistributedDataParallel
 from .devices import check_device_ids, move_to
-from .full_state import load_full_model_state, whole
+from .full_state import full_model_state, load_full_model_state, whole
 from .optimizer_view import OptimizerView
 from .sharded_exchange import unsupported_with_sharding
 
@@ -128,6 +128,12 @@ class ParameterShardedDDP(DistributedDataParallel):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         torch.nn.Module.zero_grad(self, set_to_none)
+
+    def state_dict(self, *args, **kwargs):
+        """Collective: whole tensors under torch DDP's keys ('module.x'), as an unsharded model gives them; every
+        rank receives them all. To save, phalanx.Checkpointer (no gathering) or export_weights (one at a time)."""
+        whole_state = full_model_state(self.module, to=None, rank=dist.get_rank(self.process_group))
+        return type(whole_state)(("module." + key, value) for key, value in whole_state.items())
 
     def _load_plain(self, target: torch.nn.Module, plain: dict, strict: bool, assign: bool):
         """Whole tensors (a checkpoint of any level) are cut into this rank's shards; DTensors load as they are."""

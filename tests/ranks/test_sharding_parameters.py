@@ -9,6 +9,7 @@ safetensors file without pickle; the unsupported combinations raise ShardingErro
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import phalanx as px
 from phalanx.engine.fully_sharded import ParameterShardedDDP, choose_blocks
@@ -158,12 +159,17 @@ def _load_whole(rank, world):
     bare = all(torch.equal(a, b) for a, b in zip(whole_parameters(model), source.parameters()))
     model.load_state_dict({"module." + k: v + 1 for k, v in source.state_dict().items()})  # DDP's keys
     prefixed = all(torch.equal(a, b + 1) for a, b in zip(whole_parameters(model), source.parameters()))
-    return bare, prefixed
+    saved = model.state_dict()  # collective: whole tensors under DDP's keys
+    whole = (list(saved) == ["module." + k for k in source.state_dict()]
+             and all(type(v) is torch.Tensor and torch.equal(v, w + 1) for v, w in zip(saved.values(),
+                                                                                      source.state_dict().values())))
+    return bare, prefixed, whole
 
 
-def test_load_state_dict_takes_whole_tensors_from_an_unsharded_model():
-    """World size 2: model.load_state_dict with a plain model's (or DDP's) state dict keeps each rank's shards."""
-    assert run_ranks(_load_whole, 2, (2,)) == [(True, True), (True, True)]
+def test_state_dicts_are_whole_tensors_both_ways():
+    """World size 2: model.load_state_dict with a plain model's (or DDP's) state dict keeps each rank's shards;
+    model.state_dict() gives whole tensors under DDP's keys."""
+    assert run_ranks(_load_whole, 2, (2,)) == [(True, True, True), (True, True, True)]
 
 
 def _save_twice(rank, world, directory):
@@ -187,6 +193,20 @@ def _restore(rank, world, directory):
     return state["step"], whole_parameters(model)
 
 
+def _regions_read(rank, world, directory):
+    """What a restore into this level reads of the parts: DTensors of this rank's region only."""
+    from pathlib import Path
+
+    from phalanx.checkpoint import shard_files
+    model = px.DistributedDataParallel(make_net(), shard="parameters")
+    payload = torch.load(Path(directory) / "ckpt-00000002.pt", weights_only=True)
+    parts = shard_files.load_parts(Path(directory), payload["parts"])
+    state = shard_files.restored(model, payload["entries"]["model"]["state"], [p["model"] for p in parts],
+                                 px.checkpoint.unwrap)
+    return all(isinstance(v, DTensor) and v.to_local().numel() < v.numel() for k, v in state.items()
+               if k.endswith("weight") and "norm" not in k)
+
+
 def test_each_rank_writes_its_own_part_and_only_kept_checkpoints_keep_parts(tmp_path):
     """World size 2: no rank gathers the model to save it. The checkpoint file holds placeholders, each rank
     its own part; pruning removes old parts; a damaged part makes restore refuse that checkpoint."""
@@ -200,6 +220,7 @@ def test_each_rank_writes_its_own_part_and_only_kept_checkpoints_keep_parts(tmp_
     total = sum(p.numel() for p in make_net().parameters())
     held = sum(piece["tensor"].numel() for piece in part["model"].values())
     assert 0 < held < total  # a shard, not the model
+    assert run_ranks(_regions_read, 2, (2, str(tmp_path))) == [True, True]
     step, restored = run_ranks(_restore, 2, (2, str(tmp_path)))[0]
     assert step == 2 and all(torch.equal(a, b) for a, b in zip(restored, expected))
     damaged = tmp_path / "ckpt-00000002.part-00001.pt"
