@@ -164,10 +164,7 @@ def _phalanx_ddp():
 
 
 def load_allreduce_bandwidth():
-    """`phalanx.tools.bench_allreduce.allreduce_bandwidth`, or None when the shared-memory transport is absent.
-
-    Only the module itself being missing means "not installed"; any other import failure is raised.
-    """
+    """`bench_allreduce.allreduce_bandwidth`, or None when that module is missing (any other failure raises)."""
     try:
         module = importlib.import_module("phalanx.tools.bench_allreduce")
     except ModuleNotFoundError as exc:
@@ -368,9 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--memory" in argv:
-        from .bench_memory import main as memory_main
-        return memory_main(argv)
+    if "--memory" in argv:  # what sharding saves and costs: a benchmark of its own
+        return importlib.import_module("phalanx.tools.bench_memory").main(argv)
     try:
         config = parse_config(argv)
     except SystemExit as exc:  # argparse: --help, or a malformed flag (its message is already printed)
