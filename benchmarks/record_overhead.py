@@ -11,33 +11,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 import phalanx
 from phalanx.diagnose import recorder
 from phalanx.testing import run_ranks
+from phalanx.tools.bench import run_block
 from phalanx.tools.bench_models import MODELS, make_batches
-
-
-def _block(model, optimizer, bench_model, batches, steps: int) -> list[float]:
-    times = []
-    for i in range(steps + 2):
-        if i == 2:
-            phalanx.barrier(name="record-ab")
-        inputs, target = batches[i % len(batches)]
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        bench_model.loss(model(inputs), target).backward()
-        optimizer.step()
-        if i >= 2:
-            times.append((time.perf_counter() - start) * 1e3)
-    local = torch.tensor(times, dtype=torch.float64)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    return torch.stack(gathered).max(dim=0).values.tolist()  # a step is as slow as its slowest rank
 
 
 def _rank(rank: int, names: list[str], blocks: int, steps: int) -> dict:
@@ -54,7 +35,7 @@ def _rank(rank: int, names: list[str], blocks: int, steps: int) -> dict:
         for block in range(2 * blocks):
             setting = ("on", "off")[block % 2]
             recorder._ring = ring if setting == "on" else None
-            times[setting] += _block(model, optimizer, bench_model, batches, steps)
+            times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
         recorder._ring = ring
         results[name] = {setting: statistics.median(values) for setting, values in times.items()}
     return results

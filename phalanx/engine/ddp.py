@@ -70,12 +70,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                  static_graph: bool = False, *, shard: str = "none", **unsupported):
         super().__init__()
         Joinable.__init__(self)
-        if unsupported:
-            raise TypeError(f"phalanx.DistributedDataParallel does not support {sorted(unsupported)}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise WorldConfigError(explain(
-                "DistributedDataParallel needs a process group", seen="torch.distributed not initialized",
-                fix="Call phalanx.init() (or torch.distributed.init_process_group) before wrapping the model."))
+        check_ready_to_wrap(unsupported)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -384,6 +379,16 @@ def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
     while isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
         module = module._orig_mod
     return module
+
+
+def check_ready_to_wrap(unsupported: dict) -> None:
+    """No argument torch's DDP lacks and phalanx does not take, and a process group to wrap for."""
+    if unsupported:
+        raise TypeError(f"phalanx.DistributedDataParallel does not support {sorted(unsupported)}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise WorldConfigError(explain(
+            "DistributedDataParallel needs a process group", seen="torch.distributed not initialized",
+            fix="Call phalanx.init() (or torch.distributed.init_process_group) before wrapping the model."))
 
 
 def _default_group():

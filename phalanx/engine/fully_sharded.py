@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..errors import ShardingError, WorldConfigError, explain
-from .ddp import DistributedDataParallel
+from ..errors import ShardingError, explain
+from .ddp import DistributedDataParallel, check_ready_to_wrap
 from .devices import check_device_ids, move_to
 from .full_state import full_model_state, load_full_model_state, whole
 from .optimizer_view import OptimizerView
@@ -67,12 +67,7 @@ class ParameterShardedDDP(DistributedDataParallel):
                  reshard_after_forward: bool = True, **unsupported):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
-        if unsupported:
-            raise TypeError(f"phalanx.DistributedDataParallel does not support {sorted(unsupported)}")
-        if not (dist.is_available() and dist.is_initialized()):
-            raise WorldConfigError(explain(
-                "DistributedDataParallel needs a process group", seen="torch.distributed not initialized",
-                fix="Call phalanx.init() (or torch.distributed.init_process_group) before wrapping the model."))
+        check_ready_to_wrap(unsupported)
         if gradient_as_bucket_view:
             raise unsupported_with_sharding("gradient_as_bucket_view", shard, "FSDP2 keeps gradient shards of its "
                                             "own: drop gradient_as_bucket_view.")
@@ -166,27 +161,14 @@ class FullStateOptimizer(OptimizerView):
     """A torch optimizer over FSDP2's DTensor parameters whose state dicts hold whole tensors, in torch's
     format: they load into an unsharded optimizer, and come back from one, at any world size."""
 
-    _step_supports_amp_scaling = True  # GradScaler hands itself to step(): the overflow check is global
-
     def __init__(self, optimizer: torch.optim.Optimizer, model: ParameterShardedDDP):
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerView):
-            raise ShardingError(explain("shard_optimizer() takes a torch optimizer built over the model's parameters",
-                                        rank=dist.get_rank(), seen=f"a {type(optimizer).__name__}",
-                                        expected="a torch.optim.Optimizer",
-                                        fix="Pass e.g. torch.optim.AdamW(model.parameters(), lr=...)."))
-        self._wrap(optimizer, dist.get_rank(model.process_group))
+        rank = dist.get_rank(model.process_group)
+        self._check_wrappable(optimizer, rank)
+        self._wrap(optimizer, rank)
         self.group, self.device = model.process_group, model.device
 
-    @torch.no_grad()
-    def step(self, closure=None, grad_scaler=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if grad_scaler is not None and self._overflowed_anywhere(grad_scaler, self.group, self.device):
-            return loss  # skipped on every rank
-        self._step_wrapped()
-        return loss
+    def _overflowed(self, scaler) -> bool:
+        return self._overflowed_anywhere(scaler, self.group, self.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none)

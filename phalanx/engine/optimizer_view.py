@@ -29,6 +29,16 @@ class OptimizerView(torch.optim.Optimizer):
     """Base of the optimizers that sharded models return (torch.optim.Optimizer's constructor is not
     called: there are no parameters of its own to register)."""
 
+    _step_supports_amp_scaling = True  # GradScaler hands itself to step(): the overflow check is global
+
+    @staticmethod
+    def _check_wrappable(optimizer, rank: int) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerView):
+            raise ShardingError(explain("shard_optimizer() takes a torch optimizer built over the model's parameters",
+                                        rank=rank, seen=f"a {type(optimizer).__name__}",
+                                        expected="a torch.optim.Optimizer",
+                                        fix="Pass e.g. torch.optim.AdamW(model.parameters(), lr=...)."))
+
     def _wrap(self, optimizer: torch.optim.Optimizer, rank: int) -> None:
         self.optimizer = optimizer
         self.rank = rank
@@ -38,13 +48,34 @@ class OptimizerView(torch.optim.Optimizer):
         for name in _HOOK_TABLES:
             setattr(self, name, OrderedDict())
 
-    def _step_wrapped(self) -> None:
-        """The wrapped optimizer's step, between this view's own step hooks."""
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """The wrapped optimizer's step (between this view's step hooks), skipped on every rank when GradScaler
+        saw an overflow on any; subclasses add what comes before and after."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._before_step()
+        if grad_scaler is not None and self._overflowed(grad_scaler):
+            return loss  # skipped on every rank: the parameters are unchanged everywhere
         for hook in self._optimizer_step_pre_hooks.values():
             hook(self, (), {})
         self.optimizer.step()
         for hook in self._optimizer_step_post_hooks.values():
             hook(self, (), {})
+        self._after_step()
+        return loss
+
+    def _before_step(self) -> None:
+        """Runs before the step (and before the overflow check)."""
+
+    def _after_step(self) -> None:
+        """Runs after a step that was taken."""
+
+    def _overflowed(self, scaler) -> bool:
+        """Collective: whether GradScaler saw an overflow on any rank (see _overflowed_anywhere)."""
+        raise NotImplementedError
 
     def _overflowed_anywhere(self, scaler, group, device: torch.device, wait=None) -> bool:
         """For step(grad_scaler=...): unscale (unless the user did) and agree across ranks on whether any

@@ -33,16 +33,11 @@ class ShardedOptimizer(OptimizerView):
     (on a process group; in shared memory the all-gather is a copy, done within the step anyway).
     """
 
-    _step_supports_amp_scaling = True  # GradScaler hands itself to step(): the overflow check is global
-
     def __init__(self, optimizer: torch.optim.Optimizer, exchange: ShardedExchange, params: list, names: list[str],
                  overlap_forward: bool = False):
         kind = type(optimizer).__name__
         rank = exchange.rank
-        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
-            raise ShardingError(explain("shard_optimizer() takes a torch optimizer built over the model's parameters",
-                                        rank=rank, seen=f"a {kind}", expected="a torch.optim.Optimizer",
-                                        fix="Pass e.g. torch.optim.AdamW(model.parameters(), lr=...)."))
+        self._check_wrappable(optimizer, rank)
         if kind in WHOLE_TENSOR_OPTIMIZERS:
             raise ShardingError(explain(
                 f"{kind} cannot be sharded: its update reads whole tensors, and each rank holds pieces",
@@ -79,21 +74,14 @@ class ShardedOptimizer(OptimizerView):
 
     # -- one step ---------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self, closure=None, grad_scaler=None):
-        """Update this rank's chunks, then all-gather the parameters (collective)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _before_step(self) -> None:
         self.exchange.wait_gathered()
-        if grad_scaler is not None and self._overflowed(grad_scaler):
-            return loss  # skipped on every rank: the parameters are unchanged everywhere
-        self._step_wrapped()
+
+    def _after_step(self) -> None:
+        """All-gather the updated chunks (collective); complete it unless the next forward is to wait for it."""
         self.exchange.gather_parameters()
         if not self.overlap_forward:
             self.exchange.wait_gathered()
-        return loss
 
     def wait_parameters(self) -> None:
         """With overlap_forward=True: return once every parameter holds every rank's last update (the

@@ -214,18 +214,19 @@ def _slowest_rank(times_ms: list[float], device: torch.device) -> list[float]:
     return torch.stack(gathered).max(dim=0).values.tolist()
 
 
-def _run_block(module, optimizer, bench_model, batches, config: BenchConfig, device: torch.device) -> list[float]:
+def run_block(module, optimizer, bench_model, batches, warmup: int, steps: int, device: torch.device) -> list[float]:
+    """`warmup` untimed steps, then `steps` timed together on every rank: per step, the slowest rank's ms."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     world.barrier(name="bench-block")
-    for i in range(config.warmup):
+    for i in range(warmup):
         _train_step(module, optimizer, batches[i % len(batches)], bench_model.loss)
     sync()
     # Start the timed steps together, so that ranks without communication (compute-only) share
     # the cores the way they do in the DDP variants.
     world.barrier(name="bench-timed")
     times = []
-    for i in range(config.steps):
-        batch = batches[(config.warmup + i) % len(batches)]
+    for i in range(steps):
+        batch = batches[(warmup + i) % len(batches)]
         start = time.perf_counter()
         _train_step(module, optimizer, batch, bench_model.loss)
         sync()
@@ -248,7 +249,7 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
         order = config.variants[round_ % count:] + config.variants[:round_ % count]
         for variant in order:
             module, optimizer = built[variant]
-            times = _run_block(module, optimizer, bench_model, batches, config, device)
+            times = run_block(module, optimizer, bench_model, batches, config.warmup, config.steps, device)
             blocks[variant].append(times)
             median = sorted(times)[len(times) // 2]
             print0(f"[bench] {name} block {round_ + 1}/{config.blocks} {VARIANT_LABELS[variant]:<13} "

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from ..engine.ddp import DistributedDataParallel
 from ..errors import BenchConfigError, PhalanxError, explain
 from ..launch.spawn import spawn
-from ..world import group as world
+from .bench import run_block
 from .bench_models import MODELS, make_batches
 
 MODES = ("none", "optimizer", "gradients", "parameters")
@@ -183,24 +182,10 @@ def _time_rank(rank: int, names: list[str], steps: int, blocks: int) -> dict:
             order = TIME_VARIANTS[block % len(TIME_VARIANTS):] + TIME_VARIANTS[:block % len(TIME_VARIANTS)]
             for variant in order:
                 model, optimizer = built[variant]
-                for i in range(steps + 2):  # two untimed warm-up steps per block
-                    if i == 2:  # the timed steps start together on every rank
-                        world.barrier(name="bench-memory-step")
-                    inputs, target = batches[i % len(batches)]
-                    start = time.perf_counter()
-                    optimizer.zero_grad(set_to_none=True)
-                    bench_model.loss(model(inputs), target).backward()
-                    optimizer.step()
-                    if i >= 2:
-                        times[variant].append((time.perf_counter() - start) * 1e3)
-        slowest = {}
-        for variant, values in times.items():  # a synchronous step is as slow as its slowest rank
-            local = torch.tensor(values, dtype=torch.float64)
-            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, local)
-            per_step = torch.stack(gathered).max(dim=0).values
-            slowest[variant] = float(per_step.median())
-        results[name] = slowest
+                times[variant] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+        # each entry is already the slowest rank's time for that step: a synchronous step is that slow
+        results[name] = {variant: float(torch.tensor(values, dtype=torch.float64).median())
+                         for variant, values in times.items()}
         del built
     return results
 
