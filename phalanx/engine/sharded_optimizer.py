@@ -63,6 +63,8 @@ class ShardedOptimizer(OptimizerView):
                             "buckets), or optimize extra tensors with an optimizer of their own."))
             self._groups.append(list(group["params"]))
             group["params"] = [piece.tensor for p in group["params"] for piece in pieces.get(index_of[id(p)], [])]
+        # each parameter's index in torch's state dict format: its position over the param groups
+        self._numbers = {id(p): n for n, p in enumerate(p for params in self._groups for p in params)}
         self._wrap(optimizer, rank)
         self.exchange = exchange
         self._index_of = index_of
@@ -121,7 +123,7 @@ class ShardedOptimizer(OptimizerView):
         inner = self.optimizer.state_dict()  # hyperparameters and the pieces' own state
         param_groups = []
         for saved, params in zip(inner["param_groups"], self._groups):
-            indices = [self._number_of(p) for p in params]
+            indices = [self._numbers[id(p)] for p in params]
             param_groups.append({**saved, "params": indices})
         # What each parameter's state holds: keys, and the values that are not per element (e.g. "step").
         mine = {}
@@ -155,13 +157,13 @@ class ShardedOptimizer(OptimizerView):
             if not wanted:
                 continue
             for i, p, offset in zip(bucket.indices, bucket.params, bucket.offsets):
-                if i not in layout or self._number_of(p, None) is None:
+                if i not in layout or id(p) not in self._numbers:
                     continue
                 entry = {}
                 for key, (kind, value) in layout[i].items():
                     entry[key] = (gathered[key][offset:offset + p.numel()].view(p.shape).clone()
                                   if kind == "shard" else value)
-                state[self._number_of(p)] = entry
+                state[self._numbers[id(p)]] = entry
         if not wanted:
             return None
         return {"state": dict(sorted(state.items())), "param_groups": param_groups}
@@ -177,16 +179,6 @@ class ShardedOptimizer(OptimizerView):
                 expected=f"shape {tuple(piece.tensor.shape)} or a scalar",
                 fix="Use an elementwise optimizer with sharding, or shard='none'."))
         return "value", value
-
-    def _number_of(self, param, default=KeyError):
-        """The parameter's index in torch's state dict format: its position over the param groups."""
-        numbers = self.__dict__.get("_numbers")
-        if numbers is None:
-            flat = [p for params in self._groups for p in params]
-            numbers = self._numbers = {id(p): n for n, p in enumerate(flat)}
-        if default is KeyError:
-            return numbers[id(param)]
-        return numbers.get(id(param), default)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch's optimizer state dict of the whole model (saved sharded or not, at any world size):
