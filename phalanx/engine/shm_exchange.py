@@ -18,8 +18,10 @@ from functools import partial
 import torch
 
 from ..shm import ShmCommunicator
+from ..shm.reduce import kernel_serves, streams
 from .buckets import Bucket
 from .exchange import AllReduceExchange
+from .shm_copy_in import BucketCopyIn
 from .step_guard import StepGuard
 
 ALL_REDUCE, POSTED, SPLIT = "all-reduce", "posted", "split"
@@ -36,6 +38,7 @@ class ShmExchange(AllReduceExchange):
         self._tickets: dict[int, int] = {}
         self._totals: dict = {}  # posted bucket of small gradients -> (private sum buffer, its views)
         self._tag_total = torch.zeros(1, dtype=torch.float64)  # the summed step tag of a posted bucket
+        self._copy_ins: dict[int, BucketCopyIn] = {}  # posted or split bucket index -> its copy-in
 
     # -- storage and plan -------------------------------------------------------------------------
 
@@ -49,6 +52,18 @@ class ShmExchange(AllReduceExchange):
         self.modes = [self._mode_for(bucket) for bucket in buckets]
         self._pieces = {b.index: self._plan_pieces(b) for b in buckets if self.modes[b.index] == SPLIT}
         self._totals = {}
+        self._copy_ins = {b.index: self._copy_in_for(b) for b in buckets
+                          if self.modes[b.index] != ALL_REDUCE and kernel_serves(b.storage.dtype)}
+
+    def _copy_in_for(self, bucket: Bucket) -> BucketCopyIn:
+        """A posted bucket takes every gradient whole; a split one the parts in other ranks' chunks."""
+        if self.modes[bucket.index] == POSTED:
+            segments = [[(start, 0, p.numel())] for start, p in zip(bucket.offsets, bucket.params)]
+        else:
+            segments = [[] for _ in bucket.params]
+            for _, k, lo, hi in self._pieces[bucket.index][1]:
+                segments[k].append((bucket.offsets[k] + lo, lo, hi - lo))
+        return BucketCopyIn(bucket, segments, streams(bucket.storage.numel() * bucket.storage.element_size()))
 
     def buffers(self) -> list[torch.Tensor]:
         return [total for total, _ in self._totals.values()] + [self._tag_total]
@@ -101,10 +116,11 @@ class ShmExchange(AllReduceExchange):
             return
         with self.timer("wait", bucket.index):
             self.comm.claim(bucket.storage)
+        copy_in = self._copy_ins.get(bucket.index)
         with self.timer("copy_in", bucket.index):
-            if mode == SPLIT:
-                self._fill_others_chunks(bucket)
-            else:
+            if copy_in is not None:
+                copy_in.copy(self.scale)
+            else:  # a dtype the kernel does not take (a split bucket always has a copy-in)
                 bucket.fill_(self.scale)
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._tickets[bucket.index] = self.comm.post(bucket.storage)
@@ -181,7 +197,7 @@ class ShmExchange(AllReduceExchange):
             grads.append((start, p.grad))
             chosen.append(k)
         self._await(ticket, what, bucket.index)
-        if bucket.large_tensors:  # one pass each, straight into them
+        if bucket.large_tensors or self.comm.sums_in_place(bucket.storage.dtype):  # straight into them
             with self.timer("reduce", bucket.index):
                 self.comm.gather_sum(bucket.storage, ticket, grads + [(bucket.numel, self._tag_total)])
             tag = self._tag_total
@@ -209,19 +225,6 @@ class ShmExchange(AllReduceExchange):
         return found
 
     # -- split -------------------------------------------------------------------------------------
-
-    def _fill_others_chunks(self, bucket: Bucket) -> None:
-        """Only the parts of the gradients that other ranks sum go into the bucket."""
-        scale, flat = self.scale, bucket.buffer
-        for _, k, lo, hi in self._pieces[bucket.index][1]:
-            start = bucket.offsets[k]
-            grad = bucket.params[k].grad
-            out = flat[start + lo:start + hi]
-            if grad is None:
-                out.zero_()
-            else:
-                piece = grad.reshape(-1)[lo:hi]
-                out.copy_(piece) if scale is None else torch.mul(piece, scale, out=out)
 
     def _split_collect(self, bucket: Bucket, used: list[int] | None) -> None:
         """Sum this rank's chunk straight into the gradients (and the bucket, for the peers), then fetch

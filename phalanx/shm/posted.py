@@ -15,7 +15,18 @@ import torch
 
 from ..errors import CollectiveMismatchError, RanksTimedOutError, explain
 from .barrier import LINE_BYTES, MODE_POST
-from .reduce import DTYPE_CODES, KERNEL_DTYPES, WIDENED, chunk_bounds, kernel_available, sum_own_chunk
+from .reduce import (
+    DTYPE_CODES,
+    KERNEL_DTYPES,
+    WIDENED,
+    chunk_bounds,
+    copy_pieces,
+    kernel_available,
+    kernel_serves,
+    streams,
+    sum_own_chunk,
+    sum_pieces,
+)
 
 # Up to this many ranks, a posted exchange (each rank reads every copy once) moves no more bytes than
 # the two-phase all-reduce followed by a copy of the result to where it is wanted; beyond, it moves more.
@@ -102,7 +113,20 @@ class PostedExchanges:
 
     @staticmethod
     def _sum_into(copies: list[torch.Tensor], outputs) -> None:
-        widen = copies[0].dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
+        dtype = copies[0].dtype
+        if kernel_serves(dtype):  # one call for every contiguous output of the copies' dtype
+            segments, rest = [], []
+            for start, out in outputs:
+                if out.dtype == dtype and out.is_contiguous():
+                    if out.numel():
+                        segments += (out.data_ptr(), start, out.numel())
+                else:
+                    rest.append((start, out))
+            if segments:
+                sum_pieces(tuple(copy.data_ptr() for copy in copies), segments, dtype,
+                           streams(copies[0].numel() * copies[0].element_size()))
+            outputs = rest
+        widen = dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
         for start, out in outputs:
             parts = [copy[start:start + out.numel()].view(out.shape) for copy in copies]
             if len(parts) == 1:
@@ -116,6 +140,10 @@ class PostedExchanges:
                 torch.add(parts[0], parts[1], out=out)
                 for part in parts[2:]:
                     out.add_(part)
+
+    def sums_in_place(self, dtype: torch.dtype) -> bool:
+        """Whether gather_sum() into many small outputs costs one call, not one per output."""
+        return kernel_serves(dtype)
 
     # -- split exchange: each rank sums one chunk, then fetches the others -----------------------
 
@@ -143,7 +171,7 @@ class PostedExchanges:
         self._check_same_post(allocation)
         copies = self._copies(allocation, offset, tensor)
         self._sum_into(copies, sums)
-        code = KERNEL_DTYPES[tensor.dtype]
+        code, stream = KERNEL_DTYPES[tensor.dtype], streams(tensor.numel() * tensor.element_size())
         for start, out in pieces:
             count = out.numel()
             if not out.is_contiguous() or out.dtype != tensor.dtype:
@@ -153,7 +181,7 @@ class PostedExchanges:
             if count:
                 addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
                 sum_own_chunk(out.data_ptr(), addresses[self.rank], out.data_ptr(), addresses, count, code, scale,
-                              self.rank)
+                              self.rank, stream)
         return self._barrier.arrive()  # this rank's chunk of the result is in its copy
 
     def reduce_scatter(self, tensor: torch.Tensor, ticket: int, start: int, out: torch.Tensor) -> None:
@@ -173,7 +201,7 @@ class PostedExchanges:
             addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
             own = addresses[self.rank]  # its term is taken as it is (scale 1): peers read the same bits
             sum_own_chunk(out.data_ptr(), out.data_ptr(), own, addresses, count, KERNEL_DTYPES[tensor.dtype], 1.0,
-                          self.rank)
+                          self.rank, streams(tensor.numel() * tensor.element_size()))
         else:  # torch's adds, into a total of its own: `out` may be one of the terms
             total = torch.empty_like(out)
             self._sum_into(copies, [(start, total)])
@@ -189,8 +217,16 @@ class PostedExchanges:
     def _fetch_chunks(self, allocation, offset, tensor, ticket, pieces) -> None:
         self._barrier.wait_all(ticket, "exchange", self._spin)
         copies = self._copies(allocation, offset, tensor)
+        segments = []
         for owner, start, out in pieces:
-            out.copy_(copies[owner][start:start + out.numel()].view(out.shape))
+            source = copies[owner][start:start + out.numel()]
+            if kernel_serves(out.dtype) and out.dtype == source.dtype and out.is_contiguous():
+                if out.numel():
+                    segments += (out.data_ptr(), source.data_ptr(), out.numel())
+            else:
+                out.copy_(source.view(out.shape))
+        if segments:
+            copy_pieces(segments, tensor.dtype, None, streams(tensor.numel() * tensor.element_size()))
         allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
 
     def _posted_piece(self, tensor: torch.Tensor, what: str):

@@ -3,7 +3,8 @@
 Chunks start on cache lines, so two ranks never write into one line. float32 and float64 chunks
 are reduced by a small C kernel (_reduce_kernels.c, built at install) in one pass; other dtypes,
 or an install without a C compiler, use torch ops in blocks small enough for L2, with the same
-operations in the same order, so the same bits.
+operations in the same order, so the same bits. The kernel also copies and sums many pieces in one
+call (`copy_pieces`, `sum_pieces`): a gradient per piece costs no Python call of its own.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import torch
 
 try:
+    from ._reduce_kernels import copy_segments as _copy_segments
     from ._reduce_kernels import reduce_into_all as _kernel
     from ._reduce_kernels import sum_own_chunk  # the split exchange (shm.py) needs it; None: not offered
+    from ._reduce_kernels import sum_segments as _sum_segments
 except ImportError:  # built without a C compiler: the torch ops below give the same result, slower
-    _kernel = sum_own_chunk = None
+    _kernel = sum_own_chunk = _copy_segments = _sum_segments = None
 
 # The wire code of each dtype we reduce; it is also compared across ranks before every exchange.
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int64: 5,
@@ -23,6 +26,11 @@ WIDENED = (torch.float16, torch.bfloat16)  # summed in fp32: n half-precision gr
 KERNEL_DTYPES = {torch.float32: 1, torch.float64: 2}
 ALIGN_BYTES = 64
 BLOCK_BYTES = 256 << 10  # measured: 256 KB beat 1 MB and 4 MB by ~10-20% on a 2 MB-L2 core
+# An exchange of a bucket this large writes its results with streaming stores: its bytes (every
+# rank's copy, and the gradients) outgrow the cache anyway, and skipping the read of each line
+# before it is written saves a third of a copy's traffic. Below it, results stay in the cache for
+# the next reader (measured in docs/benchmarks.md, "Streaming stores").
+STREAM_MIN_BYTES = 8 << 20
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -51,6 +59,29 @@ def reduce_chunk(parts: list[torch.Tensor], average: bool, scratch: torch.Tensor
 def kernel_available() -> bool:
     """Whether the compiled reduction kernel was built (see setup.py)."""
     return _kernel is not None
+
+
+def kernel_serves(dtype: torch.dtype) -> bool:
+    """Whether copy_pieces() and sum_pieces() can work on tensors of `dtype` here."""
+    return _kernel is not None and dtype in KERNEL_DTYPES
+
+
+def streams(nbytes: int) -> bool:
+    """Whether an exchange of `nbytes` writes with streaming stores (see STREAM_MIN_BYTES)."""
+    return nbytes >= STREAM_MIN_BYTES
+
+
+def copy_pieces(segments: list[int], dtype: torch.dtype, scale: float | None, stream: bool) -> None:
+    """For each (destination address, source address, count) triple, flattened in `segments`: the
+    source's `count` elements of `dtype` (times `scale`, unless None) into the destination, in one
+    call. Needs kernel_serves(dtype); every address must be valid for its count."""
+    _copy_segments(segments, KERNEL_DTYPES[dtype], 1.0 if scale is None else scale, scale is not None, stream)
+
+
+def sum_pieces(parts: tuple[int, ...], segments: list[int], dtype: torch.dtype, stream: bool) -> None:
+    """For each (destination address, element offset, count) triple in `segments`: the rank-order sum
+    of parts[j][offset:offset + count] over the arrays at addresses `parts` into the destination."""
+    _sum_segments(parts, segments, KERNEL_DTYPES[dtype], stream)
 
 
 def reduce_chunk_with_torch(parts: list[torch.Tensor], average: bool, scratch: torch.Tensor | None) -> None:
