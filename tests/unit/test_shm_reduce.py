@@ -53,3 +53,58 @@ def test_half_precision_and_a_missing_kernel_use_torch(monkeypatch):
     floats = _parts(2, 300, torch.float32, seed=2)
     reduce_chunk(floats, False, None)
     assert torch.equal(floats[0], floats[1])
+
+
+# -- many pieces in one call: the exchanges' copy-in, sums into gradients and fetches -------------
+
+def _pieces(numel: int, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """(start, count) pieces of a flat tensor: empty, tiny, misaligned (odd starts) and large ones."""
+    bounds = sorted({0, 1, 3, 10, 17, 1000, 2049, numel // 2 + 1, numel})
+    return [(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])] + [(5, 0)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.5, 1 / 3])
+def test_copy_pieces_gives_torchs_bits_with_either_kind_of_store(dtype, stream, scale):
+    source = _parts(1, 70_001, dtype, seed=3)[0]
+    source[7] = float("nan")  # copied as it is when not scaled
+    target = torch.full_like(source, -1.0)
+    segments, expected = [], target.clone()
+    for start, count in _pieces(source.numel(), dtype):
+        segments += (target[start:].data_ptr(), source[start:].data_ptr(), count)
+        piece = source[start:start + count]
+        expected[start:start + count] = piece if scale is None else piece * scale
+    shm_reduce.copy_pieces(segments, dtype, scale, stream)
+    assert torch.equal(target.nan_to_num(123.0), expected.nan_to_num(123.0))
+    assert target[7].isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_sum_pieces_is_the_rank_order_sum_of_torchs_adds(dtype, stream, count):
+    parts = _parts(count, 50_003, dtype, seed=count)
+    outputs, segments = [], []
+    for start, size in _pieces(50_003, dtype):
+        out = torch.empty(size + 1, dtype=dtype)[1:]  # a 4- or 8-byte-misaligned destination
+        outputs.append((start, out))
+        segments += (out.data_ptr() if size else 0, start, size)
+    shm_reduce.sum_pieces(tuple(part.data_ptr() for part in parts), segments, dtype, stream)
+    for start, out in outputs:
+        expected = parts[0][start:start + out.numel()].clone()
+        for part in parts[1:]:
+            expected = expected + part[start:start + out.numel()]  # torch's add, in rank order
+        assert torch.equal(out, expected), f"piece at {start}"
+
+
+def test_the_kernel_refuses_malformed_segments():
+    data = torch.zeros(4)
+    with pytest.raises(ValueError, match="triples"):
+        shm_reduce.copy_pieces([data.data_ptr(), data.data_ptr()], torch.float32, None, False)
+    with pytest.raises(ValueError, match="triple 0"):
+        shm_reduce.copy_pieces([0, data.data_ptr(), 4], torch.float32, None, False)  # null destination
+    with pytest.raises(ValueError, match="null source"):
+        shm_reduce.copy_pieces([data.data_ptr(), 0, 4], torch.float32, 0.5, False)
+    with pytest.raises(ValueError, match="triple 0"):
+        shm_reduce.sum_pieces((data.data_ptr(),), [data.data_ptr(), 0, -1], torch.float32, False)
