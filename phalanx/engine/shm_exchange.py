@@ -36,7 +36,7 @@ class ShmExchange(AllReduceExchange):
         self.modes: list[str] = []  # per bucket index
         self._pieces: dict = {}  # split bucket index -> (own pieces, fetched pieces)
         self._tickets: dict[int, int] = {}
-        self._totals: dict = {}  # posted bucket of small gradients -> (private sum buffer, its views)
+        self._totals: dict = {}  # without the kernel: posted bucket of small gradients -> (private sum, its views)
         self._tag_total = torch.zeros(1, dtype=torch.float64)  # the summed step tag of a posted bucket
         self._copy_ins: dict[int, BucketCopyIn] = {}  # posted or split bucket index -> its copy-in
 
