@@ -29,7 +29,7 @@ class BucketCopyIn:
         self.segments = segments
         self.stream = stream  # streaming stores (shm/reduce.py)
         base, size = bucket.buffer.data_ptr(), bucket.storage.element_size()
-        # Every gradient whole and none empty: a template of (destination, source, count) triples
+        # Every gradient whole (a posted bucket): a template of (destination, source, count) triples
         # whose sources are this step's gradient addresses.
         self.whole = all(parts == [(start, 0, p.numel())] for parts, start, p in
                          zip(segments, bucket.offsets, bucket.params))

@@ -63,7 +63,7 @@ class ShmExchange(AllReduceExchange):
             segments = [[] for _ in bucket.params]
             for _, k, lo, hi in self._pieces[bucket.index][1]:
                 segments[k].append((bucket.offsets[k] + lo, lo, hi - lo))
-        return BucketCopyIn(bucket, segments, streams(bucket.storage.numel() * bucket.storage.element_size()))
+        return BucketCopyIn(bucket, segments, streams(bucket.storage))
 
     def buffers(self) -> list[torch.Tensor]:
         return [total for total, _ in self._totals.values()] + [self._tag_total]
@@ -197,7 +197,7 @@ class ShmExchange(AllReduceExchange):
             grads.append((start, p.grad))
             chosen.append(k)
         self._await(ticket, what, bucket.index)
-        if bucket.large_tensors or self.comm.sums_in_place(bucket.storage.dtype):  # straight into them
+        if bucket.large_tensors or kernel_serves(bucket.storage.dtype):  # straight into them, one call
             with self.timer("reduce", bucket.index):
                 self.comm.gather_sum(bucket.storage, ticket, grads + [(bucket.numel, self._tag_total)])
             tag = self._tag_total

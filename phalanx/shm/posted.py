@@ -21,7 +21,6 @@ from .reduce import (
     WIDENED,
     chunk_bounds,
     copy_pieces,
-    kernel_available,
     kernel_serves,
     streams,
     sum_own_chunk,
@@ -124,7 +123,7 @@ class PostedExchanges:
                     rest.append((start, out))
             if segments:
                 sum_pieces(tuple(copy.data_ptr() for copy in copies), segments, dtype,
-                           streams(copies[0].numel() * copies[0].element_size()))
+                           streams(copies[0]))
             outputs = rest
         widen = dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
         for start, out in outputs:
@@ -141,15 +140,11 @@ class PostedExchanges:
                 for part in parts[2:]:
                     out.add_(part)
 
-    def sums_in_place(self, dtype: torch.dtype) -> bool:
-        """Whether gather_sum() into many small outputs costs one call, not one per output."""
-        return kernel_serves(dtype)
-
     # -- split exchange: each rank sums one chunk, then fetches the others -----------------------
 
     def split_exchange_pays(self, dtype: torch.dtype) -> bool:
         """Whether the split exchange can serve `dtype` here (its kernel does float32 and float64)."""
-        return self.world_size > 1 and dtype in KERNEL_DTYPES and kernel_available()
+        return self.world_size > 1 and kernel_serves(dtype)
 
     def chunk_bounds(self, numel: int, element_size: int) -> list[int]:
         """Where the chunks of a tensor of `numel` elements begin and end: rank j sums chunk j."""
@@ -171,7 +166,7 @@ class PostedExchanges:
         self._check_same_post(allocation)
         copies = self._copies(allocation, offset, tensor)
         self._sum_into(copies, sums)
-        code, stream = KERNEL_DTYPES[tensor.dtype], streams(tensor.numel() * tensor.element_size())
+        code, stream = KERNEL_DTYPES[tensor.dtype], streams(tensor)
         for start, out in pieces:
             count = out.numel()
             if not out.is_contiguous() or out.dtype != tensor.dtype:
@@ -197,11 +192,11 @@ class PostedExchanges:
         self._check_same_post(allocation)
         copies = self._copies(allocation, offset, tensor)
         count = out.numel()
-        if tensor.dtype in KERNEL_DTYPES and kernel_available() and out.is_contiguous() and count:
+        if kernel_serves(tensor.dtype) and out.is_contiguous() and count:
             addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
             own = addresses[self.rank]  # its term is taken as it is (scale 1): peers read the same bits
             sum_own_chunk(out.data_ptr(), out.data_ptr(), own, addresses, count, KERNEL_DTYPES[tensor.dtype], 1.0,
-                          self.rank, streams(tensor.numel() * tensor.element_size()))
+                          self.rank, streams(tensor))
         else:  # torch's adds, into a total of its own: `out` may be one of the terms
             total = torch.empty_like(out)
             self._sum_into(copies, [(start, total)])
@@ -226,7 +221,7 @@ class PostedExchanges:
             else:
                 out.copy_(source.view(out.shape))
         if segments:
-            copy_pieces(segments, tensor.dtype, None, streams(tensor.numel() * tensor.element_size()))
+            copy_pieces(segments, tensor.dtype, None, streams(tensor))
         allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
 
     def _posted_piece(self, tensor: torch.Tensor, what: str):

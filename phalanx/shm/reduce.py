@@ -29,7 +29,7 @@ BLOCK_BYTES = 256 << 10  # measured: 256 KB beat 1 MB and 4 MB by ~10-20% on a 2
 # An exchange of a bucket this large writes its results with streaming stores: its bytes (every
 # rank's copy, and the gradients) outgrow the cache anyway, and skipping the read of each line
 # before it is written saves a third of a copy's traffic. Below it, results stay in the cache for
-# the next reader (measured in docs/benchmarks.md, "Streaming stores").
+# the next reader (measured in docs/benchmarks.md, "Choices of the exchange").
 STREAM_MIN_BYTES = 8 << 20
 
 
@@ -66,9 +66,10 @@ def kernel_serves(dtype: torch.dtype) -> bool:
     return _kernel is not None and dtype in KERNEL_DTYPES
 
 
-def streams(nbytes: int) -> bool:
-    """Whether an exchange of `nbytes` writes with streaming stores (see STREAM_MIN_BYTES)."""
-    return nbytes >= STREAM_MIN_BYTES
+def streams(exchanged: torch.Tensor) -> bool:
+    """Whether the exchange of `exchanged` (a bucket, or every rank's copy of it) writes with streaming
+    stores (see STREAM_MIN_BYTES)."""
+    return exchanged.numel() * exchanged.element_size() >= STREAM_MIN_BYTES
 
 
 def copy_pieces(segments: list[int], dtype: torch.dtype, scale: float | None, stream: bool) -> None:
