@@ -69,6 +69,31 @@ static void fence(int nontemporal) {
 #endif
 }
 
+/* dst[i] = src[i] * s with streaming stores, without a pass through a buffer: the elements up to
+ * dst's first 16-byte boundary one by one, then 16 bytes at a time. Only for a src aligned like dst:
+ * otherwise the loads straddle cache lines and the buffered way is faster (measured). */
+#if HAVE_STREAM
+static void stream_scaled_f32(float *dst, const float *src, float s, size_t m) {
+    size_t i = 0, head = ((16 - ((uintptr_t)dst & 15)) & 15) / sizeof(float);
+    for (; i < head && i < m; i++) dst[i] = src[i] * s;
+    __m128 scale = _mm_set1_ps(s);
+    for (; i + 4 <= m; i += 4) _mm_stream_ps(dst + i, _mm_mul_ps(_mm_loadu_ps(src + i), scale));
+    for (; i < m; i++) dst[i] = src[i] * s;
+}
+static void stream_scaled_f64(double *dst, const double *src, double s, size_t m) {
+    size_t i = 0, head = ((16 - ((uintptr_t)dst & 15)) & 15) / sizeof(double);
+    for (; i < head && i < m; i++) dst[i] = src[i] * s;
+    __m128d scale = _mm_set1_pd(s);
+    for (; i + 2 <= m; i += 2) _mm_stream_pd(dst + i, _mm_mul_pd(_mm_loadu_pd(src + i), scale));
+    for (; i < m; i++) dst[i] = src[i] * s;
+}
+#define HAVE_STREAM_SCALED 1
+#else
+#define HAVE_STREAM_SCALED 0
+#define stream_scaled_f32(dst, src, s, m) ((void)0)
+#define stream_scaled_f64(dst, src, s, m) ((void)0)
+#endif
+
 #define DEFINE_KERNELS(SUFFIX, T)                                                                 \
     VECTOR_CLONES static void add2_##SUFFIX(T *restrict out, const T *restrict a,               \
                                             const T *restrict b, size_t m) {                    \
@@ -84,6 +109,19 @@ static void fence(int nontemporal) {
                                               size_t m) {                                        \
         for (size_t i = 0; i < m; i++) out[i] = a[i] * s;                                       \
     }                                                                                            \
+    /* The product is rounded before the sum (-ffp-contract=off): the bits of a scale, then an add. */ \
+    VECTOR_CLONES static void scaled_add2_##SUFFIX(T *restrict out, const T *restrict a, T s,   \
+                                                   const T *restrict b, size_t m) {              \
+        for (size_t i = 0; i < m; i++) out[i] = a[i] * s + b[i];                                \
+    }                                                                                            \
+    VECTOR_CLONES static void add2_scaled_##SUFFIX(T *restrict out, const T *restrict a,        \
+                                                   const T *restrict b, T s, size_t m) {         \
+        for (size_t i = 0; i < m; i++) out[i] = a[i] + b[i] * s;                                \
+    }                                                                                            \
+    VECTOR_CLONES static void add_scaled_##SUFFIX(T *restrict out, const T *restrict a, T s,    \
+                                                  size_t m) {                                    \
+        for (size_t i = 0; i < m; i++) out[i] += a[i] * s;                                      \
+    }                                                                                            \
     static void reduce_##SUFFIX(T **parts, int count, size_t numel, T s, int average) {          \
         T total[BLOCK];                                                                          \
         for (size_t start = 0; start < numel; start += BLOCK) {                                  \
@@ -97,18 +135,16 @@ static void fence(int nontemporal) {
     /* out_a and out_b may be `own` itself: each block is read before it is written. */         \
     static void own_chunk_##SUFFIX(T *out_a, T *out_b, const T *own, T **others, int count,     \
                                    int rank, size_t numel, T s, int nt) {                        \
-        T total[BLOCK], term[BLOCK];                                                             \
+        T total[BLOCK];                                                                          \
         for (size_t start = 0; start < numel; start += BLOCK) {                                  \
             size_t m = numel - start < BLOCK ? numel - start : BLOCK;                            \
-            if (rank == 0) scaled_##SUFFIX(total, own + start, s, m);                            \
-            else memcpy(total, others[0] + start, m * sizeof(T));                                \
-            for (int j = 1; j < count; j++) {                                                    \
-                if (j == rank) {                                                                 \
-                    scaled_##SUFFIX(term, own + start, s, m);                                    \
-                    add_##SUFFIX(total, term, m);                                                \
-                } else {                                                                         \
-                    add_##SUFFIX(total, others[j] + start, m);                                   \
-                }                                                                                \
+            /* The first two terms in one pass, this rank's scaled on the way. */                \
+            if (rank == 0) scaled_add2_##SUFFIX(total, own + start, s, others[1] + start, m);    \
+            else if (rank == 1) add2_scaled_##SUFFIX(total, others[0] + start, own + start, s, m); \
+            else add2_##SUFFIX(total, others[0] + start, others[1] + start, m);                  \
+            for (int j = 2; j < count; j++) {                                                    \
+                if (j == rank) add_scaled_##SUFFIX(total, own + start, s, m);                    \
+                else add_##SUFFIX(total, others[j] + start, m);                                  \
             }                                                                                    \
             store(out_a + start, total, m * sizeof(T), nt);                                      \
             if (out_b != out_a) store(out_b + start, total, m * sizeof(T), nt);                  \
@@ -119,6 +155,10 @@ static void fence(int nontemporal) {
         T total[BLOCK];                                                                          \
         if (count == 1) {                                                                        \
             store(dst, parts[0] + offset, numel * sizeof(T), nt);                                \
+            return;                                                                              \
+        }                                                                                        \
+        if (count == 2 && !nt) { /* straight into dst: no pass through a buffer */             \
+            add2_##SUFFIX(dst, parts[0] + offset, parts[1] + offset, numel);                     \
             return;                                                                              \
         }                                                                                        \
         for (size_t start = 0; start < numel; start += BLOCK) {                                  \
@@ -134,6 +174,12 @@ static void fence(int nontemporal) {
         T total[BLOCK];                                                                          \
         if (!multiply) {                                                                         \
             store(dst, src, numel * sizeof(T), nt);                                              \
+            return;                                                                              \
+        }                                                                                        \
+        /* Through the cache, a buffer then memcpy measures faster than writing dst directly: memcpy's \
+         * string stores take the (shared-memory) lines without reading them first. */           \
+        if (nt && HAVE_STREAM_SCALED && !(((uintptr_t)dst ^ (uintptr_t)src) & 15)) {                  \
+            stream_scaled_##SUFFIX(dst, src, s, numel);                                          \
             return;                                                                              \
         }                                                                                        \
         for (size_t start = 0; start < numel; start += BLOCK) {                                  \

@@ -66,10 +66,12 @@ def _pieces(numel: int, dtype: torch.dtype) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("scale", [None, 0.5, 1 / 3])
-def test_copy_pieces_gives_torchs_bits_with_either_kind_of_store(dtype, stream, scale):
+@pytest.mark.parametrize("shift", [0, 1])
+def test_copy_pieces_gives_torchs_bits_with_either_kind_of_store(dtype, stream, scale, shift):
+    """shift 1: source and target aligned differently (the streaming copy takes another way then)."""
     source = _parts(1, 70_001, dtype, seed=3)[0]
     source[7] = float("nan")  # copied as it is when not scaled
-    target = torch.full_like(source, -1.0)
+    target = torch.full((source.numel() + shift,), -1.0, dtype=dtype)[shift:]
     segments, expected = [], target.clone()
     for start, count in _pieces(source.numel(), dtype):
         segments += (target[start:].data_ptr(), source[start:].data_ptr(), count)
@@ -108,3 +110,25 @@ def test_the_kernel_refuses_malformed_segments():
         shm_reduce.copy_pieces([data.data_ptr(), 0, 4], torch.float32, 0.5, False)
     with pytest.raises(ValueError, match="triple 0"):
         shm_reduce.sum_pieces((data.data_ptr(),), [data.data_ptr(), 0, -1], torch.float32, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_own_chunk_is_the_rank_order_sum_with_this_ranks_term_scaled(dtype, stream, count):
+    """The split exchange's own chunk, for every rank's place in the order: the other ranks' terms as
+    posted, this rank's scaled on the way in, summed in rank order with torch's ops."""
+    numel, scale = 9_001, 1 / 3
+    terms = _parts(count, numel, dtype, seed=10 + count)
+    own = _parts(1, numel, dtype, seed=99)[0]
+    for rank in range(count):
+        out_a, out_b = torch.empty(numel + 1, dtype=dtype)[1:], torch.empty(numel, dtype=dtype)
+        addresses = tuple(term.data_ptr() for term in terms)
+        shm_reduce.sum_own_chunk(out_a.data_ptr(), out_b.data_ptr(), own.data_ptr(), addresses, numel,
+                                 shm_reduce.KERNEL_DTYPES[dtype], scale, rank, stream)
+        expected = None
+        for j in range(count):
+            term = own * scale if j == rank else terms[j]
+            expected = term.clone() if expected is None else expected + term
+        assert torch.equal(out_a, expected), f"rank {rank}"
+        assert torch.equal(out_b, expected), f"rank {rank}, second output"
