@@ -39,6 +39,7 @@ class ShmExchange(AllReduceExchange):
         self._totals: dict = {}  # without the kernel: posted bucket of small gradients -> (private sum, its views)
         self._tag_total = torch.zeros(1, dtype=torch.float64)  # the summed step tag of a posted bucket
         self._copy_ins: dict[int, BucketCopyIn] = {}  # posted or split bucket index -> its copy-in
+        self._sums: dict[int, list[int]] = {}  # posted bucket index -> its sum's segments (see prepare)
 
     # -- storage and plan -------------------------------------------------------------------------
 
@@ -54,6 +55,10 @@ class ShmExchange(AllReduceExchange):
         self._totals = {}
         self._copy_ins = {b.index: self._copy_in_for(b) for b in buckets
                           if self.modes[b.index] != ALL_REDUCE and kernel_serves(b.storage.dtype)}
+        # A posted bucket's sum as the kernel takes it, (gradient address, bucket offset, count) per gradient:
+        # each step only refreshes the addresses (a Python pass per gradient costs more than a small sum).
+        self._sums = {b.index: [value for start, p in zip(b.offsets, b.params) for value in (0, start, p.numel())]
+                      for b in buckets if self.modes[b.index] == POSTED and kernel_serves(b.storage.dtype)}
 
     def _copy_in_for(self, bucket: Bucket) -> BucketCopyIn:
         """A posted bucket takes every gradient whole; a split one the parts in other ranks' chunks."""
@@ -188,6 +193,17 @@ class ShmExchange(AllReduceExchange):
     def _gather(self, bucket: Bucket, used: list[int] | None) -> None:
         """Every rank's copy of the bucket summed straight into the gradients."""
         ticket, what = self._tickets.pop(bucket.index), f"the gradient exchange of bucket {bucket.index}"
+        segments = self._sums.get(bucket.index)
+        if segments is not None and used is None:  # the usual step: every gradient there, contiguous
+            grads = [p.grad for p in bucket.params]
+            if all(grad is not None and grad.is_contiguous() for grad in grads):
+                segments[0::3] = [grad.data_ptr() for grad in grads]
+                self._await(ticket, what, bucket.index)
+                with self.timer("reduce", bucket.index):
+                    self.comm.gather_sum(bucket.storage, ticket, [(bucket.numel, self._tag_total)], segments)
+                if self.guard.enabled:
+                    self.guard.check_tag_sum(self._tag_total.item(), bucket.storage.dtype, what)
+                return
         grads, chosen = [], []  # (offset in the bucket, where the sum goes), and which parameter
         for k, (i, p, start) in enumerate(zip(bucket.indices, bucket.params, bucket.offsets)):
             if used is not None and not used[i]:

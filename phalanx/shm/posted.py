@@ -92,17 +92,22 @@ class PostedExchanges:
             raise
         return True
 
-    def gather_sum(self, tensor: torch.Tensor, ticket: int, outputs: list[tuple[int, torch.Tensor]]) -> None:
+    def gather_sum(self, tensor: torch.Tensor, ticket: int, outputs: list[tuple[int, torch.Tensor]],
+                   segments: list[int] = ()) -> None:
         """Collective, after post(tensor): wait for every rank's post, then write the sum over ranks (in
         rank order: the same bits everywhere) of `tensor.view(-1)[start:start + out.numel()]` into each
-        `(start, out)` of `outputs` (any shapes and strides). Our copy stays readable until we return."""
-        allocation, offset = self._posted_piece(tensor, "gather_sum")
-        self._guarded(self._gather_sum, allocation, offset, tensor, ticket, outputs)
+        `(start, out)` of `outputs` (any shapes and strides). Our copy stays readable until we return.
 
-    def _gather_sum(self, allocation, offset: int, tensor: torch.Tensor, ticket: int, outputs) -> None:
+        `segments` are more outputs, already as the kernel takes them (kernel_serves(tensor.dtype) only):
+        flat (address, start, count) triples of contiguous memory of tensor's dtype, for a caller that
+        keeps them from step to step and only refreshes the addresses."""
+        allocation, offset = self._posted_piece(tensor, "gather_sum")
+        self._guarded(self._gather_sum, allocation, offset, tensor, ticket, outputs, segments)
+
+    def _gather_sum(self, allocation, offset: int, tensor: torch.Tensor, ticket: int, outputs, segments) -> None:
         self._barrier.wait_all(ticket, "exchange", self._spin)
         self._check_same_post(allocation)
-        self._sum_into(self._copies(allocation, offset, tensor), outputs)
+        self._sum_into(self._copies(allocation, offset, tensor), outputs, segments)
         allocation.read_phase = self._barrier.arrive()  # done reading: peers may claim their copies
 
     def _copies(self, allocation, offset: int, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -111,20 +116,24 @@ class PostedExchanges:
         return [slot[offset:offset + nbytes].view(tensor.dtype) for slot in allocation.slots]
 
     @staticmethod
-    def _sum_into(copies: list[torch.Tensor], outputs) -> None:
+    def _sum_into(copies: list[torch.Tensor], outputs, segments=()) -> None:
         dtype = copies[0].dtype
         if kernel_serves(dtype):  # one call for every contiguous output of the copies' dtype
-            segments, rest = [], []
+            more, rest = [], []
             for start, out in outputs:
                 if out.dtype == dtype and out.is_contiguous():
                     if out.numel():
-                        segments += (out.data_ptr(), start, out.numel())
+                        more += (out.data_ptr(), start, out.numel())
                 else:
                     rest.append((start, out))
+            if more:
+                segments = [*segments, *more]
             if segments:
                 sum_pieces(tuple(copy.data_ptr() for copy in copies), segments, dtype,
                            streams(copies[0]))
             outputs = rest
+        elif segments:
+            raise ValueError(f"gather_sum(): segments are for the kernel's dtypes, not {dtype}")
         widen = dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
         for start, out in outputs:
             parts = [copy[start:start + out.numel()].view(out.shape) for copy in copies]
