@@ -194,16 +194,20 @@ class ShmExchange(AllReduceExchange):
         """Every rank's copy of the bucket summed straight into the gradients."""
         ticket, what = self._tickets.pop(bucket.index), f"the gradient exchange of bucket {bucket.index}"
         segments = self._sums.get(bucket.index)
-        if segments is not None and used is None:  # the usual step: every gradient there, contiguous
-            grads = [p.grad for p in bucket.params]
-            if all(grad is not None and grad.is_contiguous() for grad in grads):
-                segments[0::3] = [grad.data_ptr() for grad in grads]
-                self._await(ticket, what, bucket.index)
-                with self.timer("reduce", bucket.index):
-                    self.comm.gather_sum(bucket.storage, ticket, [(bucket.numel, self._tag_total)], segments)
-                if self.guard.enabled:
-                    self.guard.check_tag_sum(self._tag_total.item(), bucket.storage.dtype, what)
-                return
+        grads = [p.grad for p in bucket.params] if segments is not None and used is None else None
+        if grads is not None and all(grad is not None and grad.is_contiguous() for grad in grads):
+            segments[0::3] = [grad.data_ptr() for grad in grads]  # the usual step: only the addresses change
+            self._await(ticket, what, bucket.index)
+            with self.timer("reduce", bucket.index):
+                self.comm.gather_sum(bucket.storage, ticket, [(bucket.numel, self._tag_total)], segments)
+            tag = self._tag_total
+        else:
+            tag = self._gather_each(bucket, ticket, what, used)
+        if self.guard.enabled:
+            self.guard.check_tag_sum(tag.item(), bucket.storage.dtype, what)
+
+    def _gather_each(self, bucket: Bucket, ticket: int, what: str, used: list[int] | None) -> torch.Tensor:
+        """_gather() gradient by gradient: some unused, missing or strided. Returns the summed tag."""
         grads, chosen = [], []  # (offset in the bucket, where the sum goes), and which parameter
         for k, (i, p, start) in enumerate(zip(bucket.indices, bucket.params, bucket.offsets)):
             if used is not None and not used[i]:
@@ -216,20 +220,18 @@ class ShmExchange(AllReduceExchange):
         if bucket.large_tensors or kernel_serves(bucket.storage.dtype):  # straight into them, one call
             with self.timer("reduce", bucket.index):
                 self.comm.gather_sum(bucket.storage, ticket, grads + [(bucket.numel, self._tag_total)])
-            tag = self._tag_total
-        else:  # many small ones: a single sum into a private buffer, then one batched copy
-            total, views = self._private_total(bucket)
-            with self.timer("reduce", bucket.index):
-                self.comm.gather_sum(bucket.storage, ticket, [(0, total)])
-            tag = total[bucket.numel:]
-            with self.timer("copy_out", bucket.index):
-                if len(grads) == len(bucket.params):
-                    torch._foreach_copy_([grad for _, grad in grads], views)
-                else:
-                    for k, (_, grad) in zip(chosen, grads):
-                        grad.copy_(views[k])
-        if self.guard.enabled:
-            self.guard.check_tag_sum(tag.item(), bucket.storage.dtype, what)
+            return self._tag_total
+        # many small ones without the kernel: a single sum into a private buffer, then one batched copy
+        total, views = self._private_total(bucket)
+        with self.timer("reduce", bucket.index):
+            self.comm.gather_sum(bucket.storage, ticket, [(0, total)])
+        with self.timer("copy_out", bucket.index):
+            if len(grads) == len(bucket.params):
+                torch._foreach_copy_([grad for _, grad in grads], views)
+            else:
+                for k, (_, grad) in zip(chosen, grads):
+                    grad.copy_(views[k])
+        return total[bucket.numel:]
 
     def _private_total(self, bucket: Bucket):
         found = self._totals.get(bucket.index)

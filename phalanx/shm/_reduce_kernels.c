@@ -176,8 +176,9 @@ static void stream_scaled_f64(double *dst, const double *src, double s, size_t m
             store(dst, src, numel * sizeof(T), nt);                                              \
             return;                                                                              \
         }                                                                                        \
-        /* Through the cache, a buffer then memcpy measures faster than writing dst directly: memcpy's \
-         * string stores take the (shared-memory) lines without reading them first. */           \
+        /* Streaming: straight to memory when src and dst are aligned alike. Otherwise (and through \
+         * the cache) a buffer, then store(): writing a shared-memory dst directly measured slower, \
+         * as memcpy's string stores take the lines without reading them first. */              \
         if (nt && HAVE_STREAM_SCALED && !(((uintptr_t)dst ^ (uintptr_t)src) & 15)) {                  \
             stream_scaled_##SUFFIX(dst, src, s, numel);                                          \
             return;                                                                              \

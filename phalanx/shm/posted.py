@@ -10,6 +10,7 @@ others' results (`fetch_chunks`). `claim()` keeps a rank from rewriting a copy a
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -93,7 +94,7 @@ class PostedExchanges:
         return True
 
     def gather_sum(self, tensor: torch.Tensor, ticket: int, outputs: list[tuple[int, torch.Tensor]],
-                   segments: list[int] = ()) -> None:
+                   segments: Sequence[int] = ()) -> None:
         """Collective, after post(tensor): wait for every rank's post, then write the sum over ranks (in
         rank order: the same bits everywhere) of `tensor.view(-1)[start:start + out.numel()]` into each
         `(start, out)` of `outputs` (any shapes and strides). Our copy stays readable until we return.
@@ -102,6 +103,11 @@ class PostedExchanges:
         flat (address, start, count) triples of contiguous memory of tensor's dtype, for a caller that
         keeps them from step to step and only refreshes the addresses."""
         allocation, offset = self._posted_piece(tensor, "gather_sum")
+        if segments and not kernel_serves(tensor.dtype):
+            raise ValueError(explain("gather_sum() takes segments only for the kernel's dtypes", rank=self.rank,
+                                     seen=f"segments for a {tensor.dtype} tensor",
+                                     expected="float32 or float64 (kernel_serves())",
+                                     fix="Pass (start, tensor) outputs instead."))
         self._guarded(self._gather_sum, allocation, offset, tensor, ticket, outputs, segments)
 
     def _gather_sum(self, allocation, offset: int, tensor: torch.Tensor, ticket: int, outputs, segments) -> None:
@@ -132,8 +138,6 @@ class PostedExchanges:
                 sum_pieces(tuple(copy.data_ptr() for copy in copies), segments, dtype,
                            streams(copies[0]))
             outputs = rest
-        elif segments:
-            raise ValueError(f"gather_sum(): segments are for the kernel's dtypes, not {dtype}")
         widen = dtype in WIDENED and len(copies) > 2  # n half-precision terms: sum in fp32
         for start, out in outputs:
             parts = [copy[start:start + out.numel()].view(out.shape) for copy in copies]
