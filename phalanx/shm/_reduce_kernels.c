@@ -73,23 +73,17 @@ static void fence(int nontemporal) {
  * dst's first 16-byte boundary one by one, then 16 bytes at a time. Only for a src aligned like dst:
  * otherwise the loads straddle cache lines and the buffered way is faster (measured). */
 #if HAVE_STREAM
-static void stream_scaled_f32(float *dst, const float *src, float s, size_t m) {
-    size_t i = 0, head = ((16 - ((uintptr_t)dst & 15)) & 15) / sizeof(float);
-    for (; i < head && i < m; i++) dst[i] = src[i] * s;
-    __m128 scale = _mm_set1_ps(s);
-    for (; i + 4 <= m; i += 4) _mm_stream_ps(dst + i, _mm_mul_ps(_mm_loadu_ps(src + i), scale));
-    for (; i < m; i++) dst[i] = src[i] * s;
-}
-static void stream_scaled_f64(double *dst, const double *src, double s, size_t m) {
-    size_t i = 0, head = ((16 - ((uintptr_t)dst & 15)) & 15) / sizeof(double);
-    for (; i < head && i < m; i++) dst[i] = src[i] * s;
-    __m128d scale = _mm_set1_pd(s);
-    for (; i + 2 <= m; i += 2) _mm_stream_pd(dst + i, _mm_mul_pd(_mm_loadu_pd(src + i), scale));
-    for (; i < m; i++) dst[i] = src[i] * s;
-}
-#define HAVE_STREAM_SCALED 1
+#define DEFINE_STREAM_SCALED(SUFFIX, T, VECTOR, LANES, SET1, MUL, LOADU, STREAM)                  \
+    static void stream_scaled_##SUFFIX(T *dst, const T *src, T s, size_t m) {                    \
+        size_t i = 0, head = ((16 - ((uintptr_t)dst & 15)) & 15) / sizeof(T);                   \
+        for (; i < head && i < m; i++) dst[i] = src[i] * s;                                      \
+        VECTOR scale = SET1(s);                                                                  \
+        for (; i + LANES <= m; i += LANES) STREAM(dst + i, MUL(LOADU(src + i), scale));          \
+        for (; i < m; i++) dst[i] = src[i] * s;                                                  \
+    }
+DEFINE_STREAM_SCALED(f32, float, __m128, 4, _mm_set1_ps, _mm_mul_ps, _mm_loadu_ps, _mm_stream_ps)
+DEFINE_STREAM_SCALED(f64, double, __m128d, 2, _mm_set1_pd, _mm_mul_pd, _mm_loadu_pd, _mm_stream_pd)
 #else
-#define HAVE_STREAM_SCALED 0
 #define stream_scaled_f32(dst, src, s, m) ((void)0)
 #define stream_scaled_f64(dst, src, s, m) ((void)0)
 #endif
@@ -179,7 +173,7 @@ static void stream_scaled_f64(double *dst, const double *src, double s, size_t m
         /* Streaming: straight to memory when src and dst are aligned alike. Otherwise (and through \
          * the cache) a buffer, then store(): writing a shared-memory dst directly measured slower, \
          * as memcpy's string stores take the lines without reading them first. */              \
-        if (nt && HAVE_STREAM_SCALED && !(((uintptr_t)dst ^ (uintptr_t)src) & 15)) {                  \
+        if (nt && HAVE_STREAM && !(((uintptr_t)dst ^ (uintptr_t)src) & 15)) {                  \
             stream_scaled_##SUFFIX(dst, src, s, numel);                                          \
             return;                                                                              \
         }                                                                                        \
