@@ -19,6 +19,14 @@ from ..shm.reduce import copy_pieces
 from .buckets import Bucket
 
 
+def gradient_addresses(params: list[torch.nn.Parameter]) -> list[int] | None:
+    """Where each parameter's gradient is, in the usual step: every one there and contiguous (else None)."""
+    grads = [p.grad for p in params]
+    if all(grad is not None and grad.is_contiguous() for grad in grads):
+        return [grad.data_ptr() for grad in grads]
+    return None
+
+
 class BucketCopyIn:
     """`segments[k]`: gradient k's (bucket element offset, gradient element offset, count) pieces."""
 
@@ -39,12 +47,13 @@ class BucketCopyIn:
     def copy(self, scale: float | None) -> None:
         """The gradients' segments into the bucket, times `scale` (None: as they are)."""
         bucket = self.bucket
-        grads = [p.grad for p in bucket.params]
         dtype = bucket.storage.dtype
-        if self.whole and all(grad is not None and grad.is_contiguous() for grad in grads):
-            self.template[1::3] = [grad.data_ptr() for grad in grads]
+        addresses = gradient_addresses(bucket.params) if self.whole else None
+        if addresses is not None:
+            self.template[1::3] = addresses
             copy_pieces(self.template, dtype, scale, self.stream)
             return
+        grads = [p.grad for p in bucket.params]
         batch, base, size, buffer = [], bucket.buffer.data_ptr(), bucket.storage.element_size(), bucket.buffer
         for grad, segments in zip(grads, self.segments):
             if grad is not None and grad.is_contiguous():

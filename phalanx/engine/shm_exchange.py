@@ -21,7 +21,7 @@ from ..shm import ShmCommunicator
 from ..shm.reduce import kernel_serves, streams
 from .buckets import Bucket
 from .exchange import AllReduceExchange
-from .shm_copy_in import BucketCopyIn
+from .shm_copy_in import BucketCopyIn, gradient_addresses
 from .step_guard import StepGuard
 
 ALL_REDUCE, POSTED, SPLIT = "all-reduce", "posted", "split"
@@ -194,9 +194,9 @@ class ShmExchange(AllReduceExchange):
         """Every rank's copy of the bucket summed straight into the gradients."""
         ticket, what = self._tickets.pop(bucket.index), f"the gradient exchange of bucket {bucket.index}"
         segments = self._sums.get(bucket.index)
-        grads = [p.grad for p in bucket.params] if segments is not None and used is None else None
-        if grads is not None and all(grad is not None and grad.is_contiguous() for grad in grads):
-            segments[0::3] = [grad.data_ptr() for grad in grads]  # the usual step: only the addresses change
+        addresses = gradient_addresses(bucket.params) if segments is not None and used is None else None
+        if addresses is not None:
+            segments[0::3] = addresses  # the usual step: only the addresses change
             self._await(ticket, what, bucket.index)
             with self.timer("reduce", bucket.index):
                 self.comm.gather_sum(bucket.storage, ticket, [(bucket.numel, self._tag_total)], segments)
