@@ -2,16 +2,17 @@
 
     PYTHONPATH=. python benchmarks/exchange_floor.py [--models deep,wide] [--blocks N] [--steps N]
 
-Two ranks (1 thread each) rotate blocks of steps between three ways of training the same model:
+Two ranks (1 thread each) rotate blocks of steps between four ways of training the same model:
 - compute-only: no DDP;
 - floor posted, floor split: compute-only, then at the end of each backward the kernels of one of
   the exchange's two ways on all of the model's gradients as one bucket in shared memory (posted:
   the scaled copy of every gradient into this rank's slot, then the rank-order sum of both slots
   into the gradients; split: the copy of the half the peer sums, the own half summed into the
-  gradients and the slot, the peer's half fetched). One kernel call per phase, no waits for the
-  peer, no hooks (one, on one parameter, finds the end of backward), no Python per gradient: what
-  moving these bytes costs, and no more. The peer's bytes are read while the peer may be rewriting
-  them, so the sums are meaningless: only their cost counts;
+  gradients and the slot, the peer's half fetched). One kernel call per phase (its pieces listed
+  afresh each step, as phalanx refreshes its addresses), no waits for the peer, no hooks (one, on
+  one parameter, finds the end of backward): what moving these bytes costs, and no more. The
+  peer's bytes are read while the peer may be rewriting them, so the sums are meaningless: only
+  their cost counts;
 - phalanx: phalanx DDP over shared memory.
 
 Prints the median step of the slowest rank per way, and its ratio to compute-only: how far each
@@ -22,12 +23,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from itertools import accumulate
 
 import torch
 
 import phalanx
 from phalanx.shm import ShmCommunicator
-from phalanx.shm.reduce import KERNEL_DTYPES, chunk_bounds, copy_pieces, streams, sum_own_chunk, sum_pieces
+from phalanx.shm.reduce import (
+    KERNEL_DTYPES,
+    chunk_bounds,
+    copy_pieces,
+    kernel_serves,
+    streams,
+    sum_own_chunk,
+    sum_pieces,
+)
 from phalanx.testing import run_ranks
 from phalanx.tools.bench import run_block
 from phalanx.tools.bench_models import MODELS, make_batches
@@ -41,54 +51,42 @@ class ExchangeTraffic:
     """The exchange's kernel calls on every gradient of `params` as one bucket in shared memory."""
 
     def __init__(self, params: list[torch.nn.Parameter], comm: ShmCommunicator, split: bool):
-        self.params, self.rank = params, comm.rank
-        self.numel = sum(p.numel() for p in params)
-        self.offsets = [sum(p.numel() for p in params[:k]) for k in range(len(params))]
-        own = comm.alloc(self.numel)
+        self.params, self.rank, self.split = params, comm.rank, split
+        self.dtype = params[0].dtype
+        if not kernel_serves(self.dtype):
+            raise SystemExit(f"the floor is measured for float32 and float64 models, not {self.dtype}")
+        self.size = params[0].element_size()
+        self.offsets = [0, *accumulate(p.numel() for p in params)]
+        self.numel = self.offsets[-1]
+        own = comm.alloc(self.numel, self.dtype)
         allocation, offset = comm._locate(own)  # every rank's slot (benchmark only: no public accessor)
-        self.slots = comm._copies(allocation, offset, own)
+        self.slots = [slot.data_ptr() for slot in comm._copies(allocation, offset, own)]
         self.stream = streams(own)
-        self.split = split
-        self.bounds = chunk_bounds(self.numel, 4, len(self.slots))
-        self.queued = False
-        params[0].register_post_accumulate_grad_hook(self._queue)
-
-    def _queue(self, _param) -> None:
-        if not self.queued:
-            self.queued = True
-            _engine.queue_callback(self._exchange)
+        self.bounds = chunk_bounds(self.numel, self.size, len(self.slots))
+        params[0].register_post_accumulate_grad_hook(lambda _: _engine.queue_callback(self._exchange))
 
     def _pieces(self, lo: int, hi: int):
-        """(gradient, its element offset, bucket offset, count) for the bucket's elements lo..hi."""
+        """(gradient address, bucket offset in bytes, count) for the bucket's elements lo..hi."""
         for p, start in zip(self.params, self.offsets):
             a, b = max(lo, start), min(hi, start + p.numel())
             if b > a:
-                yield p.grad, a - start, a, b - a
+                yield p.grad.data_ptr() + (a - start) * self.size, a * self.size, b - a
 
     @torch.no_grad()
     def _exchange(self) -> None:
-        self.queued = False
-        own_slot, peer_slot = self.slots[self.rank], self.slots[1 - self.rank]
-        base, peer_base = own_slot.data_ptr(), peer_slot.data_ptr()
+        own, peer = self.slots[self.rank], self.slots[1 - self.rank]
         if not self.split:  # posted: every gradient in, then both slots summed into every gradient
-            copy_pieces([v for g, go, bo, n in self._pieces(0, self.numel)
-                         for v in (base + 4 * bo, g.data_ptr() + 4 * go, n)], torch.float32, 0.5, self.stream)
-            sum_pieces((self.slots[0].data_ptr(), self.slots[1].data_ptr()),
-                       [v for g, go, bo, n in self._pieces(0, self.numel) for v in (g.data_ptr() + 4 * go, bo, n)],
-                       torch.float32, self.stream)
+            pieces = list(self._pieces(0, self.numel))
+            copy_pieces([v for g, at, n in pieces for v in (own + at, g, n)], self.dtype, 0.5, self.stream)
+            sum_pieces(tuple(self.slots), [v for g, at, n in pieces for v in (g, at // self.size, n)], self.dtype,
+                       self.stream)
             return
-        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        plo, phi = self.bounds[1 - self.rank], self.bounds[2 - self.rank]
-        copy_pieces([v for g, go, bo, n in self._pieces(plo, phi) for v in (base + 4 * bo, g.data_ptr() + 4 * go, n)],
-                    torch.float32, 0.5, self.stream)
-        addresses = (self.slots[0].data_ptr(), self.slots[1].data_ptr())
-        for g, go, bo, n in self._pieces(lo, hi):
-            at = tuple(address + 4 * bo for address in addresses)
-            sum_own_chunk(g.data_ptr() + 4 * go, at[self.rank], g.data_ptr() + 4 * go, at, n,
-                          KERNEL_DTYPES[torch.float32], 0.5, self.rank, self.stream)
-        copy_pieces([v for g, go, bo, n in self._pieces(plo, phi)
-                     for v in (g.data_ptr() + 4 * go, peer_base + 4 * bo, n)],
-                    torch.float32, None, self.stream)
+        others = list(self._pieces(self.bounds[1 - self.rank], self.bounds[2 - self.rank]))
+        copy_pieces([v for g, at, n in others for v in (own + at, g, n)], self.dtype, 0.5, self.stream)
+        for g, at, n in self._pieces(self.bounds[self.rank], self.bounds[self.rank + 1]):
+            terms = tuple(slot + at for slot in self.slots)
+            sum_own_chunk(g, terms[self.rank], g, terms, n, KERNEL_DTYPES[self.dtype], 0.5, self.rank, self.stream)
+        copy_pieces([v for g, at, n in others for v in (g, peer + at, n)], self.dtype, None, self.stream)
 
 
 def _rank(rank: int, names: list[str], blocks: int, steps: int) -> dict:
@@ -124,9 +122,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=15, help="timed steps per block (default 15)")
     args = parser.parse_args()
     names = [name for name in args.models.split(",") if name]
-    for name in names:
-        if MODELS[name].build().parameters().__next__().dtype != torch.float32:
-            raise SystemExit(f"{name}: the floor is measured for float32 models")
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown model(s) {unknown}: choose from {sorted(MODELS)}")
     results = run_ranks(_rank, 2, (names, args.blocks, args.steps), timeout=3600, env=STEADY_MALLOC)[0]
     for name, ms in results.items():
         compute = ms["compute"]
