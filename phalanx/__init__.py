@@ -32,6 +32,7 @@ from .errors import (
     ResumeStateError,
     ShardingError,
     ShmUnavailableError,
+    StrayOptimizerError,
     SyncBatchNormError,
     UnevenInputsError,
     UnsafeCheckpointError,

@@ -183,3 +183,12 @@ class DDPPickleError(PhalanxError):
 class ShardingError(PhalanxError, ValueError):
     """A sharded DistributedDataParallel (shard="optimizer" / "gradients") was asked for something it cannot
     do: an unsupported combination (join, comm hooks, sparse gradients), or an optimizer it cannot shard."""
+
+
+class StrayOptimizerError(ShardingError):
+    """An optimizer holds a tensor the sharded model does not train: a parameter `shard="parameters"` replaced
+    with its shard, or one that only `model.shard_optimizer(opt)` may step. Names the parameter."""
+
+    def __init__(self, message: str, parameter: str | None = None):
+        super().__init__(message)
+        self.parameter = parameter

@@ -162,7 +162,12 @@ def verify(directory: Path, entry: ManifestEntry) -> str | None:
 def load_safely(path: Path, map_location):
     """`torch.load(path, weights_only=True)`; a file that needs code to load raises UnsafeCheckpointError."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        try:  # memory-mapped: a rank that keeps a slice of a tensor (a shard) reads only that slice's pages
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            return torch.load(path, map_location=map_location, weights_only=True)  # torch's legacy format
     except pickle.UnpicklingError as exc:
         reason = next((line.strip() for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line),
                       str(exc).splitlines()[0] if str(exc) else type(exc).__name__)

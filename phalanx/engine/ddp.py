@@ -41,6 +41,7 @@ from .sharded_optimizer import ShardedOptimizer
 from .shm_exchange import ShmExchange
 from .shm_sharded_exchange import ShmShardedExchange
 from .step_guard import StepGuard
+from .stray_optimizers import guard_level
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
@@ -95,6 +96,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.shard = check_shard(shard, gradient_as_bucket_view, named)
+        guard_level(named, self.shard)
         # As torch: 25 MiB buckets, and a 1 MiB first bucket unless the user chose a cap.
         self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
         first_cap = min(FIRST_BUCKET_BYTES, self.bucket_bytes_cap) if bucket_cap_mb is None else self.bucket_bytes_cap

@@ -20,13 +20,17 @@ from torch.distributed.algorithms.join import Joinable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import ShardingError, explain
 from .ddp import DistributedDataParallel, check_ready_to_wrap
 from .devices import check_device_ids, move_to
 from .full_state import full_model_state, load_full_model_state, whole
+from .meta_init import check_all_meta, has_meta_tensors, initializer, materialize
 from .optimizer_view import OptimizerView
+from .param_retarget import retarget
 from .sharded_exchange import unsupported_with_sharding
+from .stray_optimizers import forbid
 
 PARAMETERS = "parameters"
 
@@ -64,7 +68,7 @@ class ParameterShardedDDP(DistributedDataParallel):
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, shard: str = PARAMETERS, shard_blocks=None,
-                 reshard_after_forward: bool = True, **unsupported):
+                 reshard_after_forward: bool = True, init=None, **unsupported):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
         check_ready_to_wrap(unsupported)
@@ -73,26 +77,45 @@ class ParameterShardedDDP(DistributedDataParallel):
                                             "own: drop gradient_as_bucket_view.")
         self.shard = shard
         self.process_group = process_group if process_group is not None else dist.group.WORLD
+        rank = dist.get_rank()
+        meta = has_meta_tensors(module)
+        if meta:
+            check_all_meta(module, rank)
+            fill = initializer(init, rank)
+        elif init is not None:
+            raise ShardingError(explain(
+                "init= initializes a model built on the meta device; this one holds its values already", rank=rank,
+                seen=f"init={init!r} with parameters on {next(module.parameters()).device}",
+                expected="a model built under `with torch.device('meta'):`",
+                fix="Drop init=, or build the model on the meta device so that no rank holds it whole."))
         devices = {p.device for p in module.parameters()}
         if len(devices) != 1:
             raise ShardingError(explain(
-                "shard='parameters' needs the whole model on one device", rank=dist.get_rank(),
+                "shard='parameters' needs the whole model on one device", rank=rank,
                 seen=sorted(str(d) for d in devices), expected="one device",
                 fix="Move the model to this rank's device first, or use shard='gradients'."))
-        self.device = next(iter(devices))
-        self.device_ids = check_device_ids(device_ids, devices)
+        self.device = _meta_target(device_ids) if meta else next(iter(devices))
+        self.device_ids = check_device_ids(device_ids, {self.device})
         self.output_device, self.dim = output_device, dim
         self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
-        if init_sync:  # every rank starts from rank 0's weights, as with the other levels
+        if init_sync and not meta:  # every rank starts from rank 0's weights, as with the other levels
             for tensor in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(tensor.data, dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        originals = dict(module.named_parameters())  # what an optimizer built before wrapping holds
         self.mesh = DeviceMesh.from_group(self.process_group, self.device.type)
         self.blocks = choose_blocks(module, shard_blocks)
         for block in self.blocks:
             fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         self.module = fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        if meta:  # one module's whole tensors at a time, never the model's
+            materialize(self.module, self.device, fill, self.process_group, sync=init_sync)
+        trained = dict(self.module.named_parameters())
+        self._replaced = WeakIdKeyDictionary({p: trained[name] for name, p in originals.items()})
+        forbid(originals, "shard='parameters' replaced it with this rank's shard, a DTensor in model.parameters()",
+               "Pass the optimizer through model.shard_optimizer(optimizer), which re-targets it, or build it "
+               "over model.parameters() after wrapping.")
         self._reducer = None
 
     def forward(self, *inputs, **kwargs):
@@ -110,8 +133,12 @@ class ParameterShardedDDP(DistributedDataParallel):
             self.module.set_requires_gradient_sync(True)
 
     def shard_optimizer(self, optimizer: torch.optim.Optimizer, **_ignored) -> FullStateOptimizer:
-        """`optimizer` (built over this model's parameters, which are DTensor shards) with state dicts in the
-        unsharded format: checkpoints that restore at any world size and shard level."""
+        """`optimizer` re-targeted at the parameters this model trains (FSDP2's DTensor shards), with state dicts
+        in the unsharded format: checkpoints that restore at any world size and shard level. An optimizer built
+        over the module's parameters before wrapping (torch DDP's order) is re-targeted in place: its param
+        groups, their options and any state it holds follow the parameters."""
+        FullStateOptimizer._check_wrappable(optimizer, dist.get_rank(self.process_group))
+        retarget(optimizer, self._replaced, self.module, dist.get_rank(self.process_group))
         return FullStateOptimizer(optimizer, self)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -155,6 +182,21 @@ class ParameterShardedDDP(DistributedDataParallel):
         raise ShardingError(explain("a shard='parameters' model cannot be pickled or copied: its parameters are "
                                     "shards tied to this process group", rank=dist.get_rank(),
                                     fix="Save model.state_dict() (or use phalanx.Checkpointer / export_full)."))
+
+
+def _meta_target(device_ids) -> torch.device:
+    """Where a meta model's shards go: the GPU in device_ids, else this rank's device (phalanx.device(), or
+    the current GPU under NCCL when torch.distributed was set up without phalanx), else the CPU."""
+    if device_ids:
+        chosen = device_ids[0]
+        return torch.device("cuda", chosen) if isinstance(chosen, int) else torch.device(chosen)
+    from ..world import group as world
+
+    if world.is_initialized():
+        return world.device()
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class FullStateOptimizer(OptimizerView):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from ..errors import ShardingError, explain
+from ..errors import ShardingError, StrayOptimizerError, explain
 
 # The scaler passes itself to an optimizer that unscales on its own (our step makes the overflow check
 # global, which needs the scaler's per-device results); torch warns that this way may change one day.
@@ -61,11 +61,30 @@ class OptimizerView(torch.optim.Optimizer):
             return loss  # skipped on every rank: the parameters are unchanged everywhere
         for hook in self._optimizer_step_pre_hooks.values():
             hook(self, (), {})
-        self.optimizer.step()
+        self._stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._stepping = False
         for hook in self._optimizer_step_post_hooks.values():
             hook(self, (), {})
         self._after_step()
         return loss
+
+    def _only_through_view(self) -> None:
+        """Refuse a step of the wrapped optimizer called directly: only this view's step() does what comes
+        before and after it (the parameters' all-gather), so a direct one would leave ranks apart, silently."""
+        self._stepping = False
+
+        def refuse(optimizer, args, kwargs):
+            if not self._stepping:
+                raise StrayOptimizerError(explain(
+                    f"{type(optimizer).__name__}.step() was called on the optimizer given to shard_optimizer(), "
+                    "which only updates this rank's chunk", rank=self.rank, seen="optimizer.step()",
+                    expected=f"the step of the {type(self).__name__} that shard_optimizer() returned",
+                    fix="Step what shard_optimizer() returns: optimizer = model.shard_optimizer(optimizer)."))
+
+        self.optimizer.register_step_pre_hook(refuse)
 
     def _before_step(self) -> None:
         """Runs before the step (and before the overflow check)."""

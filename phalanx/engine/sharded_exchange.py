@@ -255,6 +255,13 @@ def check_shard(shard: str, as_view: bool, named: list) -> str:
                                     expected=" | ".join(repr(m) for m in SHARD_MODES),
                                     fix="Pass shard='optimizer' (ZeRO-1), 'gradients' (ZeRO-2) or 'parameters' "
                                         "(FSDP2)."))
+    on_meta = [name for name, p in named if p.is_meta]
+    if on_meta:
+        raise ShardingError(explain(
+            "a model built on the meta device is materialized only by shard='parameters'", rank=dist.get_rank(),
+            seen=f"shard={shard!r} and meta parameters {on_meta[:5]}", expected="parameters with values",
+            fix="Use shard='parameters' (it initializes one module at a time), or build the model on a real "
+                "device (net.to_empty(device=...) and your init)."))
     if shard == "gradients" and as_view:
         raise ShardingError(explain(
             "gradient_as_bucket_view does not apply with shard='gradients'", rank=dist.get_rank(),

@@ -66,6 +66,7 @@ class ShardedOptimizer(OptimizerView):
         # each parameter's index in torch's state dict format: its position over the param groups
         self._numbers = {id(p): n for n, p in enumerate(p for params in self._groups for p in params)}
         self._wrap(optimizer, rank)
+        self._only_through_view()
         self.exchange = exchange
         self._index_of = index_of
         self._pieces = pieces

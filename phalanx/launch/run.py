@@ -28,6 +28,7 @@ from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ..errors import PhalanxError, explain
 from ..world.group import usable_cores
 from ..world.rendezvous import LOOPBACK, StaticRendezvous
+from .allocator import preload_for_workers
 from .diagnosis import STALL_EXIT_CODE, RunDiagnosis
 from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
 
@@ -243,6 +244,7 @@ def run(argv: list[str] | None = None) -> int:
     rings = tempfile.mkdtemp(prefix="phalanx-rings-")
     os.environ["PHALANX_RUN_DIR"] = rings
     os.environ["PHALANX_STALL_WATCHER"] = "launcher"
+    preload_for_workers()  # tcmalloc where found: sharded steps fragment glibc's heap (allocator.py)
     diagnosis = RunDiagnosis(rings, args.stall_timeout, args.on_stall, args.log_dir, args.straggler_every)
     agent = handler = None
     try:

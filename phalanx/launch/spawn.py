@@ -14,9 +14,11 @@ import pickle
 import queue as queue_module
 import time
 import traceback
+from contextlib import contextmanager
 
 from ..errors import RankFailedError, RanksTimedOutError, explain
 from ..world.rendezvous import LOOPBACK, host_store
+from .allocator import worker_preload
 
 _GRACE_SECONDS = 3.0
 
@@ -73,17 +75,37 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
     context = mp.get_context("spawn")
     results = context.Queue()
     processes = []
-    for rank in range(nprocs):
-        child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        process = context.Process(target=_child, args=(fn, rank, nprocs, tuple(args), child_env, results, init),
-                                  name=f"phalanx-rank-{rank}", daemon=False)
-        process.start()
-        processes.append(process)
+    with _preloaded(base):  # the allocator is chosen as a process starts: the children inherit it
+        for rank in range(nprocs):
+            child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            process = context.Process(target=_child, args=(fn, rank, nprocs, tuple(args), child_env, results, init),
+                                      name=f"phalanx-rank-{rank}", daemon=False)
+            process.start()
+            processes.append(process)
     try:
         return _collect(processes, results, timeout)
     finally:
         _stop(processes)
         del server
+
+
+@contextmanager
+def _preloaded(env: dict):
+    """This process's LD_PRELOAD set to the workers' allocator (allocator.py) while children start, then back."""
+    settings = {**os.environ, **env}
+    preload = worker_preload(settings)
+    if preload is None:
+        yield
+        return
+    before = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = preload
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = before
 
 
 def _collect(processes, results, timeout: float | None) -> list:

@@ -31,7 +31,8 @@ from .bench_models import MODELS, make_batches
 
 MODES = ("none", "optimizer", "gradients", "parameters")
 LEAN = "none+view"  # unsharded with gradient_as_bucket_view: the buckets are the gradients (16 bytes/param)
-RSS_VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp2") + tuple(f"phalanx-{mode}" for mode in MODES)
+META = "phalanx-parameters+meta"  # shard="parameters" on a model built on the meta device: never whole on a rank
+RSS_VARIANTS = ("torch-ddp", "torch-zero", "torch-fsdp2") + tuple(f"phalanx-{mode}" for mode in MODES) + (META,)
 TIME_VARIANTS = tuple(f"phalanx-{mode}" for mode in MODES) + ("torch-zero",)
 LEARNING_RATE = 1e-4
 
@@ -134,7 +135,12 @@ def _rss_rank(rank: int, variant: str, width: int, bucket_cap_mb: float) -> dict
 
     baseline = _peak_rss_mb()  # torch imported, the group up: what every variant starts from
     torch.manual_seed(0)
-    module = mlp(width)
+    if variant == META:
+        with torch.device("meta"):
+            module = mlp(width)
+        variant = "phalanx-parameters"
+    else:
+        module = mlp(width)
     if variant == "torch-ddp":
         model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)

@@ -1,0 +1,194 @@
+"""Materialize a model built on the meta device as FSDP2 shards, one module at a time, so no rank ever
+holds the whole model (`shard="parameters"`).
+
+The model is sharded while it is still meta (no memory), the shards are allocated, and then each
+module's own tensors are filled in: the module gets whole, plain stand-ins for its parameters and
+buffers, initializes them as a normal build would (its `reset_parameters()`, children before
+parents, which is the order their constructors ran), and each rank keeps its slice of each. The
+random numbers are drawn in the same order and on the same generator as when the model is built
+on the CPU, so with the same seed the shards equal the normally built model's, bitwise. A model
+with its own init passes `init=callable(module)`; `init=path` reads a safetensors file (as
+`phalanx.export_weights` writes) memory-mapped, each rank copying only its slice.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..errors import ShardingError, explain
+
+
+def has_meta_tensors(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+def check_all_meta(module: torch.nn.Module, rank: int) -> None:
+    """A model is built on meta entirely or not at all: materializing would wipe tensors that hold values."""
+    real = [name for name, t in list(module.named_parameters()) + list(module.named_buffers()) if not t.is_meta]
+    if real:
+        raise ShardingError(explain(
+            "shard='parameters' takes a model built entirely on the meta device, or entirely on a real one",
+            rank=rank, seen=f"meta tensors beside real ones ({', '.join(real[:5])}{', ...' if len(real) > 5 else ''})",
+            expected="every parameter and buffer on meta",
+            fix="Build the whole model under `with torch.device('meta'):`, or none of it."))
+
+
+def initializer(init, rank: int):
+    """What fills one module's own tensors (given as whole stand-ins): its `reset_parameters()`, as torch's
+    layers run it in their constructors, then `init(module)` if given; or a safetensors file's values."""
+    if isinstance(init, (str, Path)):
+        return SafetensorsSource(Path(init), rank)
+    if init is not None and not callable(init):
+        raise ShardingError(explain("init= is a function of one module, or the path of a safetensors file",
+                                    rank=rank, seen=f"a {type(init).__name__}", expected="a callable or a path",
+                                    fix="Pass init=my_init (called once per module) or init='weights.safetensors'."))
+
+    def fill(module: torch.nn.Module) -> None:
+        reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        if reset is not None:
+            reset()
+        elif init is None:
+            own = [n for n, _ in module.named_parameters(recurse=False)]
+            own += [n for n, _ in module.named_buffers(recurse=False)]
+            raise ShardingError(explain(
+                f"cannot initialize {type(module).__name__}'s tensors {own} built on the meta device: the module "
+                "has no reset_parameters()", rank=rank, seen=type(module).__name__,
+                expected="torch layers (Linear, Embedding, LayerNorm, Conv*, ...), or an init= function",
+                fix="Pass init=fn to DistributedDataParallel, where fn(module) fills the module's own tensors "
+                    "(module.named_parameters(recurse=False)); see docs/sharding.md."))
+        if init is not None:
+            init(module)
+
+    return fill
+
+
+@torch.no_grad()
+def materialize(module: torch.nn.Module, device: torch.device, fill, group, sync: bool) -> None:
+    """Allocate the shards of a meta model already passed to fully_shard, then fill every module's own tensors
+    (see the module docstring). With `sync`, each whole stand-in is rank 0's (broadcast) before it is cut."""
+    module.to_empty(device=device)
+    _retie(module)
+    source = dist.get_global_rank(group, 0)
+    done: set[int] = set()
+    for prefix, sub in _children_first(module):
+        own = [(n, t, "_parameters") for n, t in sub._parameters.items() if t is not None] + \
+              [(n, t, "_buffers") for n, t in sub._buffers.items() if t is not None]
+        if not own:
+            continue
+        if isinstance(fill, SafetensorsSource):
+            fill.fill(prefix, own, done)
+            continue
+        # a DTensor's shape is the whole tensor's
+        stand_ins = {name: torch.empty(t.shape, dtype=t.dtype, device=device) for name, t, _ in own}
+        with _swapped(sub, own, stand_ins):
+            fill(sub)
+        for name, tensor, _ in own:
+            if id(tensor) in done:  # tied: its first owner filled it (this draw kept the random order)
+                continue
+            done.add(id(tensor))
+            whole = stand_ins[name]
+            if sync:
+                dist.broadcast(whole, source, group=group)
+            if isinstance(tensor, DTensor):
+                tensor.to_local().copy_(own_rows(whole, tensor))
+            else:
+                tensor.copy_(whole)
+
+
+def _retie(module: torch.nn.Module) -> None:
+    """`to_empty` allocates a parameter tied between modules once per module; FSDP2 tracks the first owner's:
+    point the other owners at it again, as the meta model had them."""
+    for sub in module.modules():
+        state = sub._get_fsdp_state() if isinstance(sub, FSDPModule) else None
+        for group in getattr(state, "_fsdp_param_groups", None) or []:
+            for param in group.fsdp_params:
+                info = param._module_info
+                for other, name in zip(info.shared_modules, info.shared_param_names):
+                    other._parameters[name] = param.sharded_param
+
+
+def own_rows(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's slice of `whole`, cut as `like` is (a view: nothing else of `whole` is read)."""
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    index = tuple(slice(start, start + length) for start, length in zip(offset, shape))
+    return whole[index]
+
+
+def _children_first(module: torch.nn.Module, prefix: str = ""):
+    """(qualified name, module), every submodule after its own children: the order their constructors finish."""
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _children_first(child, f"{prefix}{name}.")
+    yield prefix, module
+
+
+@contextmanager
+def _swapped(module: torch.nn.Module, own: list, stand_ins: dict):
+    """The module holds whole plain tensors (parameters stay Parameters) while its init runs on them."""
+    for name, tensor, table in own:
+        stand_in = stand_ins[name]
+        if table == "_parameters":
+            stand_in = torch.nn.Parameter(stand_in, requires_grad=tensor.requires_grad)
+            stand_ins[name] = stand_in
+        getattr(module, table)[name] = stand_in
+    try:
+        yield
+    finally:
+        for name, tensor, table in own:
+            getattr(module, table)[name] = tensor
+            stand_ins[name] = stand_ins[name].detach()
+
+
+class SafetensorsSource:
+    """Tensors of a safetensors file, memory-mapped: a rank copies its slice, and reads only those pages."""
+
+    def __init__(self, path: Path, rank: int):
+        try:
+            with open(path, "rb") as file:
+                (length,) = struct.unpack("<Q", file.read(8))
+                self.header = json.loads(file.read(length))
+                self.start = 8 + length
+                self.map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError, struct.error) as exc:
+            raise ShardingError(explain(f"init={str(path)!r} is not a readable safetensors file", rank=rank,
+                                        seen=f"{type(exc).__name__}: {exc}",
+                                        expected="a file written by phalanx.export_weights (or safetensors)",
+                                        fix="Check the path.")) from exc
+        self.path, self.rank = path, rank
+
+    def tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        from ..checkpoint.export import CODES
+
+        entry = self.header.get(name)
+        if entry is None or list(entry["shape"]) != list(like.shape) or CODES.get(entry["dtype"]) != like.dtype:
+            seen = "no such tensor" if entry is None else f"{entry['dtype']} {entry['shape']}"
+            raise ShardingError(explain(f"{self.path} does not hold {name!r} as the model does", rank=self.rank,
+                                        seen=seen, expected=f"{like.dtype} {list(like.shape)}",
+                                        fix="Export the weights of this model (phalanx.export_weights)."))
+        begin, end = entry["data_offsets"]
+        if end == begin:
+            return torch.empty(like.shape, dtype=like.dtype)
+        flat = torch.frombuffer(self.map, dtype=like.dtype, count=(end - begin) // like.element_size(),
+                                offset=self.start + begin)
+        return flat.view(like.shape)
+
+    def fill(self, prefix: str, own: list, done: set) -> None:
+        for name, tensor, _ in own:
+            if id(tensor) in done:
+                continue
+            done.add(id(tensor))
+            source = self.tensor(prefix + name, tensor)
+            if isinstance(tensor, DTensor):
+                tensor.to_local().copy_(own_rows(source, tensor))
+            else:
+                tensor.copy_(source)
