@@ -2,10 +2,11 @@
 trains there.
 
 World size 2 over Gloo, each rank in a memory cgroup of its own (cgroup v1, where the machine has
-one; else the rank's anonymous resident memory, sampled in each step, is compared to the same limit). The model, 12 x Linear(1448, 1448),
-has 25.2M parameters: replicated fp32 AdamW state is 16 bytes each, 384 MiB, over the 288 MiB limit
-on what a rank allocates once started. Built on the meta device and sharded, it trains; the same
-model replicated (shard="none") under the same limit is killed, which proves the limit bites.
+one; else the rank's anonymous resident memory, sampled in each step, is compared to the limit).
+The model, 12 x Linear(1448, 1448), has 25.2M parameters: replicated fp32 AdamW state is 16 bytes
+each, 384 MiB, over the 288 MiB limit on what a rank allocates once started. Built on the meta
+device and sharded, it trains; the same model replicated (shard="none") under the same limit is
+killed, which proves the limit bites.
 """
 
 import os
