@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from ..engine.ddp import DistributedDataParallel
 from ..errors import BenchConfigError, PhalanxError, explain
+from ..launch.allocator import worker_preload
 from ..launch.spawn import spawn
 from .bench import run_block
 from .bench_models import MODELS, make_batches
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worlds", default="2,4", help="world sizes for the byte count (default 2,4)")
     parser.add_argument("--width", type=int, default=2048, help="width of the MLP counted and measured: "
                         "12 x Linear(w, w), 50.4M parameters at 2048 (default)")
+    parser.add_argument("--rss-worlds", default="2,4", help="world sizes for the peak RSS (default 2,4)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size of phalanx DDP in the byte "
                         "count and peak RSS (default 25, as torch's)")
     parser.add_argument("--time-models", default="wide,gpt", help="models for the step times (default wide,gpt)")
@@ -218,10 +220,14 @@ def run(args) -> dict:
     if "rss" not in skip:
         results["rss"] = {}
         params = results["params"]
-        for variant in RSS_VARIANTS:
-            _say(f"peak RSS of {variant} on 2 ranks ({params / 1e6:.1f}M parameters, AdamW), in fresh processes")
-            results["rss"][variant] = spawn(_rss_rank, 2, args=(variant, args.width, args.bucket_cap_mb), env=_env(),
-                                            timeout=1800)
+        for world_size in [int(w) for w in args.rss_worlds.split(",")]:
+            results["rss"][world_size] = {}
+            for variant in RSS_VARIANTS:
+                _say(f"peak RSS of {variant} on {world_size} ranks ({params / 1e6:.1f}M parameters, AdamW), in fresh "
+                     "processes")
+                results["rss"][world_size][variant] = spawn(_rss_rank, world_size,
+                                                            args=(variant, args.width, args.bucket_cap_mb),
+                                                            env=_env(), timeout=1800)
     if "time" not in skip:
         names = [n.strip() for n in args.time_models.split(",") if n.strip()]
         _say(f"step times of {', '.join(names)} on 2 ranks x 1 thread, AdamW, {args.blocks} interleaved blocks "
@@ -243,13 +249,16 @@ def format_report(results: dict) -> str:
             lines.append(f"{mode:<10} {rank['parameters'] / 1e6:8.2f} {rank['gradients'] / 1e6:8.2f} "
                          f"{rank['optimizer'] / 1e6:8.2f} {rank['exchange'] / 1e6:9.2f} {rank['total'] / 1e6:8.2f} "
                          f"{worst[mode] / worst['none']:6.3f} {worst[mode] / worst[LEAN]:13.3f}")
-    if "rss" in results:
-        lines.append(f"\npeak RSS per rank, 2 ranks, {results['params'] / 1e6:.1f}M parameters, AdamW (MB; the "
-                     "larger rank; above: minus the RSS after start-up)")
-        for variant, per_rank in results["rss"].items():
-            peak = max(r["peak_mb"] for r in per_rank)
+    for world_size, variants in results.get("rss", {}).items():
+        allocator = worker_preload() or "the system's malloc"
+        lines.append(f"\npeak RSS per rank, {world_size} ranks, {results['params'] / 1e6:.1f}M parameters, AdamW (MB; "
+                     f"the largest rank; above: minus the RSS after start-up; allocator: {allocator.split()[0]})")
+        peaks = {variant: max(r["peak_mb"] for r in per_rank) for variant, per_rank in variants.items()}
+        for variant, per_rank in variants.items():
             above = max(r["peak_mb"] - r["baseline_mb"] for r in per_rank)
-            lines.append(f"{variant:<18} peak {peak:8.1f}   above start-up {above:8.1f}")
+            lines.append(f"{variant:<24} peak {peaks[variant]:8.1f}   above start-up {above:8.1f}   "
+                         f"/ torch-ddp {peaks[variant] / peaks['torch-ddp']:6.3f}   "
+                         f"/ phalanx-none {peaks[variant] / peaks['phalanx-none']:6.3f}")
     for name, medians in results.get("time", {}).items():
         base = medians["phalanx-none"]
         lines.append(f"\nstep time, {name}, 2 ranks (median of the slowest rank; ratio to phalanx none)")

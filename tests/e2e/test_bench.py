@@ -96,13 +96,13 @@ def test_bench_profile_splits_a_phalanx_step_into_its_phases(tmp_path, capfd):
 
 
 def test_bench_memory_counts_bytes_rss_and_step_times(tmp_path):
-    """World sizes 2 and 4 (byte count), 2 (peak RSS, step times), on a small MLP with a bucket per layer:
-    the report's three parts; sharded modes hold fewer model-state bytes than shard='none'. No timing
-    is asserted."""
+    """World sizes 2 and 4 (byte count), 2 (peak RSS, step times; the FSDP2 level built normally and on
+    meta), on a small MLP with a bucket per layer: the report's three parts; sharded modes hold fewer
+    model-state bytes than shard='none'. No timing is asserted."""
     out = tmp_path / "memory.json"
     env = {**os.environ, "PYTHONPATH": checkout_on_pythonpath()}
     command = [sys.executable, "-m", "phalanx", "bench", "--memory", "--width", "256", "--bucket-cap-mb", "0.3",
-               "--time-models", "deep", "--steps", "2", "--blocks", "1", "--out", str(out)]
+               "--time-models", "deep", "--steps", "2", "--blocks", "1", "--rss-worlds", "2", "--out", str(out)]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(out.read_text())
@@ -115,7 +115,7 @@ def test_bench_memory_counts_bytes_rss_and_step_times(tmp_path):
             assert rank["gradients"]["optimizer"] * int(world_size) == pytest.approx(rank["none"]["optimizer"],
                                                                                       rel=0.05)
     levels = {"phalanx-none", "phalanx-optimizer", "phalanx-gradients", "phalanx-parameters"}
-    assert set(results["rss"]) == {"torch-ddp", "torch-zero", "torch-fsdp2"} | levels
+    assert set(results["rss"]["2"]) == {"torch-ddp", "torch-zero", "torch-fsdp2", "phalanx-parameters+meta"} | levels
     assert set(results["time"]["deep"]) == levels | {"torch-zero"}
-    for expected in ("model-state bytes per rank, 4 ranks", "peak RSS per rank", "step time, deep"):
+    for expected in ("model-state bytes per rank, 4 ranks", "peak RSS per rank, 2 ranks", "step time, deep"):
         assert expected in done.stdout
