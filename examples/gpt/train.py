@@ -144,8 +144,13 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     config = GPTConfig(len(vocab), args.block_size, args.n_layer, args.n_head, args.d_model, args.dropout)
-    model = px.DistributedDataParallel(GPT(config).to(device), device_ids=[device] if device.type == "cuda" else None,
-                                       shard=args.shard)
+    device_ids = [device] if device.type == "cuda" else None
+    if args.shard == "parameters":  # built on meta and sharded one module at a time: never whole on a rank
+        with torch.device("meta"):
+            net = GPT(config)
+        model = px.DistributedDataParallel(net, device_ids=device_ids, shard="parameters", init=GPT._init_weights)
+    else:
+        model = px.DistributedDataParallel(GPT(config).to(device), device_ids=device_ids, shard=args.shard)
     optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, args.max_steps))
