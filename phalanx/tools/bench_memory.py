@@ -250,9 +250,10 @@ def format_report(results: dict) -> str:
                          f"{rank['optimizer'] / 1e6:8.2f} {rank['exchange'] / 1e6:9.2f} {rank['total'] / 1e6:8.2f} "
                          f"{worst[mode] / worst['none']:6.3f} {worst[mode] / worst[LEAN]:13.3f}")
     for world_size, variants in results.get("rss", {}).items():
-        allocator = worker_preload() or "the system's malloc"
+        preload = worker_preload()
+        allocator = Path(preload.split()[0]).name if preload else "the system's malloc"
         lines.append(f"\npeak RSS per rank, {world_size} ranks, {results['params'] / 1e6:.1f}M parameters, AdamW (MB; "
-                     f"the largest rank; above: minus the RSS after start-up; allocator: {allocator.split()[0]})")
+                     f"the largest rank; above: minus the RSS after start-up; allocator: {allocator})")
         peaks = {variant: max(r["peak_mb"] for r in per_rank) for variant, per_rank in variants.items()}
         for variant, per_rank in variants.items():
             above = max(r["peak_mb"] - r["baseline_mb"] for r in per_rank)
