@@ -3,12 +3,12 @@ holds the whole model (`shard="parameters"`).
 
 The model is sharded while it is still meta (no memory), the shards are allocated, and then each
 module's own tensors are filled in: the module gets whole, plain stand-ins for its parameters and
-buffers, initializes them as a normal build would (its `reset_parameters()`, children before
-parents, which is the order their constructors ran), and each rank keeps its slice of each. The
-random numbers are drawn in the same order and on the same generator as when the model is built
-on the CPU, so with the same seed the shards equal the normally built model's, bitwise. A model
-with its own init passes `init=callable(module)`; `init=path` reads a safetensors file (as
-`phalanx.export_weights` writes) memory-mapped, each rank copying only its slice.
+buffers, on the CPU, initializes them as a normal build would (its `reset_parameters()`, children
+before parents, which is the order their constructors ran), and each rank keeps its slice of each
+on its device. The random numbers are drawn in the same order and on the same generator as when the
+model is built on the CPU, so with the same seed the shards equal the normally built model's,
+bitwise. A model with its own init passes `init=callable(module)`; `init=path` reads a safetensors
+file (as `phalanx.export_weights` writes) memory-mapped, each rank copying only its slice.
 """
 
 from __future__ import annotations
@@ -88,15 +88,16 @@ def materialize(module: torch.nn.Module, device: torch.device, fill, group, sync
         if isinstance(fill, SafetensorsSource):
             fill.fill(prefix, own, done)
             continue
-        # a DTensor's shape is the whole tensor's
-        stand_ins = {name: torch.empty(t.shape, dtype=t.dtype, device=device) for name, t, _ in own}
+        # On the CPU, as a normal build runs before `.to(device)`: the same generator, so the same numbers.
+        # A DTensor's shape is the whole tensor's.
+        stand_ins = {name: torch.empty(t.shape, dtype=t.dtype) for name, t, _ in own}
         with _swapped(sub, own, stand_ins):
             fill(sub)
         for name, tensor, _ in own:
             if id(tensor) in done:  # tied: its first owner filled it (this draw kept the random order)
                 continue
             done.add(id(tensor))
-            whole = stand_ins[name]
+            whole = stand_ins[name].to(device)
             if sync:
                 dist.broadcast(whole, source, group=group)
             if isinstance(tensor, DTensor):

@@ -50,3 +50,21 @@ def test_shard_modes_on_cuda_match_none_and_hold_less_memory(capsys):
             print(f"max_memory_allocated: {mode} {peak / 2**20:.1f} MiB ({peak / reference_bytes:.3f} of none)")
         if mode != "parameters":  # at world size 1, FSDP2 shards nothing: its figure is printed, not bounded
             assert peak < reference_bytes
+
+
+def _meta_on_cuda(rank: int) -> bool:
+    device = phalanx.device()
+    torch.manual_seed(0)
+    expected = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).to(device)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+    model = phalanx.DistributedDataParallel(net, device_ids=[device.index], shard="parameters")
+    got = whole_parameters(model)
+    return all(a.device == device and torch.equal(a, b) for a, b in zip(got, expected.parameters()))
+
+
+def test_meta_build_on_cuda_equals_the_cpu_build_moved():
+    """World size 1 (NCCL); skipped without a GPU: initialized on the CPU's generator, as a normal build, then
+    each rank's slices go to its GPU."""
+    assert phalanx.spawn(_meta_on_cuda, 1, timeout=300, env={"PHALANX_BACKEND": "nccl"}) == [True]
