@@ -34,14 +34,9 @@ def forbid(tensors_by_name: dict, why: str, fix: str) -> None:
 
 
 def allow(tensors) -> None:
-    """Forget these tensors (a model re-wrapped, or its optimizer re-targeted at what it trains)."""
+    """Forget these tensors (the same parameters wrapped again, unsharded)."""
     for tensor in tensors:
         _registry.pop(tensor, None)
-
-
-def forbidden_name(tensor: torch.Tensor) -> str | None:
-    entry = _registry.get(tensor)
-    return entry[0] if entry else None
 
 
 def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -54,8 +49,8 @@ def _check_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             if entry is not None:
                 name, why, fix = entry
                 raise StrayOptimizerError(explain(
-                    f"{type(optimizer).__name__}.step() would update parameter {name!r} (param group {number}), "
-                    f"which the model does not train: {why}", rank=_rank(),
+                    f"{type(optimizer).__name__}.step() would update parameter {name!r} (param group {number}) "
+                    f"directly: {why}", rank=_rank(),
                     seen=f"a tensor of shape {tuple(tensor.shape)}", expected="the parameters the model trains",
                     fix=fix), parameter=name)
     _checked[optimizer] = count
