@@ -10,6 +10,7 @@ gathering each tensor, rank 0 writes it and lets it go, so no rank ever holds th
 from __future__ import annotations
 
 import json
+import mmap as memory_map
 import struct
 from pathlib import Path
 
@@ -82,24 +83,43 @@ def export_weights(model: torch.nn.Module, path) -> Path | None:
     return path if world.group_rank() == 0 else None
 
 
-def load_weights(path, device="cpu") -> dict[str, torch.Tensor]:
-    """Read a safetensors file (from export_weights or elsewhere) into a state dict; no code is executed."""
+def load_weights(path, device="cpu", *, mmap: bool = False) -> dict[str, torch.Tensor]:
+    """Read a safetensors file (from export_weights or elsewhere) into a state dict; no code is executed.
+
+    With `mmap=True` the tensors are views of the file mapped into memory (copy-on-write, on the CPU):
+    nothing is read until used, so a rank that copies its slices of each (a meta-built
+    `shard="parameters"` model's `init=`) reads only those.
+
+    >>> model = px.DistributedDataParallel(meta_net, shard="parameters",             # doctest: +SKIP
+    ...                                    init=px.load_weights("weights.safetensors", mmap=True))
+    """
     path = Path(path)
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         header = json.loads(file.read(length))
         start = 8 + length
+        mapped = memory_map.mmap(file.fileno(), 0, access=memory_map.ACCESS_COPY) if mmap else None
         state = {}
         for name, entry in header.items():
             if name == "__metadata__":
                 continue
             begin, end = entry["data_offsets"]
+            dtype = CODES[entry["dtype"]]
+            if mapped is not None:
+                if start + end > len(mapped):
+                    raise CheckpointError(explain(f"{path} is truncated", seen=f"{len(mapped)} bytes",
+                                                  expected=f"{start + end} for {name}",
+                                                  fix="Export the weights again."))
+                count = (end - begin) // dtype.itemsize
+                tensor = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin) if count \
+                    else torch.empty(0, dtype=dtype)
+                state[name] = tensor.reshape(entry["shape"])
+                continue
             file.seek(start + begin)
             data = bytearray(file.read(end - begin))
             if len(data) != end - begin:
                 raise CheckpointError(explain(f"{path} is truncated", seen=f"{len(data)} bytes of {name}",
                                               expected=f"{end - begin}", fix="Export the weights again."))
-            dtype = CODES[entry["dtype"]]
             tensor = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
             state[name] = tensor.reshape(entry["shape"]).to(device)
     return state

@@ -7,17 +7,14 @@ buffers, on the CPU, initializes them as a normal build would (its `reset_parame
 before parents, which is the order their constructors ran), and each rank keeps its slice of each
 on its device. The random numbers are drawn in the same order and on the same generator as when the
 model is built on the CPU, so with the same seed the shards equal the normally built model's,
-bitwise. A model with its own init passes `init=callable(module)`; `init=path` reads a safetensors
-file (as `phalanx.export_weights` writes) memory-mapped, each rank copying only its slice.
+bitwise. A model with its own init passes `init=callable(module)`; `init=state_dict` copies saved weights, e.g.
+`phalanx.load_weights(path, mmap=True)`: memory-mapped, each rank reads only its slices.
 """
 
 from __future__ import annotations
 
-import json
-import mmap
-import struct
+from collections.abc import Mapping
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -45,13 +42,14 @@ def check_all_meta(module: torch.nn.Module, rank: int) -> None:
 
 def initializer(init, rank: int):
     """What fills one module's own tensors (given as whole stand-ins): its `reset_parameters()`, as torch's
-    layers run it in their constructors, then `init(module)` if given; or a safetensors file's values."""
-    if isinstance(init, (str, Path)):
-        return SafetensorsSource(Path(init), rank)
+    layers run it in their constructors, then `init(module)` if given; or the values of a state dict."""
+    if isinstance(init, Mapping):
+        return StateDictSource(init, rank)
     if init is not None and not callable(init):
-        raise ShardingError(explain("init= is a function of one module, or the path of a safetensors file",
-                                    rank=rank, seen=f"a {type(init).__name__}", expected="a callable or a path",
-                                    fix="Pass init=my_init (called once per module) or init='weights.safetensors'."))
+        raise ShardingError(explain("init= is a function of one module, or a state dict of whole tensors",
+                                    rank=rank, seen=f"a {type(init).__name__}", expected="a callable or a mapping",
+                                    fix="Pass init=my_init (called once per module) or "
+                                        "init=phalanx.load_weights('weights.safetensors', mmap=True)."))
 
     def fill(module: torch.nn.Module) -> None:
         reset = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
@@ -85,7 +83,7 @@ def materialize(module: torch.nn.Module, device: torch.device, fill, group, sync
               [(n, t, "_buffers") for n, t in sub._buffers.items() if t is not None]
         if not own:
             continue
-        if isinstance(fill, SafetensorsSource):
+        if isinstance(fill, StateDictSource):
             fill.fill(prefix, own, done)
             continue
         # On the CPU, as a normal build runs before `.to(device)`: the same generator, so the same numbers.
@@ -150,38 +148,22 @@ def _swapped(module: torch.nn.Module, own: list, stand_ins: dict):
             stand_ins[name] = stand_ins[name].detach()
 
 
-class SafetensorsSource:
-    """Tensors of a safetensors file, memory-mapped: a rank copies its slice, and reads only those pages."""
+class StateDictSource:
+    """Whole tensors by name (a state dict, e.g. `phalanx.load_weights(path, mmap=True)`): a rank copies its
+    slice of each, and from a memory-mapped file reads only those pages."""
 
-    def __init__(self, path: Path, rank: int):
-        try:
-            with open(path, "rb") as file:
-                (length,) = struct.unpack("<Q", file.read(8))
-                self.header = json.loads(file.read(length))
-                self.start = 8 + length
-                self.map = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError, struct.error) as exc:
-            raise ShardingError(explain(f"init={str(path)!r} is not a readable safetensors file", rank=rank,
-                                        seen=f"{type(exc).__name__}: {exc}",
-                                        expected="a file written by phalanx.export_weights (or safetensors)",
-                                        fix="Check the path.")) from exc
-        self.path, self.rank = path, rank
+    def __init__(self, state: Mapping, rank: int):
+        self.state, self.rank = state, rank
 
     def tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        from ..checkpoint.export import CODES
-
-        entry = self.header.get(name)
-        if entry is None or list(entry["shape"]) != list(like.shape) or CODES.get(entry["dtype"]) != like.dtype:
-            seen = "no such tensor" if entry is None else f"{entry['dtype']} {entry['shape']}"
-            raise ShardingError(explain(f"{self.path} does not hold {name!r} as the model does", rank=self.rank,
+        value = self.state.get(name)
+        if not isinstance(value, torch.Tensor) or value.shape != like.shape or value.dtype != like.dtype:
+            seen = "no such tensor" if value is None else \
+                f"{getattr(value, 'dtype', type(value).__name__)} {list(getattr(value, 'shape', []))}"
+            raise ShardingError(explain(f"init= does not hold {name!r} as the model does", rank=self.rank,
                                         seen=seen, expected=f"{like.dtype} {list(like.shape)}",
-                                        fix="Export the weights of this model (phalanx.export_weights)."))
-        begin, end = entry["data_offsets"]
-        if end == begin:
-            return torch.empty(like.shape, dtype=like.dtype)
-        flat = torch.frombuffer(self.map, dtype=like.dtype, count=(end - begin) // like.element_size(),
-                                offset=self.start + begin)
-        return flat.view(like.shape)
+                                        fix="Pass the weights of this model (phalanx.export_weights writes them)."))
+        return value
 
     def fill(self, prefix: str, own: list, done: set) -> None:
         for name, tensor, _ in own:

@@ -116,12 +116,12 @@ def _from_export(rank, world, path):
     px.barrier()
     with torch.device("meta"):
         net = Net()
-    model = px.DistributedDataParallel(net, shard="parameters", init=path)
+    model = px.DistributedDataParallel(net, shard="parameters", init=px.load_weights(path, mmap=True))
     return all(torch.equal(a, b) for a, b in zip(whole_parameters(model), trained.module.parameters()))
 
 
 def test_a_meta_build_starts_from_exported_weights(tmp_path):
-    """World size 2: init='weights.safetensors' fills each rank's shards from the file."""
+    """World size 2: init=px.load_weights(path, mmap=True) fills each rank's shards from the mapped file."""
     assert run_ranks(_from_export, 2, (2, str(tmp_path / "w.safetensors"))) == [True, True]
 
 
@@ -171,5 +171,5 @@ def test_misuses_raise_sharding_errors():
     seen = run_ranks(_misuse, 2, (2,))[0]
     assert "shard='parameters'" in seen["meta at gradients"] and "mid.weight" in seen["meta at gradients"]
     assert "init=" in seen["init on a real model"]
-    assert "a int" in seen["init of another kind"]
+    assert "a int" in seen["init of another kind"] and "load_weights" in seen["init of another kind"]
     assert "inp.weight" in seen["half on meta"]
