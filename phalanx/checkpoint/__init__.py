@@ -2,5 +2,6 @@
 running code (`atomic_files.py`), every rank's random states (`random_state.py`), and whole weights
 exported for inference (`export.py`)."""
 
-from .checkpointer import Checkpointer, unwrap
+from .checkpointer import Checkpointer
+from .entries import unwrap
 from .export import export_weights, load_weights
