@@ -23,7 +23,10 @@ from ..errors import PeerFailedError, RanksTimedOutError, WorldConfigError, expl
 from ..world import group as world
 from ..world import stop
 
-DEFAULT_INTERVAL = 0.2  # seconds between agreements: a stop costs at most ~0.4 s of steps
+# Seconds between agreements: a stop is acted on within about twice this (plus a step). Measured on the
+# 2-core bench machine, one agreement costs ~40-300 us of the main thread (the launch, and Gloo's thread
+# taking the core); 0.5 s apart keeps that under 0.1 % of a step (docs/benchmarks.md).
+DEFAULT_INTERVAL = 0.5
 MAX_EVERY = 10_000
 DEAD_CHECK_AFTER = 1.0
 
@@ -63,7 +66,11 @@ class StopAgreement:
         self.count = 0  # steps seen
         self.group = None
         self.work = None
-        self.payload: torch.Tensor | None = None
+        self.payload = torch.zeros(2, dtype=torch.int64)
+        self.values = self.payload.numpy()  # written and read without a torch call each
+        self.options = dist.AllreduceOptions()
+        # MAX of the flags: any rank's request stops them all; MAX of minus the proposals: the smallest one.
+        self.options.reduceOp = dist.ReduceOp.MAX
         self.due = 0  # the step at which the pending agreement is read
         self.every = 1  # agreed: steps between agreements
         self.launched_at = (0, 0.0)  # (count, time) of the last launch, for the next proposal
@@ -96,10 +103,9 @@ class StopAgreement:
             # Gloo on the CPU whatever the main backend: a flag read later needs no stream sync. Every rank
             # makes this group at its first step, the same point of its collective order.
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._limit()))
-        flag = stop.code_of(stop.requested())
-        # MAX of the flags: any rank's request stops them all; MAX of minus the proposals: the smallest one.
-        self.payload = torch.tensor([flag, -proposal], dtype=torch.int64)
-        self.work = dist.all_reduce(self.payload, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self.values[0], self.values[1] = stop.code_of(stop.requested()), -proposal
+        # The group's own call: dist.all_reduce's checks cost more than the collective's launch (~70 vs 40 us).
+        self.work = self.group.allreduce([self.payload], self.options)
         self.due = self.count + self.every
         self.launched_at = (self.count, time.monotonic())
 
@@ -124,7 +130,7 @@ class StopAgreement:
                 expected="every rank calling checkpointer.step() once per step",
                 fix="Read the other ranks' logs: one failed, or left the training loop before the others."),
                 peer_rank=min(dead) if dead else None) from None
-        return int(self.payload[0]), int(self.payload[1])
+        return int(self.values[0]), int(self.values[1])
 
     def _wait(self, work) -> None:
         limit = self._limit()

@@ -16,6 +16,9 @@ import signal
 import threading
 import time
 
+import torch
+import torch.distributed as dist
+
 from ..log import logger
 
 # sysexits.h's EX_TEMPFAIL, "a temporary failure; the user is invited to retry": every step is saved,
@@ -30,6 +33,7 @@ _stopping = False  # the agreed stop is under way: later signals change nothing
 _owner = 0  # the pid that installed the handlers: a forked child (a DataLoader worker) is not asked
 _previous: dict = {}
 _teardown = None  # () -> bool: the launcher is tearing the group down (a failure elsewhere): die at once
+_group = None  # Gloo group of stop_requested(agree=True)
 
 
 class RunStopped(SystemExit):
@@ -75,8 +79,8 @@ def listen() -> None:
 
 def stop_listening() -> None:
     """After shutdown() nobody reads the flag: signals end the process again as they would without phalanx."""
-    global _listening
-    _listening = False
+    global _listening, _group
+    _listening, _group = False, None
 
 
 def listening() -> bool:
@@ -119,17 +123,30 @@ def stopping() -> None:
     _stopping = True
 
 
-def stop_requested() -> bool:
+def stop_requested(agree: bool = False) -> bool:
     """True once a stop was requested of this rank: a signal, its launcher, or another rank through the agreement.
 
     A flag read, no collective: call it as often as you like, e.g. to leave an evaluation early. Ranks may
-    learn it a moment apart; the step at which every rank saves is agreed by `checkpointer.step()`.
+    learn it a moment apart (under `phalanx run`, within about a tenth of a second); the step at which
+    every rank saves is agreed by `checkpointer.step()` all the same. Where every rank must leave at the
+    same iteration (an evaluation under shard="parameters", whose forward is collective), pass
+    `agree=True`: every rank must then call it together, and it answers the same on all of them (one
+    blocking all-reduce of a flag per call).
 
     >>> import phalanx as px
     >>> px.stop_requested()
     False
     """
+    global _group
     listen()
+    if not agree or not dist.is_initialized() or dist.get_world_size() == 1:
+        return _requested is not None
+    if _group is None:  # every rank's first call is at the same point: it is a collective
+        _group = dist.new_group(backend="gloo")
+    flag = torch.tensor([code_of(_requested)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_group)
+    if int(flag):
+        request(reason_of(int(flag)))
     return _requested is not None
 
 
