@@ -64,7 +64,7 @@ class Agent(LocalElasticAgent):
         pcontext.close = close_after_marking
 
     def _stop_workers(self, worker_group, *args, **kwargs):
-        self.end_attempt(self._attempt_failed)
+        self.end_attempt("failed" if self._attempt_failed else "stopped" if self.ended_by_stop else "finished")
         self.stop.workers_stopped()
         super()._stop_workers(worker_group, *args, **kwargs)
         # torch signals only the workers still running; children of a worker that already died
@@ -78,9 +78,9 @@ class Agent(LocalElasticAgent):
             death_sig = signal.SIGKILL
         super()._shutdown(death_sig, timeout)
 
-    def end_attempt(self, failed: bool) -> None:
+    def end_attempt(self, outcome: str) -> None:
         """The attempt's workers are done: its time goes into the run summary (once per attempt)."""
-        self.summary.attempt_ended(progress.read(self.diagnosis.directory), failed)
+        self.summary.attempt_ended(progress.read(self.diagnosis.directory), outcome)
 
     def _monitor_workers(self, worker_group):
         self.stop.tick()  # passes a request on; raises GraceExpired when the grace period is over

@@ -23,7 +23,8 @@ SUMMARY_NAME = "run-summary.json"
 FORMAT = "phalanx.run-summary/1"
 LOST = ("startup", "restore", "save", "redone", "restart", "outside")
 LABELS = {"startup": "start-up and rendezvous", "restore": "checkpoint restores", "save": "checkpoint saves",
-          "redone": "steps redone after a failure", "restart": "restarts", "outside": "outside the training loop"}
+          "redone": "steps redone (lost after the last save)", "restart": "restarts",
+          "outside": "outside the training loop"}
 
 
 def _say(text: str) -> None:
@@ -87,8 +88,10 @@ class RunSummary:
         self.attempt_began, self.last_end = now, None
         self.now.attempts += 1
 
-    def attempt_ended(self, records: dict, failed: bool) -> None:
-        """The attempt's workers are gone; `records`: this node's progress records, by global rank."""
+    def attempt_ended(self, records: dict, outcome: str) -> None:
+        """The attempt's workers are gone; `records`: this node's progress records, by global rank. `outcome`:
+        finished or stopped (every step counts), failed or killed (the steps after the last save are lost)."""
+        lost, failed = outcome in ("failed", "killed"), outcome == "failed"
         if self.attempt_began is None:
             return
         now = time.monotonic()
@@ -109,7 +112,7 @@ class RunSummary:
             if event.get("event") == "checkpointer" and not self.directory:
                 self.directory = event.get("directory")
         startup = max(0.0, record.loop_start - began - record.restore_seconds)
-        counted = record.loop_at_save if failed else record.loop_seconds
+        counted = record.loop_at_save if lost else record.loop_seconds
         redone = record.loop_seconds - counted
         rest = max(0.0, span - startup - record.restore_seconds - record.save_seconds - record.loop_seconds)
         times.startup += startup
@@ -117,15 +120,16 @@ class RunSummary:
         times.save += record.save_seconds
         times.counted += counted
         times.redone += redone
-        if failed:
-            times.restart += rest
+        if lost:
             self.now.steps_redone += record.steps_unsaved
+        if failed:  # from the last step to the teardown: detecting the failure, stopping the group
+            times.restart += rest
         else:
             times.outside += rest
         self.now.saves += record.saves
         if self.now.first_step is None:
             self.now.first_step = record.first_step
-        self.now.last_step = record.step if not failed else max(record.saved_step, record.first_step)
+        self.now.last_step = max(record.saved_step, record.first_step) if lost else record.step
 
     def finish(self, outcome: str) -> None:
         """Print the summary (this run, then the whole job) and write it as JSON."""

@@ -278,11 +278,13 @@ def _conclude(agent: Agent, result, diagnosis: RunDiagnosis, stop: StopRequest, 
     failed = result is not None and result.is_failed()
     failures = result.failures if failed else {}
     genuine = {rank: f for rank, f in failures.items() if f.exitcode != STOP_EXIT_CODE and f.exitcode > 0}
-    agent.end_attempt(failed and not agent.ended_by_stop)
     if agent.ended_by_stop or (stop.active and failed and not genuine):
         others = {rank: f.exitcode for rank, f in failures.items() if f.exitcode != STOP_EXIT_CODE}
         code, lines = stop_report(stop, progress.read(diagnosis.directory), others)
-        return _Ended(code, "stopped" if code == STOP_EXIT_CODE else "killed", lines)
+        outcome = "stopped" if code == STOP_EXIT_CODE else "killed"
+        agent.end_attempt(outcome)
+        return _Ended(code, outcome, lines)
+    agent.end_attempt("failed" if failed else "finished")
     if not failed:
         return _Ended(0, "finished")
     if diagnosis.stalled:
@@ -298,7 +300,7 @@ def _stopped_by_signal(agent: Agent | None, exc: SignalException, diagnosis: Run
     """The run ended in the middle: a stop before any worker ran, the grace period over, a second Ctrl-C,
     or SIGHUP / SIGQUIT (torch's handler)."""
     if agent is not None:
-        agent.end_attempt(failed=True)
+        agent.end_attempt("killed")
     records = progress.read(diagnosis.directory)
     if isinstance(exc, StoppedBeforeStart):
         when = ("while the workers were being restarted after a failure" if agent is not None

@@ -155,6 +155,8 @@ def stop_report(stop: StopRequest, records: dict, ended_by_signal: dict) -> tupl
     waited = time.monotonic() - stop.since if stop.since else 0.0
     signum = int(stop.signal) if stop.signal is not None else int(signal.SIGTERM)
     stopped = {rank: r for rank, r in records.items() if r.stop_step >= 0}
+    # A worker that saved and was on its way out when a signal came late still stopped cleanly.
+    ended_by_signal = {rank: code for rank, code in ended_by_signal.items() if rank not in stopped}
     if records and len(stopped) == len(records) and not ended_by_signal:
         first = stopped[min(stopped)]
         event = first.last("stopped") or {}
@@ -185,13 +187,15 @@ def stop_report(stop: StopRequest, records: dict, ended_by_signal: dict) -> tupl
 
 
 def stop_lost(records: dict) -> str:
+    """'; the newest checkpoint is at step 200: the 90 step(s) after it are lost', from the workers' records."""
     training = [r for r in records.values() if r.loop_start]
     if not training:
         return ""
     newest = max(r.saved_step for r in training)
     lost = max(r.steps_unsaved for r in training)
-    where = f"the newest checkpoint is at step {newest}" if newest >= 0 else "nothing was saved"
-    return f"; {where}, {lost} step(s) after it are lost"
+    if newest < 0:
+        return f"; nothing was saved: the {lost} step(s) trained are lost"
+    return f"; the newest checkpoint is at step {newest}: the {lost} step(s) after it are lost"
 
 
 def interruptible(fn):

@@ -121,6 +121,11 @@ def stopping() -> None:
     """The agreed stop is under way (saved, leaving): further signals are ignored, a second Ctrl-C aside."""
     global _stopping
     _stopping = True
+    if threading.current_thread() is threading.main_thread():
+        # Ignored by the kernel, not by a Python handler: Python puts the default actions back while the
+        # interpreter finalizes, and a late SIGTERM (a launcher passing a request on) would then kill it.
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, signal.SIG_IGN)
 
 
 def stop_requested(agree: bool = False) -> bool:

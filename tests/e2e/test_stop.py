@@ -14,6 +14,7 @@ agree at every step, so each stop lands within two steps and a chain of twenty f
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -167,3 +168,128 @@ def test_sharded_parameters_level(tmp_path):
     numbers = [int(step) for step, _ in steps_log(tmp_path / "run")]
     assert sorted(numbers) == list(range(1, 81))
     assert all(torch.equal(a, b) for a, b in zip(final(tmp_path / "run")["params"], final(reference)["params"]))
+
+
+def two_hosts_run(hosts, run_dir: Path, *job_args, port: int) -> list[tuple[int, str]]:
+    """The job on 2 hosts x 1 worker, one `phalanx run` per network namespace; (exit code, output) per host."""
+    nodes = []
+    try:
+        for node_rank, host in enumerate(hosts):
+            # Inside a namespace the host name resolves to loopback: name Gloo's interface.
+            command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "2",
+                       "--node-rank", str(node_rank), "--nproc-per-node", "1", "--master-addr", hosts[0]["addr"],
+                       "--master-port", str(port), "--rdzv-timeout", "60", str(JOB), str(run_dir), *job_args]
+            nodes.append(subprocess.Popen(command, env=job_env(GLOO_SOCKET_IFNAME=host["dev"]), cwd=ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [node.communicate(timeout=HANG_GUARD)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+    return [(node.returncode, output) for node, output in zip(nodes, outputs)]
+
+
+def test_two_hosts_stop_on_one_reaches_both(tmp_path, two_hosts):  # noqa: F811 - the fixture
+    """World size 2: 2 hosts x 1 worker (network namespaces); SIGTERM to host 1's launcher only, mid-step."""
+    reference = tmp_path / "uninterrupted"
+    assert [code for code, _ in two_hosts_run(two_hosts, reference, port=29561)] == [0, 0]
+    run_dir = tmp_path / "run"
+    stopped = two_hosts_run(two_hosts, run_dir, "--moment", "step:3", port=29562)
+    ended = time.time()
+    for code, output in stopped:
+        assert code == 75, output
+    steps = {stop_step(output) for _, output in stopped}
+    assert len(steps) == 1 and None not in steps, [output for _, output in stopped]
+    assert "SIGTERM on node 1" in stopped[0][1], stopped[0][1]  # host 0 heard it through the store
+    assert ended - asked_at(run_dir) < GRACE
+    finished = two_hosts_run(two_hosts, run_dir, port=29563)
+    assert [code for code, _ in finished] == [0, 0], finished
+    assert resumed_step(finished[0][1]) == steps.pop()
+    check_same_as_uninterrupted(run_dir, reference)
+
+
+def start_launcher(run_dir: Path, *job_args, flags=()) -> subprocess.Popen:
+    command = [sys.executable, "-m", "phalanx", "run", *flags, str(JOB), str(run_dir), *job_args]
+    return subprocess.Popen(command, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def wait_for_training(launcher: subprocess.Popen, run_dir: Path) -> None:
+    deadline = time.monotonic() + HANG_GUARD
+    while not (run_dir / "steps.log").exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert launcher.poll() is None, launcher.communicate()[0]
+
+
+def finish(launcher: subprocess.Popen) -> tuple[int, str, float]:
+    try:
+        output, _ = launcher.communicate(timeout=HANG_GUARD)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    return launcher.returncode, output, time.monotonic()
+
+
+def all_gone(run_dir: Path) -> list[int]:
+    """The workers (pids the job wrote) still running a few seconds after the launcher ended."""
+    pids = [int(path.read_text()) for path in run_dir.glob("pid-*")]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(is_running(pid) for pid in pids):
+        time.sleep(0.1)
+    return [pid for pid in pids if is_running(pid)]
+
+
+def is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+class TestLauncherEdges:
+    """World size 2 (and a lone node 1): the stops that cannot wait for an agreed step."""
+
+    def test_a_stop_during_the_launchers_rendezvous_ends_it_at_once(self, tmp_path):
+        """Node 1 of 2 waits for a node 0 that never comes; SIGTERM: nothing ran, nothing to save."""
+        from phalanx.testing import free_port
+
+        launcher = start_launcher(tmp_path, flags=("--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
+                                                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                                                   "--rdzv-timeout", "60"))
+        time.sleep(3)
+        asked = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        code, output, ended = finish(launcher)
+        assert code == 75, output
+        assert "during the rendezvous, before any worker started: nothing to save" in output
+        assert ended - asked < 5, output
+
+    def test_a_second_ctrl_c_kills_at_once(self, tmp_path):
+        """World size 2, steps of 3 s: Ctrl-C asks, a second Ctrl-C kills before the agreed step."""
+        launcher = start_launcher(tmp_path, "--step-seconds", "3", flags=("--nproc-per-node", "2"))
+        wait_for_training(launcher, tmp_path)
+        launcher.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        asked = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        code, output, ended = finish(launcher)
+        assert code == 128 + signal.SIGINT, output
+        assert "stopped at once by a second Ctrl-C; the workers were killed" in output
+        assert ended - asked < 5, output
+        assert all_gone(tmp_path) == []
+
+    def test_workers_that_miss_the_grace_period_are_killed(self, tmp_path):
+        """World size 2, steps of 3 s, --grace-period 1: the agreed step comes too late."""
+        launcher = start_launcher(tmp_path, "--step-seconds", "3", flags=("--nproc-per-node", "2",
+                                                                          "--grace-period", "1"))
+        wait_for_training(launcher, tmp_path)
+        launcher.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        code, output, ended = finish(launcher)
+        assert code == 128 + signal.SIGTERM, output
+        assert "did not stop within --grace-period 1 s of the request (SIGTERM); they were killed" in output
+        assert ended - asked < 6, output
+        assert all_gone(tmp_path) == []
