@@ -7,9 +7,10 @@ record on); blocks of steps alternate between calling `checkpointer.step(state)`
 step (no `every`: it only agrees on stops) and not calling it, so the machine's drift hits both
 alike. Prints the median step time of the slowest rank per setting and their ratio; and, since on a
 busy machine that ratio moves by more than the cost measured, the cost itself in CPU time, which
-preemption by other processes does not inflate: the main thread's time inside step(), plus the time
-the other threads of the process (Gloo's, which run the agreement's all-reduce) spent in excess of
-the blocks without step(), per step, against the step time. `--interval` is PHALANX_STOP_INTERVAL.
+preemption by other processes does not inflate: the main thread's time inside step() per step (the
+agreement group's creation, once per run, left out), plus the CPU time Gloo's threads spend on one
+agreement (measured apart, 300 agreements between idle ranks) divided by the steps between two
+agreements; against the step time. `--interval` is PHALANX_STOP_INTERVAL.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 import torch
 
 import phalanx
+from phalanx.checkpoint.agreement import StopAgreement
 from phalanx.testing import run_ranks
 from phalanx.tools.bench import run_block
 from phalanx.tools.bench_models import MODELS, make_batches
@@ -49,19 +51,30 @@ def _measure(name: str, rank: int, blocks: int, steps: int, directory: str) -> d
         inside.append(time.thread_time() - started)
         return result
 
+    checkpointer.step({})  # the first call makes the agreement's Gloo group: once per run, not per step
     times = {"on": [], "off": []}
-    others = {"on": [], "off": []}  # CPU seconds per step of the threads other than this one
     for block in range(2 * blocks):
         setting = ("on", "off")[block % 2]
         optimizer.step = step_then_agree if setting == "on" else plain_step
-        process, thread = time.process_time(), time.thread_time()
         times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
-        others[setting].append(((time.process_time() - process) - (time.thread_time() - thread)) / (steps + 2))
     optimizer.step = plain_step
-    return {**{s: statistics.median(v) for s, v in times.items()},
-            "inside_us": 1e6 * statistics.mean(inside),
-            "others_us": 1e6 * (statistics.mean(others["on"]) - statistics.mean(others["off"])),
-            "every": checkpointer._agreement.every}
+    return {**{s: statistics.median(v) for s, v in times.items()}, "inside_us": 1e6 * statistics.mean(inside),
+            "every": checkpointer._agreement.every, **_one_agreement()}
+
+
+def _one_agreement(count: int = 300) -> dict:
+    """CPU time of one agreement, all threads: the main thread's (launch, read) and Gloo's (the all-reduce)."""
+    agreement = StopAgreement()
+    agreement.target = 0.0  # an agreement at every call
+    agreement.at_step()  # the group is made here, not measured
+    phalanx.barrier()
+    process, thread = time.process_time(), time.thread_time()
+    for _ in range(count):
+        time.sleep(0.002)  # idle ranks: nothing else of this process runs
+        agreement.at_step()
+    main = (time.thread_time() - thread) / count
+    every_thread = (time.process_time() - process) / count
+    return {"agreement_main_us": 1e6 * main, "agreement_gloo_us": 1e6 * (every_thread - main)}
 
 
 def main() -> None:
@@ -77,10 +90,11 @@ def main() -> None:
             env["PHALANX_STOP_INTERVAL"] = str(args.interval)
         results = run_ranks(_rank, 2, (args.models, args.blocks, args.steps, directory), timeout=3600, env=env)[0]
     for name, r in results.items():
-        cost = max(0.0, r["inside_us"]) + max(0.0, r["others_us"])
+        cost = r["inside_us"] + r["agreement_gloo_us"] / r["every"]
         print(f"{name:<6} step() on {r['on']:8.2f} ms   off {r['off']:8.2f} ms   on/off {r['on'] / r['off']:.4f};   "
-              f"CPU per step: in step() {r['inside_us']:5.1f} us + other threads {r['others_us']:+6.1f} us = "
-              f"{100 * cost / (1000 * r['off']):.3f} % of a step; an agreement every {r['every']} step(s)")
+              f"CPU per step {r['inside_us']:5.1f} us in step() + {r['agreement_gloo_us']:5.1f} us of Gloo's per "
+              f"agreement / {r['every']} steps = {100 * cost / (1000 * r['off']):.3f} % of a step "
+              f"(an agreement: {r['agreement_main_us']:.0f} us on the main thread)")
 
 
 if __name__ == "__main__":

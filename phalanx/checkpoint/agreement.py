@@ -75,12 +75,13 @@ class StopAgreement:
         self.every = 1  # agreed: steps between agreements
         self.launched_at = (0, 0.0)  # (count, time) of the last launch, for the next proposal
         self.agreed = False
+        self.world_size = world.group_size()  # asked once: torch's get_world_size() costs ~20 us a call
 
     def at_step(self) -> bool:
         self.count += 1
         if self.agreed:
             return True
-        if world.group_size() == 1:  # nobody to agree with: act on this process's own flag
+        if self.world_size == 1:  # nobody to agree with: act on this process's own flag
             self.agreed = stop.requested() is not None
             return self.agreed
         if self.work is None:
@@ -122,7 +123,7 @@ class StopAgreement:
         try:
             work.wait()
         except Exception as exc:  # Gloo: a peer closed its connection
-            dead = recorder.dead_peers(range(world.group_size()))
+            dead = recorder.dead_peers(range(self.world_size))
             raise PeerFailedError(explain(
                 "the ranks' agreement on a stop lost a rank", rank=world.group_rank(),
                 seen=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -140,7 +141,7 @@ class StopAgreement:
             now = time.monotonic()
             if now > dead_check:  # a rank that died will never arrive: say so now, not at the deadline
                 dead_check = now + 0.5
-                dead = recorder.dead_peers(range(world.group_size()))
+                dead = recorder.dead_peers(range(self.world_size))
                 if dead:
                     raise PeerFailedError(explain(
                         "the ranks' agreement on a stop cannot complete", rank=world.group_rank(),

@@ -48,7 +48,7 @@ class Agent(LocalElasticAgent):
                                                  for local, pid in pids.items()})
         self.summary.attempt_started()
         self._attempt_failed = False
-        self.stop.workers_started(pids.values(), worker_group.store)
+        self.stop.workers_started(pids.values(), worker_group.store, worker_group.group_rank)
         return pids
 
     def _mark_teardown_before_close(self) -> None:
@@ -124,7 +124,9 @@ class Agent(LocalElasticAgent):
         return True
 
     def _stopped_on_request(self, failures: dict) -> bool:
+        """Every worker that ended saved at the agreed step (its record says so; or it exited with 75 while
+        this launcher was stopping: a script's own exit code 75 alone is not a stop)."""
         records = progress.read(self.diagnosis.directory)
         return bool(failures) and all(
-            f.exitcode == STOP_EXIT_CODE or (rank in records and records[rank].stop_step >= 0)
+            (rank in records and records[rank].stop_step >= 0) or (f.exitcode == STOP_EXIT_CODE and self.stop.active)
             for rank, f in failures.items())

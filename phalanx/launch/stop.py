@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -41,7 +42,11 @@ class GraceExpired(SignalException):
 
 
 class StopRequest:
-    """This launcher's view of a stop: asked when and by what, told to which workers, and the deadline."""
+    """This launcher's view of a stop: asked when and by what, told to which workers, and the deadline.
+
+    `ask(sig, origin)` is the one way a stop starts (this node's signal, another node's through the store);
+    what follows the workers' exit is the agent's to decide (today the run ends; a group that grows at a
+    step boundary would restart instead)."""
 
     def __init__(self, grace_period: float, node_rank: int):
         self.grace_period, self.node_rank = grace_period, node_rank
@@ -54,6 +59,7 @@ class StopRequest:
         self.store = None
         self.published = False
         self._next_look = 0.0
+        self._me = f"{os.getpid()}@{socket.gethostname()}"  # tells this launcher's own entry in the store apart
 
     @property
     def active(self) -> bool:
@@ -68,10 +74,10 @@ class StopRequest:
     def _on_signal(self, signum: int, frame) -> None:
         sig = signal.Signals(signum)
         if self.signal is None:
-            self._begin(sig, "")
             if not self.pids:
+                self.signal, self.since = sig, time.monotonic()
                 raise StoppedBeforeStart(f"stop requested by {sig.name} while no worker runs", sig)
-            self._tell_workers()  # at once; the store is written from the monitor loop
+            self.ask(sig, "")  # at once; the store is written from the monitor loop
         elif sig == signal.SIGINT:
             self.kill_now = True
             _say("second Ctrl-C: stopping the workers now.")
@@ -80,11 +86,12 @@ class StopRequest:
             _say(f"{sig.name}: already stopping ({time.monotonic() - self.since:.1f} s of the "
                  f"{self.grace_period:g} s grace period gone).")
 
-    def _begin(self, sig: signal.Signals, origin: str) -> None:
+    def ask(self, sig: signal.Signals, origin: str) -> None:
+        """Start a stop: say so, and pass it on to this node's workers (the grace period starts now)."""
         self.signal, self.origin, self.since = sig, origin, time.monotonic()
-        if self.pids:
-            _say(f"{sig.name}{origin}: asking the workers to save at a step they agree on and stop "
-                 f"(--grace-period {self.grace_period:g} s; Ctrl-C again to stop at once).")
+        _say(f"{sig.name}{origin}: asking the workers to save at a step they agree on and stop "
+             f"(--grace-period {self.grace_period:g} s; Ctrl-C again to stop at once).")
+        self._tell_workers()
 
     def adopt(self) -> None:
         """The workers are stopping on a request this launcher did not get (another node's, or one sent to a
@@ -94,8 +101,9 @@ class StopRequest:
 
     # -- the workers of one attempt ---------------------------------------------------------------
 
-    def workers_started(self, pids, store) -> None:
-        self.pids, self.told, self.store = set(pids), set(), store
+    def workers_started(self, pids, store, node_rank: int) -> None:
+        """A new attempt's workers run; `node_rank` is this node's rank in the rendezvous (elastic ones assign it)."""
+        self.pids, self.told, self.store, self.node_rank = set(pids), set(), store, node_rank
 
     def workers_stopped(self) -> None:
         self.pids = set()
@@ -112,7 +120,7 @@ class StopRequest:
         if not self.published and self.store is not None and not self.origin:
             self.published = True
             try:
-                self.store.set(STORE_KEY, f"{self.signal.name} {self.node_rank}")
+                self.store.set(STORE_KEY, f"{self.signal.name} {self.node_rank} {self._me}")
             except Exception:  # the store's host is gone: its workers will spread the request anyway
                 pass
         if now > self.since + self.grace_period:
@@ -123,11 +131,11 @@ class StopRequest:
         try:
             if not self.store.check([STORE_KEY]):
                 return
-            name, node = self.store.get(STORE_KEY).decode().split()
-        except Exception:
+            name, node, who = self.store.get(STORE_KEY).decode().split()
+        except Exception:  # unreadable, or the store's host is gone: nothing to act on
             return
-        if int(node) != self.node_rank:
-            self._begin(getattr(signal.Signals, name, signal.SIGTERM), f" on node {node}")
+        if who != self._me:
+            self.ask(getattr(signal.Signals, name, signal.SIGTERM), f" on node {node}")
 
     def _tell_workers(self) -> None:
         for pid in self.pids - self.told:
