@@ -24,8 +24,8 @@ from ..world import group as world
 from ..world import stop
 
 # Seconds between agreements: a stop is acted on within about twice this (plus a step). Measured on the
-# 2-core bench machine, one agreement costs ~40-300 us of the main thread (the launch, and Gloo's thread
-# taking the core); 0.5 s apart keeps that under 0.1 % of a step (docs/benchmarks.md).
+# 2-core bench machine, one agreement costs 50-110 us of the main thread and 100-250 us of Gloo's; 0.5 s
+# apart keeps the cost per step at 0.1-0.2 % of the bench models' steps, one per step cost up to 1.8 %.
 DEFAULT_INTERVAL = 0.5
 MAX_EVERY = 10_000
 DEAD_CHECK_AFTER = 1.0

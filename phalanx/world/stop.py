@@ -173,8 +173,9 @@ def _on_signal(signum: int, frame) -> None:
         return _as_without_us(signum, frame)
     if _requested is None:
         request(name)
-        logger.warning("%s: a stop is requested; saving at the next step all ranks agree on, then exiting "
-                       "with code %d", name, STOP_EXIT_CODE)
+        # INFO: rank 0 says it (every rank hears it from `phalanx run`); the agreed stop is logged anyway.
+        logger.info("%s: a stop is requested; saving at the next step all ranks agree on, then exiting with code %d",
+                    name, STOP_EXIT_CODE)
 
 
 def _as_without_us(signum: int, frame) -> None:
