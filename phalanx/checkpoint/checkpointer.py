@@ -39,7 +39,9 @@ class Checkpointer:
     `state` maps names to objects with state_dict()/load_state_dict() (models, DDP-wrapped or not,
     optimizers, schedulers, GradScaler, phalanx.DataLoader / DistributedSampler) and to plain values
     (numbers, strings, small lists and dicts), which `restore` writes back into the dict. Every
-    rank's random states are saved and restored too. Call `save` and `restore` on every rank.
+    rank's random states are saved and restored too. Call `save`, `restore` and `step` on every rank;
+    `step(state)` once per optimizer step saves every `every` steps, and once more, at a step all ranks
+    agree on, when the job is asked to stop (SIGTERM, SIGINT, SIGUSR1), then ends the process.
 
     >>> import phalanx as px, torch                                  # doctest: +SKIP
     >>> px.init()
@@ -232,9 +234,10 @@ class Checkpointer:
     # -- the training loop ------------------------------------------------------------------------
 
     def step(self, state: dict, *, last: bool = False) -> Path | None:
-        """Call once per optimizer step, on every rank. Saves every `every` steps (and when `last`); when a
-        stop was requested of any rank, every rank saves at the same step and the process ends: RunStopped,
-        a SystemExit with code 75, is raised after the save. Returns the path of a save made here, else None.
+        """Call once per optimizer step, on every rank, last in the step (after its logging or evaluation, so
+        that a stop saves what the step left). Saves every `every` steps (and when `last`); when a stop was
+        requested of any rank, every rank saves at the same step and the process ends: RunStopped, a
+        SystemExit with code 75, is raised after the save. Returns the path of a save made here, else None.
 
         >>> for x, y in loader:                              # doctest: +SKIP
         ...     loss_fn(model(x), y).backward(); optimizer.step(); optimizer.zero_grad()
