@@ -55,6 +55,7 @@ from .world import (
     shutdown,
     world_size,
 )
+from .world.stop import STOP_EXIT_CODE, RunStopped, stop_requested
 
 __version__ = "0.1.0"
 

@@ -7,8 +7,10 @@
 
 Shows: mixed precision on GPU (autocast + GradScaler), gradient accumulation that exchanges gradients
 once per step (`no_sync` on the other micro-batches), checkpoints and resume (run the same command
-again: it continues from the last checkpoint; `--fresh` starts over), sharding (`--shard optimizer`,
-`gradients` or `parameters`; a checkpoint resumes at any other level), and sampling at the end.
+again: it continues from the last checkpoint; `--fresh` starts over), a stop that loses nothing
+(SIGTERM or Ctrl-C to `phalanx run`: every rank saves at the same step and exits with code 75; the
+same command resumes there), sharding (`--shard optimizer`, `gradients` or `parameters`; a checkpoint
+resumes at any other level), and sampling at the end.
 It prints the character unigram entropy of the text: what a model that ignores context scores.
 """
 
@@ -93,6 +95,8 @@ def validation_loss(model, dataset, batch_size, autocast, device, pad: bool) -> 
     mean = px.metrics.Mean()
     model.eval()
     for x, y in px.DataLoader(dataset, batch_size=batch_size, sampler=sampler):
+        if px.stop_requested(agree=pad):  # asked to stop: training is saved; leave early (together under FSDP2)
+            break
         with autocast:
             _, loss = model(x.to(device), y.to(device))
         mean.update(loss, weight=y.numel())
@@ -176,7 +180,8 @@ def main() -> None:
         if px.is_main():
             shutil.rmtree(checkpoint_dir, ignore_errors=True)
         px.barrier()
-    checkpointer = px.Checkpointer(checkpoint_dir, keep=2)
+    # Saves every --checkpoint-every steps, at the last step, and at the step all ranks agree on when asked to stop.
+    checkpointer = px.Checkpointer(checkpoint_dir, keep=2, every=args.checkpoint_every)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "loader": loader,
              "step": 0, "epoch": 0}
     if checkpointer.restore(state):
@@ -194,8 +199,7 @@ def main() -> None:
                 px.print0(f"step {step:5d}/{args.max_steps}  loss {loss_since_log.compute():.3f}  "
                           f"({time.perf_counter() - started:.0f}s)")
                 loss_since_log = px.metrics.Mean()
-            if step % args.checkpoint_every == 0 or step == args.max_steps:
-                checkpointer.save(state)
+            checkpointer.step(state, last=step == args.max_steps)  # last in the step: saves what the step did
             if step >= args.max_steps:
                 break
         else:

@@ -1,6 +1,8 @@
-"""Checkpoints: what is saved (`checkpointer.py`), how it reaches the disk atomically and loads without
-running code (`atomic_files.py`), every rank's random states (`random_state.py`), and whole weights
-exported for inference (`export.py`)."""
+"""Checkpoints: what is saved and when (`checkpointer.py`, `entries.py`), how it is loaded back
+(`restoring.py`), how it reaches the disk atomically and loads without running code (`atomic_files.py`),
+every rank's random states (`random_state.py`), the ranks' agreement on the step to stop at
+(`agreement.py`), and whole weights exported for inference (`export.py`)."""
 
-from .checkpointer import Checkpointer, unwrap
+from .checkpointer import Checkpointer
+from .entries import unwrap
 from .export import export_weights, load_weights

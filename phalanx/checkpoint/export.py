@@ -19,7 +19,7 @@ import torch
 from ..errors import CheckpointError, CheckpointWriteError, explain
 from ..world import group as world
 from . import atomic_files
-from .checkpointer import unwrap
+from .entries import unwrap
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

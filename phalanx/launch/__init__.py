@@ -1,2 +1,3 @@
-"""Starting workers: `phalanx run` on torch's elastic agent (`run.py`), the worker entry point, failure
-reports, and `phalanx.spawn` for the mp.spawn style."""
+"""Starting workers: `phalanx run` on torch's elastic agent (`run.py`, `agent.py`), the worker entry point,
+failure reports, stop requests passed on to the workers (`stop.py`), the run summary (`goodput.py`), and
+`phalanx.spawn` for the mp.spawn style."""

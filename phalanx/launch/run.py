@@ -3,7 +3,8 @@
 torch.distributed.elastic does the work: rendezvous between nodes, one process per local rank,
 monitoring, stopping the whole group when one worker fails, restarting it up to --max-restarts
 times. phalanx adds what a user sees: a loopback-only store on a free port for single-node runs,
-rank-prefixed output, the failing rank's own traceback printed last, and no process left behind.
+rank-prefixed output, the failing rank's own traceback printed last, no process left behind, a
+stop request turned into one agreed checkpoint (stop.py), and a run summary (goodput.py).
 """
 
 from __future__ import annotations
@@ -17,20 +18,32 @@ import tempfile
 from datetime import timedelta
 
 import torch
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
-from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig
 
+from ..diagnose import progress
 from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ..errors import PhalanxError, explain
 from ..world.group import usable_cores
 from ..world.rendezvous import LOOPBACK, StaticRendezvous
+from ..world.stop import STOP_EXIT_CODE
+from .agent import Agent
 from .allocator import preload_for_workers
 from .diagnosis import STALL_EXIT_CODE, RunDiagnosis
 from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
+from .goodput import RunSummary
+from .stop import (
+    DEFAULT_GRACE_PERIOD,
+    GraceExpired,
+    StoppedBeforeStart,
+    StopRequest,
+    interruptible,
+    stop_lost,
+    stop_report,
+)
 
 DEFAULT_MULTI_NODE_PORT = 29500
 MAX_AUTO_CPU_WORKERS = 8
@@ -74,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--straggler-every", "--straggler_every", dest="straggler_every", type=int, default=None, metavar="N",
         help="every N steps, name a rank that arrives consistently late at the gradient exchanges; 0 = off. "
              "Default: $PHALANX_STRAGGLER_EVERY, else 100")
+    add("--grace-period", "--grace_period", dest="grace_period", type=float, default=DEFAULT_GRACE_PERIOD,
+        metavar="S", help=f"on SIGTERM, SIGINT or SIGUSR1, wait up to S seconds for the workers to save at an agreed "
+                          f"step and exit {STOP_EXIT_CODE}, then kill them. Default {DEFAULT_GRACE_PERIOD:g}")
     add("-m", "--module", action="store_true",
         help="the target is a module to run as `python -m`, not a script path")
     add("target", metavar="script.py | module", help="the training script (or module with -m)")
@@ -137,51 +153,12 @@ def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
         args.straggler_every = int(os.environ.get("PHALANX_STRAGGLER_EVERY", "100"))
     if args.straggler_every < 0:
         raise ValueError(explain("--straggler-every is negative", seen=args.straggler_every, expected=">= 0"))
+    if args.grace_period < 0:
+        raise ValueError(explain("--grace-period is negative", seen=args.grace_period, expected="seconds >= 0"))
     if args.monitor_interval <= 0:
         raise ValueError(explain("--monitor-interval must be positive", seen=args.monitor_interval,
                                  expected="seconds > 0, e.g. 0.1"))
     return nproc, min_nodes, max_nodes
-
-
-class _Agent(LocalElasticAgent):
-    """torch's local agent, plus: say which rank failed before a restart, sweep stray processes, and
-    watch the workers' records for stalls and stragglers (diagnosis.py)."""
-
-    def __init__(self, *args, diagnosis: RunDiagnosis, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.group_pids: set[int] = set()
-        self.diagnosis = diagnosis
-
-    def _start_workers(self, worker_group):
-        pids = super()._start_workers(worker_group)
-        self.group_pids = set(pids.values())
-        attempt = worker_group.spec.max_restarts - self._remaining_restarts  # TORCHELASTIC_RESTART_COUNT
-        self.diagnosis.attempt_started(attempt, {worker_group.workers[local].global_rank: pid
-                                                 for local, pid in pids.items()})
-        return pids
-
-    def _stop_workers(self, worker_group, *args, **kwargs):
-        super()._stop_workers(worker_group, *args, **kwargs)
-        # torch signals only the workers still running; children of a worker that already died
-        # (its DataLoader workers, say) live on in that worker's process group.
-        sweep_process_groups(self.group_pids)
-        self.group_pids = set()
-
-    def _monitor_workers(self, worker_group):
-        result = super()._monitor_workers(worker_group)
-        spec = worker_group.spec
-        attempt = spec.max_restarts - self._remaining_restarts + 1
-        if result.state == WorkerState.HEALTHY and self.diagnosis.poll():
-            result = RunResult(state=WorkerState.FAILED)  # no worker failed: the group stalled
-            if self._remaining_restarts > 0:
-                _say(f"the stall ends attempt {attempt} of {spec.max_restarts + 1}; restarting the worker group "
-                     f"(attempt {attempt + 1} of {spec.max_restarts + 1}).")
-        elif result.state == WorkerState.FAILED and self._remaining_restarts > 0:
-            rank, failure = root_cause(result.failures)
-            _say(f"{describe_failure(rank, failure)} on attempt {attempt} of {spec.max_restarts + 1}; "
-                 f"restarting the worker group (attempt {attempt + 1} of {spec.max_restarts + 1}).")
-            self.diagnosis.on_failure(result.failures)
-        return result
 
 
 def _say(text: str) -> None:
@@ -239,37 +216,41 @@ def run(argv: list[str] | None = None) -> int:
     # Workers read the environment of this process: tell phalanx.init() that lines are already
     # prefixed with the rank. OMP_NUM_THREADS is deliberately left alone (init() shares the cores).
     os.environ["PHALANX_RANK_PREFIXED"] = "1"
-    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    # SIGTERM, SIGINT and SIGUSR1 are this launcher's (stop.py): torch's handler would kill the workers.
+    os.environ.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGHUP,SIGQUIT")
     # The workers' records of their collectives live here; this process watches them, not the workers.
     rings = tempfile.mkdtemp(prefix="phalanx-rings-")
     os.environ["PHALANX_RUN_DIR"] = rings
     os.environ["PHALANX_STALL_WATCHER"] = "launcher"
     preload_for_workers()  # tcmalloc where found: sharded steps fragment glibc's heap (allocator.py)
     diagnosis = RunDiagnosis(rings, args.stall_timeout, args.on_stall, args.log_dir, args.straggler_every)
+    stop = StopRequest(args.grace_period, args.node_rank)
+    summary = RunSummary(args.log_dir, writes_job_file=args.node_rank == 0)
+    stop.install()  # from now on: during the rendezvous too
     agent = handler = None
     try:
-        handler = _rendezvous_handler(args, config, args.node_rank)
-        entrypoint, worker_args = _worker_command(args)
-        spec = WorkerSpec(role="worker", local_world_size=nproc, entrypoint=entrypoint, args=worker_args,
-                          rdzv_handler=handler, max_restarts=args.max_restarts,
-                          monitor_interval=args.monitor_interval)
-        agent = _Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
-                       log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis)
-        _quiet_torch_elastic()  # now that every torch module in use has made its logger
-        result = agent.run()
-        if result is None or not result.is_failed():
-            return 0
-        if diagnosis.stalled:
-            _say("the workers were stopped after the stall reported above.")
-            return STALL_EXIT_CODE
-        diagnosis.on_failure(result.failures)
-        return _report_failure(result.failures, args.max_restarts)
-    except (PhalanxError, RendezvousError) as exc:
-        _say(f"{type(exc).__name__}: {exc}")
-        return 1
-    except SignalException as exc:
-        _say(f"stopped by {exc.sigval.name}; the workers were stopped too.")
-        return 128 + int(exc.sigval)
+        try:
+            # In a thread: waiting for node 0's store is a C++ call that would hold a stop request back.
+            handler = interruptible(lambda: _rendezvous_handler(args, config, args.node_rank))
+            entrypoint, worker_args = _worker_command(args)
+            spec = WorkerSpec(role="worker", local_world_size=nproc, entrypoint=entrypoint, args=worker_args,
+                              rdzv_handler=handler, max_restarts=args.max_restarts,
+                              monitor_interval=args.monitor_interval)
+            agent = Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
+                          log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis, stop=stop,
+                          summary=summary)
+            _quiet_torch_elastic()  # now that every torch module in use has made its logger
+            result = agent.run()
+            ended = _conclude(agent, result, diagnosis, stop, args.max_restarts)
+        except (PhalanxError, RendezvousError) as exc:
+            ended = _Ended(1, "failed", [f"{type(exc).__name__}: {exc}"])
+        except SignalException as exc:
+            ended = _stopped_by_signal(agent, exc, diagnosis, stop)
+        if summary.now.attempts:
+            summary.writes_job_file = agent is not None and agent.get_worker_group().group_rank in (0, None)
+            summary.finish(ended.outcome)
+        ended.report()
+        return ended.code
     finally:
         if agent is not None:
             sweep_process_groups(agent.group_pids)
@@ -278,6 +259,63 @@ def run(argv: list[str] | None = None) -> int:
         if own_log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
         shutil.rmtree(rings, ignore_errors=True)
+
+
+class _Ended:
+    """How a run ended: the exit code, the run summary's word for it, and the lines that say so (printed
+    after the summary; a failure's traceback comes last of all)."""
+
+    def __init__(self, code: int, outcome: str, lines=(), failures: dict | None = None, max_restarts: int = 0):
+        self.code, self.outcome, self.lines = code, outcome, list(lines)
+        self.failures, self.max_restarts = failures, max_restarts
+
+    def report(self) -> None:
+        for line in self.lines:
+            _say(line)
+        if self.failures:
+            _report_failure(self.failures, self.max_restarts)
+
+
+def _conclude(agent: Agent, result, diagnosis: RunDiagnosis, stop: StopRequest, max_restarts: int) -> _Ended:
+    failed = result is not None and result.is_failed()
+    failures = result.failures if failed else {}
+    genuine = {rank: f for rank, f in failures.items() if f.exitcode != STOP_EXIT_CODE and f.exitcode > 0}
+    if agent.ended_by_stop or (stop.active and failed and not genuine):
+        others = {rank: f.exitcode for rank, f in failures.items() if f.exitcode != STOP_EXIT_CODE}
+        code, lines = stop_report(stop, progress.read(diagnosis.directory), others)
+        outcome = "stopped" if code == STOP_EXIT_CODE else "killed"
+        agent.end_attempt(outcome)
+        return _Ended(code, outcome, lines)
+    agent.end_attempt("failed" if failed else "finished")
+    if not failed:
+        return _Ended(0, "finished")
+    if diagnosis.stalled:
+        return _Ended(STALL_EXIT_CODE, "failed", ["the workers were stopped after the stall reported above."])
+    diagnosis.on_failure(failures)
+    rank, failure = root_cause(failures)
+    return _Ended(failure.exitcode if failure.exitcode > 0 else 1, "failed", failures=failures,
+                  max_restarts=max_restarts)
+
+
+def _stopped_by_signal(agent: Agent | None, exc: SignalException, diagnosis: RunDiagnosis,
+                       stop: StopRequest) -> _Ended:
+    """The run ended in the middle: a stop before any worker ran, the grace period over, a second Ctrl-C,
+    or SIGHUP / SIGQUIT (torch's handler)."""
+    if agent is not None:
+        agent.end_attempt("killed")
+    records = progress.read(diagnosis.directory)
+    if isinstance(exc, StoppedBeforeStart):
+        when = ("while the workers were being restarted after a failure" if agent is not None
+                and agent.summary.now.attempts else "during the rendezvous, before any worker started")
+        return _Ended(STOP_EXIT_CODE, "stopped", [f"stopped on request ({exc.sigval.name}) {when}: nothing to save; "
+                                                  f"run the same command to resume."])
+    if isinstance(exc, GraceExpired) or stop.active:
+        code, lines = stop_report(stop, records, {})
+        if not isinstance(exc, GraceExpired) and code != STOP_EXIT_CODE:  # the second Ctrl-C
+            code, lines = 128 + int(exc.sigval), [f"stopped at once by a second Ctrl-C; the workers were killed"
+                                                  f"{stop_lost(records)}."]
+        return _Ended(code, "stopped" if code == STOP_EXIT_CODE else "killed", lines)
+    return _Ended(128 + int(exc.sigval), "killed", [f"stopped by {exc.sigval.name}; the workers were stopped too."])
 
 
 def _report_failure(failures: dict, max_restarts: int) -> int:

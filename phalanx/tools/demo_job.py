@@ -1,8 +1,9 @@
 """The wine classifier that `phalanx demo` and examples/wine.py train: a whole DDP job, end to end.
 
 Every rank trains on its own shard of scikit-learn's bundled wine data (DistributedSampler), the
-model is wrapped in phalanx DDP, a Checkpointer saves after each epoch so that a second run resumes,
-and loss and accuracy are averaged over the samples of all ranks (phalanx.metrics), not over ranks.
+model is wrapped in phalanx DDP, a Checkpointer saves after each epoch so that a second run resumes
+(and, asked to stop by Ctrl-C or SIGTERM, at the next step all ranks agree on), and loss and accuracy
+are averaged over the samples of all ranks (phalanx.metrics), not over ranks.
 """
 
 from __future__ import annotations
@@ -172,14 +173,19 @@ def train(config: WineConfig) -> dict:
                 accuracy_mean.update((logits.argmax(dim=1) == y).float().mean(), weight=len(y))
                 if bar is not None:
                     bar.update(1)
-            history = state["history"]
-            history["loss"].append(loss_mean.compute())
-            history["accuracy"].append(accuracy_mean.compute())
-            history["heldout"].append(evaluate(model.module, heldout_set, device))
-            _say(bar, f"epoch {epoch + 1:3d}/{config.epochs}  loss {history['loss'][-1]:.4f}  "
-                      f"accuracy {history['accuracy'][-1]:.3f}  held-out {history['heldout'][-1]:.3f}")
-            state["epoch"] = epoch + 1
-            last_checkpoint = checkpointer.save(state)
+                epoch_ends = loader.state_dict()["batches"] == steps_per_epoch
+                if epoch_ends:
+                    history = state["history"]
+                    history["loss"].append(loss_mean.compute())
+                    history["accuracy"].append(accuracy_mean.compute())
+                    history["heldout"].append(evaluate(model.module, heldout_set, device))
+                    _say(bar, f"epoch {epoch + 1:3d}/{config.epochs}  loss {history['loss'][-1]:.4f}  "
+                              f"accuracy {history['accuracy'][-1]:.3f}  held-out {history['heldout'][-1]:.3f}")
+                    state["epoch"] = epoch + 1
+                # Last in the step: saves at each epoch's end, and, when Ctrl-C or SIGTERM asks to stop, at the step
+                # all ranks agree on, then ends the process (exit code 75: run the same command to resume there;
+                # that epoch's printed means then cover the batches after the resume).
+                last_checkpoint = checkpointer.step(state, last=epoch_ends) or last_checkpoint
     if bar is not None:
         bar.close()
 

@@ -1,4 +1,5 @@
-"""Joining the world: the environment read (discovery), the rendezvous store, and the process group.
+"""Joining the world: the environment read (discovery), the rendezvous store, the process group, and the
+stop requests that reach the process (stop.py).
 
 `group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports.
 """

@@ -16,10 +16,11 @@ import torch
 import torch.distributed as dist
 
 from .. import log
-from ..diagnose import recorder, stacks
+from ..diagnose import progress, recorder, stacks
 from ..diagnose.watch import stall_timeout
 from ..diagnose.watchdog import Watchdog
 from ..errors import RanksTimedOutError, WorldConfigError, explain
+from . import stop
 from .discovery import WorldSpec, discover
 from .rendezvous import host_store, join_store
 
@@ -149,6 +150,8 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
                        else _env_seconds("PHALANX_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
     chosen = _choose_device(spec, device)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("PHALANX_RUN_DIR"):  # under `phalanx run`: what the stop report and run summary read
+        progress.start(recorder.run_directory(), spec.rank)
     _start_diagnosis(spec)
     rendezvous = recorder.begin(recorder.RENDEZVOUS)
     if dist.is_initialized():  # the user (or a framework) made the group: adopt it
@@ -178,6 +181,11 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
             shutdown()
             raise
     recorder.phase(recorder.DATA)  # until the first forward: loading the first batch
+    # From here a SIGTERM, SIGINT or SIGUSR1 can become a saved stop (world/stop.py); until the script listens
+    # it ends the process as before. Not earlier: during the rendezvous, C++ waits that never return to
+    # Python would hold a Python handler back, where the default action ends the process at once.
+    stop.install(teardown=progress.teardown_requested)
+    progress.ready()
     return chosen
 
 
@@ -212,6 +220,7 @@ def shutdown() -> None:
     """
     global _spec, _device, _store, _owns_group, _watchdog
     recorder.phase(recorder.SHUTDOWN)
+    stop.stop_listening()  # nobody reads the flag any more: a signal ends the process again
     if _owns_group and dist.is_initialized():
         together = _spec is not None and _spec.world_size > 1 and _store is not None
         if together:
@@ -225,6 +234,7 @@ def shutdown() -> None:
         _watchdog = None
     stacks.unregister()
     recorder.stop(remove=not os.environ.get("PHALANX_RUN_DIR"))
+    progress.stop()
     _spec = _device = _store = None
     _owns_group = False
 

@@ -1,0 +1,132 @@
+"""torch's local elastic agent as `phalanx run` drives it: failures named, stalls watched, stops asked for.
+
+On top of LocalElasticAgent: say which rank failed before a restart; sweep the process groups of
+workers that died; watch the workers' rings for stalls and stragglers (diagnosis.py); pass a stop
+request on to the workers and wait for them to save (stop.py) instead of letting torch's handler kill
+them; never restart a group that was asked to stop; and tell the run summary (goodput.py) when each
+attempt starts and ends.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+from ..diagnose import progress
+from ..diagnose.recorder import pid_alive
+from ..world.stop import STOP_EXIT_CODE
+from .diagnosis import RunDiagnosis
+from .failures import describe_failure, root_cause, sweep_process_groups
+from .goodput import RunSummary
+from .stop import StopRequest
+
+
+def _say(text: str) -> None:
+    print(f"phalanx run: {text}", file=sys.stderr, flush=True)
+
+
+class Agent(LocalElasticAgent):
+    """See the module docstring. `ended_by_stop`: the last attempt's workers stopped on request."""
+
+    def __init__(self, *args, diagnosis: RunDiagnosis, stop: StopRequest, summary: RunSummary, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group_pids: set[int] = set()
+        self.diagnosis, self.stop, self.summary = diagnosis, stop, summary
+        self.ended_by_stop = False
+        self._attempt_failed = False
+
+    def _start_workers(self, worker_group):
+        pids = super()._start_workers(worker_group)
+        self.stop.install()  # torch's start may have put its own handlers (they kill) back in place
+        self._mark_teardown_before_close()
+        self.group_pids = set(pids.values())
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts  # TORCHELASTIC_RESTART_COUNT
+        self.diagnosis.attempt_started(attempt, {worker_group.workers[local].global_rank: pid
+                                                 for local, pid in pids.items()})
+        self.summary.attempt_started()
+        self._attempt_failed = False
+        self.stop.workers_started(pids.values(), worker_group.store, worker_group.group_rank)
+        return pids
+
+    def _mark_teardown_before_close(self) -> None:
+        """Whenever torch terminates the group (a worker failed, a restart, the end), the workers are told
+        first that this SIGTERM is a teardown: one that listens for stop requests would otherwise wait."""
+        pcontext = self._pcontext
+        close = pcontext.close
+
+        def close_after_marking(death_sig=None, timeout: int = 30):
+            progress.mark_teardown(self.diagnosis.directory)
+            return close(death_sig, timeout)
+
+        pcontext.close = close_after_marking
+
+    def _stop_workers(self, worker_group, *args, **kwargs):
+        self.end_attempt("failed" if self._attempt_failed else "stopped" if self.ended_by_stop else "finished")
+        self.stop.workers_stopped()
+        super()._stop_workers(worker_group, *args, **kwargs)
+        # torch signals only the workers still running; children of a worker that already died
+        # (its DataLoader workers, say) live on in that worker's process group.
+        sweep_process_groups(self.group_pids)
+        self.group_pids = set()
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        self.stop.workers_stopped()
+        if self.stop.kill_now:  # the grace period is over, or a second Ctrl-C: no more waiting
+            death_sig = signal.SIGKILL
+        super()._shutdown(death_sig, timeout)
+
+    def end_attempt(self, outcome: str) -> None:
+        """The attempt's workers are done: its time goes into the run summary (once per attempt)."""
+        self.summary.attempt_ended(progress.read(self.diagnosis.directory), outcome)
+
+    def _monitor_workers(self, worker_group):
+        self.stop.tick()  # passes a request on; raises GraceExpired when the grace period is over
+        if self._some_stopped_others_running():
+            return RunResult(state=WorkerState.HEALTHY)
+        result = super()._monitor_workers(worker_group)
+        spec = worker_group.spec
+        attempt = spec.max_restarts - self._remaining_restarts + 1
+        if result.state == WorkerState.FAILED and self._stopped_on_request(result.failures):
+            self.stop.adopt()
+            self._remaining_restarts = 0  # a stopped run ends here: its next start is the user's
+            self.ended_by_stop = True
+            return result
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            self._attempt_failed = True
+            if self.stop.active:
+                self._remaining_restarts = 0  # stopping: a failure on the way out ends the run, no restart
+        if result.state == WorkerState.HEALTHY and self.diagnosis.poll():
+            result = RunResult(state=WorkerState.FAILED)  # no worker failed: the group stalled
+            self._attempt_failed = True
+            if self._remaining_restarts > 0:
+                _say(f"the stall ends attempt {attempt} of {spec.max_restarts + 1}; restarting the worker group "
+                     f"(attempt {attempt + 1} of {spec.max_restarts + 1}).")
+        elif result.state == WorkerState.FAILED and self._remaining_restarts > 0:
+            rank, failure = root_cause(result.failures)
+            _say(f"{describe_failure(rank, failure)} on attempt {attempt} of {spec.max_restarts + 1}; "
+                 f"restarting the worker group (attempt {attempt + 1} of {spec.max_restarts + 1}).")
+            self.diagnosis.on_failure(result.failures)
+        return result
+
+    def _some_stopped_others_running(self) -> bool:
+        """Some workers left after the agreed save while others are still on their way out: wait for them,
+        so that torch does not take the first exit code 75 for a failure and terminate the rest."""
+        alive = [pid for pid in self.group_pids if pid_alive(pid)]
+        if not alive or len(alive) == len(self.group_pids):
+            return False
+        records = progress.read(self.diagnosis.directory)
+        if not any(r.stop_step >= 0 for r in records.values()):
+            return False
+        self.stop.adopt()  # the grace period bounds this wait
+        return True
+
+    def _stopped_on_request(self, failures: dict) -> bool:
+        """Every worker that ended saved at the agreed step (its record says so; or it exited with 75 while
+        this launcher was stopping: a script's own exit code 75 alone is not a stop)."""
+        records = progress.read(self.diagnosis.directory)
+        return bool(failures) and all(
+            (rank in records and records[rank].stop_step >= 0) or (f.exitcode == STOP_EXIT_CODE and self.stop.active)
+            for rank, f in failures.items())
