@@ -19,28 +19,28 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
+from ..bucket.buckets import FIRST_BUCKET_BYTES, sparse_indices
+from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..errors import DDPPickleError, NoTrainableParametersError, WorldConfigError, explain
+from ..exchange.base import AllReduceExchange, BucketExchange, CommHookExchange
+from ..exchange.sharded import OPTIMIZER, ShardedExchange, check_shard, unsupported_with_sharding
+from ..exchange.shm import ShmExchange
+from ..exchange.shm_sharded import ShmShardedExchange
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
+from ..sharding.grad_norm import clip_sharded_grad_norm_
+from ..sharding.sharded_optimizer import ShardedOptimizer
 from ..shm import shm_communicator
 from ..shm.reduce import DTYPE_CODES
 from ..world.group import collective_device
-from .buckets import FIRST_BUCKET_BYTES, sparse_indices
 from .comm_hook_checks import check_comm_hook
 from .devices import check_device_ids, move_to
 from .dist_autograd import current_context
-from .exchange import AllReduceExchange, BucketExchange, CommHookExchange
-from .grad_norm import clip_sharded_grad_norm_
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, count_active_ranks, find_common_rank
 from .reducer import Reducer, unused_parameters_error
 from .replicas import broadcast_coalesced, check_same_signature
 from .shard_waits import install_gather_waits
-from .sharded_exchange import OPTIMIZER, ShardedExchange, check_shard, unsupported_with_sharding
-from .sharded_optimizer import ShardedOptimizer
-from .shm_exchange import ShmExchange
-from .shm_sharded_exchange import ShmShardedExchange
-from .step_guard import StepGuard
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank

@@ -22,11 +22,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..errors import ShardingError, explain
+from ..exchange.sharded import unsupported_with_sharding
+from ..sharding.full_state import full_model_state, load_full_model_state, whole
+from ..sharding.optimizer_view import OptimizerView
 from .ddp import DistributedDataParallel, check_ready_to_wrap
 from .devices import check_device_ids, move_to
-from .full_state import full_model_state, load_full_model_state, whole
-from .optimizer_view import OptimizerView
-from .sharded_exchange import unsupported_with_sharding
 
 PARAMETERS = "parameters"
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..bucket.buckets import Bucket, plan_buckets
+from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..errors import UnusedParameterError, explain
-from .buckets import Bucket, plan_buckets
+from ..exchange.base import BucketExchange
 from .dist_autograd import accumulator_hooks, context_gradients
-from .exchange import BucketExchange
-from .step_guard import StepGuard
 
 _engine = torch.autograd.Variable._execution_engine
 

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..engine.phase_timer import PHASES
+from ..exchange.phase_timer import PHASES
 
 
 def profile_block(module, optimizer, train_step, bench_model, batches, warmup: int, steps: int) -> dict:

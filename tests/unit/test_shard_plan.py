@@ -3,8 +3,8 @@ benchmark counts bytes (each byte once)."""
 
 import torch
 
-from phalanx.engine.buckets import Bucket
-from phalanx.engine.shard_plan import CHUNK_ALIGN, chunk_size, cut_bucket
+from phalanx.bucket.buckets import Bucket
+from phalanx.bucket.shard_plan import CHUNK_ALIGN, chunk_size, cut_bucket
 from phalanx.tools.bench_memory import _distinct_bytes
 
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..bucket.buckets import Bucket
+from ..bucket.shard_plan import BucketShard, chunk_size, cut_bucket
+from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..errors import ShardingError, explain
-from .buckets import Bucket
-from .exchange import BucketExchange
-from .shard_plan import BucketShard, chunk_size, cut_bucket
-from .step_guard import StepGuard
+from .base import BucketExchange
 
 OPTIMIZER, GRADIENTS = "optimizer", "gradients"
 SHARD_MODES = ("none", OPTIMIZER, GRADIENTS, "parameters")  # "parameters": torch's FSDP2 (fully_sharded.py)

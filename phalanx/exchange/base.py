@@ -13,9 +13,9 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from .buckets import Bucket, GradBucket
+from ..bucket.buckets import Bucket, GradBucket
+from ..bucket.step_guard import StepGuard
 from .phase_timer import PhaseTimer
-from .step_guard import StepGuard
 
 
 class BucketExchange(ABC):

@@ -1,0 +1,1 @@
+"""How a full bucket becomes its average: the BucketExchange interface and its implementations."""

@@ -1,0 +1,1 @@
+"""Sharding: the sharded optimizers, full-state conversions, the sharded gradient norm."""
