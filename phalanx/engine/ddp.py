@@ -30,6 +30,7 @@ from ..exchange.shm_sharded import ShmShardedExchange
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
 from ..sharding.grad_norm import clip_sharded_grad_norm_
+from ..sharding.shard_waits import install_gather_waits
 from ..sharding.sharded_optimizer import ShardedOptimizer
 from ..shm import shm_communicator
 from ..shm.reduce import DTYPE_CODES
@@ -40,7 +41,6 @@ from .dist_autograd import current_context
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, count_active_ranks, find_common_rank
 from .reducer import Reducer, unused_parameters_error
 from .replicas import broadcast_coalesced, check_same_signature
-from .shard_waits import install_gather_waits
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
@@ -127,7 +127,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                                 control_device=self._control_device, sparse=sparse_indices(self.module, named))
         self._named_params = named
         if self.shard != "none" and self._reducer.exchange.defers_gathers:
-            self._gather_waits = install_gather_waits(self.module, self._reducer)
+            self._gather_waits = install_gather_waits(self.module, self._reducer.exchange)
         # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
         # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
         weakref.finalize(self, self._reducer.remove)
