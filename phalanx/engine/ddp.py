@@ -23,7 +23,9 @@ from ..bucket.buckets import FIRST_BUCKET_BYTES, sparse_indices
 from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..errors import DDPPickleError, NoTrainableParametersError, WorldConfigError, explain
-from ..exchange.base import AllReduceExchange, BucketExchange, CommHookExchange
+from ..exchange.all_reduce import AllReduceExchange
+from ..exchange.base import BucketExchange
+from ..exchange.comm_hook import CommHookExchange
 from ..exchange.sharded import OPTIMIZER, ShardedExchange, check_shard, unsupported_with_sharding
 from ..exchange.shm import ShmExchange
 from ..exchange.shm_sharded import ShmShardedExchange

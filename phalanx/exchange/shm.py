@@ -21,7 +21,7 @@ from ..bucket.buckets import Bucket
 from ..bucket.step_guard import StepGuard
 from ..shm import ShmCommunicator
 from ..shm.reduce import kernel_serves, streams
-from .base import AllReduceExchange
+from .all_reduce import AllReduceExchange
 from .shm_copy_in import BucketCopyIn, gradient_addresses
 
 ALL_REDUCE, POSTED, SPLIT = "all-reduce", "posted", "split"
