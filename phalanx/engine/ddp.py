@@ -1,11 +1,12 @@
 """`phalanx.DistributedDataParallel`: torch's DDP interface on phalanx's own gradient engine.
 
 The constructor checks that every rank holds the same model, copies rank 0's parameters and
-buffers to all, and chooses the exchange (shared memory on one host, else the process group);
-forward broadcasts buffers and prepares the reducer (reducer.py), which has the exchange average
-gradients during backward. `join()` (join.py) lets ranks with fewer batches finish early. While the
-module runs, torch.compile's Dynamo sees this DDP as torch DDP's, so compiled graphs are split at bucket
-boundaries and backward still overlaps communication.
+buffers to all, and builds the reducer (reducer.py) with the exchange that exchange/choose.py picks
+(shared memory on one host, else the process group); forward broadcasts buffers and arms the
+reducer, which has the exchange average gradients during backward. `join()` (join.py) lets ranks
+with fewer batches finish early. While the module runs, torch.compile's Dynamo sees this DDP as
+torch DDP's, so compiled graphs are split at bucket boundaries and backward still overlaps
+communication.
 """
 
 from __future__ import annotations
@@ -23,19 +24,13 @@ from ..bucket.buckets import FIRST_BUCKET_BYTES, sparse_indices
 from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..errors import DDPPickleError, NoTrainableParametersError, WorldConfigError, explain
-from ..exchange.all_reduce import AllReduceExchange
-from ..exchange.base import BucketExchange
-from ..exchange.comm_hook import CommHookExchange
-from ..exchange.sharded import OPTIMIZER, ShardedExchange, check_shard, unsupported_with_sharding
-from ..exchange.shm import ShmExchange
-from ..exchange.shm_sharded import ShmShardedExchange
+from ..exchange.choose import choose_exchange
+from ..exchange.sharded import OPTIMIZER, check_shard, unsupported_with_sharding
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
 from ..sharding.grad_norm import clip_sharded_grad_norm_
 from ..sharding.shard_waits import install_gather_waits
 from ..sharding.sharded_optimizer import ShardedOptimizer
-from ..shm import shm_communicator
-from ..shm.reduce import DTYPE_CODES
 from ..world.group import collective_device
 from .comm_hook_checks import check_comm_hook
 from .devices import check_device_ids, move_to
@@ -119,10 +114,11 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         """The step guard, the exchange and the reducer (collective when the exchange shares memory)."""
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         self._guard = StepGuard(self.process_group, next(_instances))
+        params = [p for _, p in named]
+        exchange = choose_exchange(self.process_group, self._guard, params, owner=self, shard=self.shard)
         # static_graph: torch then tolerates parameters that never get a gradient; so do we.
-        self._reducer = Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
-                                self._default_exchange([p for _, p in named]), cap_bytes=self.bucket_bytes_cap,
-                                first_cap_bytes=self._first_cap_bytes,
+        self._reducer = Reducer(params, [name for name, _ in named], self.process_group, exchange,
+                                cap_bytes=self.bucket_bytes_cap, first_cap_bytes=self._first_cap_bytes,
                                 tolerate_unused=self.find_unused_parameters or self.static_graph,
                                 # "optimizer" sharding reduce-scatters the gradients where they lie
                                 as_view=self.gradient_as_bucket_view or self.shard == OPTIMIZER, guard=self._guard,
@@ -170,23 +166,6 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
                 seen="torch.distributed not initialized", expected="an initialized default group",
                 fix="Call phalanx.init() before training the copy, or use its `.module` without DDP."))
         self._build_engine()
-
-    def _default_exchange(self, params: list[torch.Tensor]) -> BucketExchange:
-        """The exchange used when the user registers no comm hook: the one place a faster transport plugs in.
-
-        Collective: the conditions are the same on every rank (check_same_signature ran), so either all
-        ranks ask for a shared-memory communicator, which agrees on one answer, or none does.
-        """
-        if self.process_group.size() > 1 and all(p.device.type == "cpu" and p.dtype in SHM_DTYPES for p in params):
-            comm = shm_communicator(self.process_group)
-            if comm is not None:
-                weakref.finalize(self, comm.close)
-                if self.shard != "none":
-                    return ShmShardedExchange(comm, self._guard, self.shard)
-                return ShmExchange(comm, self._guard)
-        if self.shard != "none":
-            return ShardedExchange(self.process_group, self._guard, self.shard)
-        return AllReduceExchange(self.process_group, self._guard)
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -283,7 +262,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if self._reducer is None:
             self._ensure_engine()
         self._hook_registered = True
-        self._reducer.set_exchange(CommHookExchange(state, hook, self._guard))
+        self._reducer.set_exchange(choose_exchange(self.process_group, self._guard, self._reducer.params, owner=self,
+                                                   comm_hook=(state, hook)))
 
     def state_dict(self, *args, **kwargs):
         """torch DDP's keys ('module.x'), without torch.compile's '_orig_mod.' (so they load anywhere)."""
@@ -395,6 +375,3 @@ def check_ready_to_wrap(unsupported: dict) -> None:
 
 def _default_group():
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-SHM_DTYPES = frozenset(dtype for dtype in DTYPE_CODES if dtype.is_floating_point)
