@@ -41,6 +41,9 @@ from .replicas import broadcast_coalesced, check_same_signature
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
+# Shard levels that another front implements, registered by that subclass itself (so this module
+# imports none of them: engine/__init__.py imports fully_sharded.py, which registers "parameters").
+_LEVELS: dict[str, type] = {}
 
 
 class DistributedDataParallel(torch.nn.Module, Joinable):
@@ -54,10 +57,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     >>> model(torch.randn(4, 8)).sum().backward()               # grads now averaged over ranks
     """
 
+    def __init_subclass__(cls, level: str | None = None, **kwargs):
+        """A subclass declared with `level=` is what `DistributedDataParallel(..., shard=level)` builds."""
+        super().__init_subclass__(**kwargs)
+        if level is not None:
+            _LEVELS[level] = cls
+
     def __new__(cls, *args, shard: str = "none", **kwargs):
-        if shard == "parameters" and cls is DistributedDataParallel:  # torch's FSDP2 (fully_sharded.py)
-            from .fully_sharded import ParameterShardedDDP
-            cls = ParameterShardedDDP
+        if cls is DistributedDataParallel:  # a level with a front of its own: "parameters" (fully_sharded.py)
+            cls = next((front for level, front in _LEVELS.items() if shard == level), cls)
         return super().__new__(cls)
 
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,

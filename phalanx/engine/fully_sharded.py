@@ -56,7 +56,7 @@ def choose_blocks(module: torch.nn.Module, blocks=None) -> list[torch.nn.Module]
     return chosen
 
 
-class ParameterShardedDDP(DistributedDataParallel):
+class ParameterShardedDDP(DistributedDataParallel, level=PARAMETERS):
     """What `DistributedDataParallel(module, shard="parameters")` returns (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,
