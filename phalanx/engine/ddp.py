@@ -22,11 +22,11 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from ..bucket.buckets import FIRST_BUCKET_BYTES, sparse_indices
+from ..bucket.shard_levels import OPTIMIZER, check_shard, unsupported_with_sharding
 from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..errors import NoTrainableParametersError, WorldConfigError, explain
 from ..exchange.choose import choose_exchange
-from ..exchange.sharded import OPTIMIZER, check_shard, unsupported_with_sharding
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
 from ..sharding.grad_norm import clip_sharded_grad_norm_

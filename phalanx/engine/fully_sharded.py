@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..bucket.shard_levels import unsupported_with_sharding
 from ..errors import ShardingError, explain
-from ..exchange.sharded import unsupported_with_sharding
 from ..sharding.full_state import full_model_state, load_full_model_state, whole
 from ..sharding.optimizer_view import OptimizerView
 from .ddp import DistributedDataParallel, check_ready_to_wrap

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
+from ..bucket.shard_levels import unsupported_with_sharding
 from ..diagnose import recorder
-from ..exchange.sharded import unsupported_with_sharding
 from .replicas import broadcast_coalesced
 
 SYNCS_GRADIENTS, SYNCS_BUFFERS = 1, 2

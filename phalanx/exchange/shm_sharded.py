@@ -15,10 +15,11 @@ from functools import partial
 import torch
 
 from ..bucket.buckets import Bucket
+from ..bucket.shard_levels import GRADIENTS
 from ..bucket.shard_plan import BucketShard
 from ..bucket.step_guard import StepGuard
 from ..shm import ShmCommunicator
-from .sharded import GRADIENTS, ShardedExchange
+from .sharded import ShardedExchange
 
 
 class ShmShardedExchange(ShardedExchange):

@@ -168,8 +168,7 @@ def test_the_shared_memory_transport_knows_nothing_of_ddp():
 def test_the_ddp_front_names_no_exchange_but_the_chooser():
     """A new transport edits exchange/choose.py, not the front."""
     front = {m for m in GRAPH["phalanx.engine.ddp"] if _part(m) == "exchange"} - {"phalanx.exchange"}
-    assert front <= {"phalanx.exchange.choose", "phalanx.exchange.sharded"}, front  # sharded: the shard checks
-    assert "phalanx.exchange.choose" in front
+    assert front == {"phalanx.exchange.choose"}, front
 
 
 def test_no_package_holds_more_than_twelve_modules():
