@@ -1,6 +1,9 @@
 """Checkpoints: what is saved (`checkpointer.py`), how it reaches the disk atomically and loads without
-running code (`atomic_files.py`), every rank's random states (`random_state.py`), and whole weights
-exported for inference (`export.py`)."""
+running code (`atomic_files.py`), every rank's random states (`random_state.py`), shards of
+`shard="parameters"` models (`shard_files.py`), and whole weights exported for inference (`export.py`).
+
+May import: engine, sharding, world, diagnose, errors, log.
+"""
 
 from .checkpointer import Checkpointer, unwrap
 from .export import export_weights, load_weights

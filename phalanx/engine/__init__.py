@@ -7,7 +7,7 @@
 serve the front. How a bucket is averaged is exchange/'s business, and the front only asks
 exchange/choose.py for an exchange.
 
-May import: bucket, exchange, sharding (the layers below it), world, nn, diagnose, errors, log.
+May import: bucket, exchange, sharding, world, nn, diagnose, errors, log.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The sharded exchange: a reduce-scatter per bucket in backward, an all-gather of parameters after the step.
 
-Each rank owns one chunk of every bucket (shard_plan.py). In backward a full bucket is
+Each rank owns one chunk of every bucket (bucket/shard_plan.py). In backward a full bucket is
 reduce-scattered, so each rank receives only the average of the chunk it owns, as soon as the
 bucket is complete; after the optimizer has updated the owned chunks, `gather_parameters()` sends
 each rank's chunk to the others. The same bytes as an all-reduce move, in the same two halves.
@@ -13,7 +13,7 @@ Two memory modes:
 In both, the all-gather goes through the staging buffers, in forward order (the first layers' bucket
 first), and each bucket's wait can be deferred to the forward that needs it (`wait_gathered`).
 
-Here the process group's collectives carry the bytes; shm_sharded_exchange.py does the same in
+Here the process group's collectives carry the bytes; shm_sharded.py does the same in
 shared memory.
 """
 

@@ -1,1 +1,10 @@
-"""Sharding: the sharded optimizers, full-state conversions, the sharded gradient norm."""
+"""Sharding above the exchange: the optimizers and helpers of the shard levels.
+
+`sharded_optimizer.py` re-targets the user's optimizer at the chunks this rank owns ("optimizer",
+"gradients"), on the views `optimizer_view.py` shares with the FSDP2 level's optimizer;
+`grad_norm.py` is `clip_grad_norm_` over sharded gradients; `shard_waits.py` the forward hooks that
+wait for each layer's all-gather; `full_state.py` whole tensors out of FSDP2's shards and back.
+The reduce-scatter itself is exchange/sharded.py; the FSDP2 front is engine/fully_sharded.py.
+
+May import: bucket, exchange, errors.
+"""

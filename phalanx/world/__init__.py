@@ -1,6 +1,8 @@
 """Joining the world: the environment read (discovery), the rendezvous store, and the process group.
 
 `group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports.
+
+May import: diagnose, errors, log.
 """
 
 from .group import (

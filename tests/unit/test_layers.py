@@ -171,6 +171,15 @@ def test_the_ddp_front_names_no_exchange_but_the_chooser():
     assert front == {"phalanx.exchange.choose"}, front
 
 
+def test_each_package_says_what_it_is_for_and_what_it_may_import():
+    for package in sorted(path.parent for path in PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+        said = doc.split("May import:")[-1].strip().rstrip(".") if "May import:" in doc else None
+        assert said is not None, f"{package.name}/__init__.py: a docstring ending in 'May import: ...'"
+        parts = {"__init__" if name == "phalanx" else name for name in map(str.strip, said.split(","))}
+        assert parts == ALLOWED[package.name], (package.name, sorted(parts ^ ALLOWED[package.name]))
+
+
 def test_no_package_holds_more_than_twelve_modules():
     for package in [path for path in PACKAGE.rglob("*") if path.is_dir() and (path / "__init__.py").exists()]:
         modules = sorted(path.name for path in package.glob("*.py"))
