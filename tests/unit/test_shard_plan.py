@@ -1,4 +1,4 @@
-"""Who owns which elements of a bucket when sharding (engine/shard_plan.py), and how the memory
+"""Who owns which elements of a bucket when sharding (bucket/shard_plan.py), and how the memory
 benchmark counts bytes (each byte once)."""
 
 import torch
