@@ -1,7 +1,11 @@
 """Checkpoints: what is saved and when (`checkpointer.py`, `entries.py`), how it is loaded back
 (`restoring.py`), how it reaches the disk atomically and loads without running code (`atomic_files.py`),
-every rank's random states (`random_state.py`), the ranks' agreement on the step to stop at
-(`agreement.py`), and whole weights exported for inference (`export.py`)."""
+every rank's random states (`random_state.py`), shards of `shard="parameters"` models (`shard_files.py`),
+the ranks' agreement on the step to stop at (`agreement.py`), and whole weights exported for inference
+(`export.py`).
+
+May import: engine, sharding, world, diagnose, errors, log.
+"""
 
 from .checkpointer import Checkpointer
 from .entries import unwrap

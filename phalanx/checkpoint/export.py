@@ -46,7 +46,7 @@ def export_weights(model: torch.nn.Module, path) -> Path | None:
 
     >>> px.export_weights(model, "runs/gpt/weights.safetensors")     # doctest: +SKIP
     """
-    from ..engine.full_state import whole  # the engine is needed only here (DTensor shards)
+    from ..sharding.full_state import whole  # the engine is needed only here (DTensor shards)
 
     path = Path(path)
     state = {k: v for k, v in unwrap(model).state_dict().items() if isinstance(v, torch.Tensor)}

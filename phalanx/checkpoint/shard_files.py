@@ -163,7 +163,7 @@ def write_parts(directory: Path, sequence: int, local: dict) -> list[dict]:
 def is_optimizer_view(value) -> bool:
     """A sharded model's optimizer: its state_dict(to=...) is collective."""
     try:
-        from ..engine.optimizer_view import OptimizerView
+        from ..sharding.optimizer_view import OptimizerView
     except ImportError:  # the engine is optional for checkpointing
         return False
     return isinstance(value, OptimizerView)
@@ -187,7 +187,7 @@ def restored(value, skeleton, parts: list[dict], unwrap):
 def load_model_state(module: torch.nn.Module, saved: dict) -> None:
     """`module.load_state_dict(saved)`; into FSDP2 shards (shard="parameters") each rank keeps its part."""
     if any(isinstance(p, DTensor) for p in module.parameters()):
-        from ..engine.full_state import load_full_model_state  # the engine is needed only here
+        from ..sharding.full_state import load_full_model_state  # the engine is needed only here
         load_full_model_state(module, saved)
     else:
         module.load_state_dict(saved)

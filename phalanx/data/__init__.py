@@ -1,4 +1,7 @@
-"""Data that splits correctly across ranks: the sampler, the resumable loader, and metrics over ranks."""
+"""Data that splits correctly across ranks: the sampler, the resumable loader, and metrics over ranks.
+
+May import: world, diagnose, errors, log.
+"""
 
 from . import metrics
 from .loader import DataLoader

@@ -2,6 +2,8 @@
 
 `recorder` is what the engine calls (one None check when off); `watch` and `verdict` are what
 `phalanx run` and the workers' watchdog use to say which rank is stuck, where, and in what.
+
+May import: errors, log.
 """
 
 from .straggler import RankSkew, straggler_report

@@ -1,11 +1,13 @@
 """`phalanx.DistributedDataParallel`: torch's DDP interface on phalanx's own gradient engine.
 
 The constructor checks that every rank holds the same model, copies rank 0's parameters and
-buffers to all, and chooses the exchange (shared memory on one host, else the process group);
-forward broadcasts buffers and prepares the reducer (reducer.py), which has the exchange average
-gradients during backward. `join()` (join.py) lets ranks with fewer batches finish early. While the
-module runs, torch.compile's Dynamo sees this DDP as torch DDP's, so compiled graphs are split at bucket
-boundaries and backward still overlaps communication.
+buffers to all, and builds the reducer (reducer.py) with the exchange that exchange/choose.py picks
+(shared memory on one host, else the process group); forward broadcasts buffers and arms the
+reducer, which has the exchange average gradients during backward. Three surfaces are mixed in
+from modules of their own: pickling and deepcopy (pickling.py), state dicts (state_dict.py), and
+`join()` for ranks with fewer batches (join.py). While the module runs, torch.compile's Dynamo sees
+this DDP as torch DDP's, so compiled graphs are split at bucket boundaries and backward still
+overlaps communication.
 """
 
 from __future__ import annotations
@@ -19,35 +21,36 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
+from ..bucket.buckets import FIRST_BUCKET_BYTES, sparse_indices
+from ..bucket.shard_levels import OPTIMIZER, check_shard, unsupported_with_sharding
+from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
-from ..errors import DDPPickleError, NoTrainableParametersError, WorldConfigError, explain
+from ..errors import NoTrainableParametersError, WorldConfigError, explain
+from ..exchange.choose import choose_exchange
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
-from ..shm import shm_communicator
-from ..shm.reduce import DTYPE_CODES
+from ..sharding.grad_norm import clip_sharded_grad_norm_
+from ..sharding.shard_waits import install_gather_waits
+from ..sharding.sharded_optimizer import ShardedOptimizer
+from ..sharding.stray_optimizers import guard_level
 from ..world.group import collective_device
-from .buckets import FIRST_BUCKET_BYTES, sparse_indices
 from .comm_hook_checks import check_comm_hook
 from .devices import check_device_ids, move_to
 from .dist_autograd import current_context
-from .exchange import AllReduceExchange, BucketExchange, CommHookExchange
-from .grad_norm import clip_sharded_grad_norm_
-from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, DDPJoinHook, announce_sync, count_active_ranks, find_common_rank
+from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, JoinMixin, announce_sync, count_active_ranks, find_common_rank
+from .pickling import PicklingMixin
 from .reducer import Reducer, unused_parameters_error
 from .replicas import broadcast_coalesced, check_same_signature
-from .shard_waits import install_gather_waits
-from .sharded_exchange import OPTIMIZER, ShardedExchange, check_shard, unsupported_with_sharding
-from .sharded_optimizer import ShardedOptimizer
-from .shm_exchange import ShmExchange
-from .shm_sharded_exchange import ShmShardedExchange
-from .step_guard import StepGuard
-from .stray_optimizers import guard_level
+from .state_dict import StateDictMixin
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
+# Shard levels that another front implements, registered by that subclass itself (so this module
+# imports none of them: engine/__init__.py imports fully_sharded.py, which registers "parameters").
+_LEVELS: dict[str, type] = {}
 
 
-class DistributedDataParallel(torch.nn.Module, Joinable):
+class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, torch.nn.Module, Joinable):
     """Synchronous data parallelism: every rank holds a replica, gradients are averaged in backward.
 
     Drop-in for `torch.nn.parallel.DistributedDataParallel` (same arguments, same behaviour).
@@ -58,10 +61,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     >>> model(torch.randn(4, 8)).sum().backward()               # grads now averaged over ranks
     """
 
+    def __init_subclass__(cls, level: str | None = None, **kwargs):
+        """A subclass declared with `level=` is what `DistributedDataParallel(..., shard=level)` builds."""
+        super().__init_subclass__(**kwargs)
+        if level is not None:
+            _LEVELS[level] = cls
+
     def __new__(cls, *args, shard: str = "none", **kwargs):
-        if shard == "parameters" and cls is DistributedDataParallel:  # torch's FSDP2 (fully_sharded.py)
-            from .fully_sharded import ParameterShardedDDP
-            cls = ParameterShardedDDP
+        if cls is DistributedDataParallel:  # a level with a front of its own: "parameters" (fully_sharded.py)
+            cls = next((front for level, front in _LEVELS.items() if shard == level), cls)
         return super().__new__(cls)
 
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,
@@ -119,74 +127,21 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         """The step guard, the exchange and the reducer (collective when the exchange shares memory)."""
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         self._guard = StepGuard(self.process_group, next(_instances))
+        params = [p for _, p in named]
+        exchange = choose_exchange(self.process_group, self._guard, params, owner=self, shard=self.shard)
         # static_graph: torch then tolerates parameters that never get a gradient; so do we.
-        self._reducer = Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
-                                self._default_exchange([p for _, p in named]), cap_bytes=self.bucket_bytes_cap,
-                                first_cap_bytes=self._first_cap_bytes,
+        self._reducer = Reducer(params, [name for name, _ in named], self.process_group, exchange,
+                                cap_bytes=self.bucket_bytes_cap, first_cap_bytes=self._first_cap_bytes,
                                 tolerate_unused=self.find_unused_parameters or self.static_graph,
                                 # "optimizer" sharding reduce-scatters the gradients where they lie
                                 as_view=self.gradient_as_bucket_view or self.shard == OPTIMIZER, guard=self._guard,
                                 control_device=self._control_device, sparse=sparse_indices(self.module, named))
         self._named_params = named
         if self.shard != "none" and self._reducer.exchange.defers_gathers:
-            self._gather_waits = install_gather_waits(self.module, self._reducer)
+            self._gather_waits = install_gather_waits(self.module, self._reducer.exchange)
         # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
         # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
         weakref.finalize(self, self._reducer.remove)
-
-    # -- pickling and copy.deepcopy (torch's semantics) -------------------------------------------
-
-    def __getstate__(self):
-        """Everything but the process group and the engine, which belong to this process."""
-        if self.process_group is not _default_group():
-            raise DDPPickleError(
-                "DDP Pickling/Unpickling are only supported when using DDP with the default process group. That "
-                "is, when you have called init_process_group and have not passed process_group argument to DDP "
-                "constructor. " + explain("this model was wrapped for another process group", rank=dist.get_rank(),
-                                          seen=f"a group of ranks {dist.get_process_group_ranks(self.process_group)}",
-                                          expected="the default group (process_group=None)",
-                                          fix="Copy or save the inner model (`model.module`) instead."))
-        state = dict(self.__dict__)
-        for name in ("process_group", "_guard", "_reducer"):
-            state.pop(name, None)
-        return state
-
-    def __setstate__(self, state):
-        """A working DDP on the default process group of this process. The copy shares no state with the
-        original; its engine is built at its first forward that synchronizes gradients, on every rank
-        (as any DDP forward is), so copying on one rank alone (an EMA on rank 0) needs no collective.
-        A comm hook is not copied (it belongs to the original's engine, as in torch): register it again."""
-        super().__setstate__(state)
-        self.process_group = _default_group()
-        self._guard = self._reducer = None
-        self._hook_registered = False
-
-    def _ensure_engine(self) -> None:
-        if self.process_group is None:
-            self.process_group = _default_group()
-        if self.process_group is None:
-            raise WorldConfigError(explain(
-                "this DistributedDataParallel was unpickled in a process without a process group",
-                seen="torch.distributed not initialized", expected="an initialized default group",
-                fix="Call phalanx.init() before training the copy, or use its `.module` without DDP."))
-        self._build_engine()
-
-    def _default_exchange(self, params: list[torch.Tensor]) -> BucketExchange:
-        """The exchange used when the user registers no comm hook: the one place a faster transport plugs in.
-
-        Collective: the conditions are the same on every rank (check_same_signature ran), so either all
-        ranks ask for a shared-memory communicator, which agrees on one answer, or none does.
-        """
-        if self.process_group.size() > 1 and all(p.device.type == "cpu" and p.dtype in SHM_DTYPES for p in params):
-            comm = shm_communicator(self.process_group)
-            if comm is not None:
-                weakref.finalize(self, comm.close)
-                if self.shard != "none":
-                    return ShmShardedExchange(comm, self._guard, self.shard)
-                return ShmExchange(comm, self._guard)
-        if self.shard != "none":
-            return ShardedExchange(self.process_group, self._guard, self.shard)
-        return AllReduceExchange(self.process_group, self._guard)
 
     # -- forward ---------------------------------------------------------------------------------
 
@@ -283,30 +238,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if self._reducer is None:
             self._ensure_engine()
         self._hook_registered = True
-        self._reducer.set_exchange(CommHookExchange(state, hook, self._guard))
-
-    def state_dict(self, *args, **kwargs):
-        """torch DDP's keys ('module.x'), without torch.compile's '_orig_mod.' (so they load anywhere)."""
-        state = super().state_dict(*args, **kwargs)  # a sharded model's pre-hook completes the all-gather
-        if not any(COMPILED_PREFIX in key for key in state):
-            return state
-        renamed = type(state)((key.replace(COMPILED_PREFIX, ""), value) for key, value in state.items())
-        renamed._metadata = getattr(state, "_metadata", None)
-        return renamed
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load this wrapper's keys ('module.x') or the bare module's ('x'), compiled ('_orig_mod.') or not."""
-        target = uncompiled(self.module)
-        own = set(target.state_dict(keep_vars=True).keys())
-        keys = {key: key.replace(COMPILED_PREFIX, "") for key in state_dict}
-        bare = sum(plain in own for plain in keys.values())
-        prefixed = sum(plain.startswith("module.") and plain[len("module."):] in own for plain in keys.values())
-        strip = len("module.") if prefixed > bare else 0
-        plain = {keys[key][strip:]: value for key, value in state_dict.items()}
-        return self._load_plain(target, plain, strict, assign)
-
-    def _load_plain(self, target: torch.nn.Module, plain: dict, strict: bool, assign: bool):
-        return target.load_state_dict(plain, strict=strict, assign=assign)
+        self._reducer.set_exchange(choose_exchange(self.process_group, self._guard, self._reducer.params, owner=self,
+                                                   comm_hook=(state, hook)))
 
     # -- sharding -------------------------------------------------------------------------------------
 
@@ -343,44 +276,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         if self.shard != "none" and self._reducer is not None:
             self._reducer.exchange.zero_owned_grads(set_to_none)  # the averaged chunks the optimizer steps with
 
-    # -- uneven inputs (torch's Joinable interface) ----------------------------------------------
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """Context manager for ranks with different numbers of batches (as torch's).
-
-        >>> with model.join():                              # doctest: +SKIP
-        ...     for batch in my_shard:                      # ranks may differ in length
-        ...         model(batch).sum().backward(); optimizer.step()
-        """
-        if self.shard != "none" and enable:
-            raise unsupported_with_sharding("join()", self.shard, "Give every rank the same number of batches "
-                                            "(phalanx.DistributedSampler does), or use shard='none'.")
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs) -> DDPJoinHook:
-        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._control_device
-
-    @property
-    def join_process_group(self):
-        return self.process_group
-
 
 DDP = DistributedDataParallel
-
-COMPILED_PREFIX = "_orig_mod."  # what torch.compile's OptimizedModule puts in front of the model's keys
-
-
-def uncompiled(module: torch.nn.Module) -> torch.nn.Module:
-    """The module inside torch.compile's wrapper (the same parameters), or `module` itself."""
-    while isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):
-        module = module._orig_mod
-    return module
 
 
 def check_ready_to_wrap(unsupported: dict) -> None:
@@ -392,9 +289,3 @@ def check_ready_to_wrap(unsupported: dict) -> None:
             "DistributedDataParallel needs a process group", seen="torch.distributed not initialized",
             fix="Call phalanx.init() (or torch.distributed.init_process_group) before wrapping the model."))
 
-
-def _default_group():
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-
-SHM_DTYPES = frozenset(dtype for dtype in DTYPE_CODES if dtype.is_floating_point)

@@ -22,15 +22,15 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..bucket.shard_levels import unsupported_with_sharding
 from ..errors import ShardingError, explain
+from ..sharding.full_state import full_model_state, load_full_model_state, whole
+from ..sharding.meta_init import check_all_meta, has_meta_tensors, initializer, materialize
+from ..sharding.optimizer_view import OptimizerView
+from ..sharding.param_retarget import retarget
+from ..sharding.stray_optimizers import forbid
 from .ddp import DistributedDataParallel, check_ready_to_wrap
 from .devices import check_device_ids, move_to
-from .full_state import full_model_state, load_full_model_state, whole
-from .meta_init import check_all_meta, has_meta_tensors, initializer, materialize
-from .optimizer_view import OptimizerView
-from .param_retarget import retarget
-from .sharded_exchange import unsupported_with_sharding
-from .stray_optimizers import forbid
 
 PARAMETERS = "parameters"
 
@@ -60,7 +60,7 @@ def choose_blocks(module: torch.nn.Module, blocks=None) -> list[torch.nn.Module]
     return chosen
 
 
-class ParameterShardedDDP(DistributedDataParallel):
+class ParameterShardedDDP(DistributedDataParallel, level=PARAMETERS):
     """What `DistributedDataParallel(module, shard="parameters")` returns (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,

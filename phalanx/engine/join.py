@@ -3,19 +3,50 @@
 Each iteration of the others starts with one all-reduce (MAX) of what it synchronizes (bit 0
 gradients, bit 1 buffers); a joined rank mirrors the buffer broadcast and the gradient exchange
 with zeros (the exchange's `shadow`). When all ranks are done, the model of the last rank to finish
-is broadcast, so replicas end identical. torch's `Join` context drives it through `DDPJoinHook`.
+is broadcast, so replicas end identical. torch's `Join` context drives it through `DDPJoinHook`;
+`JoinMixin` gives the DDP front torch's `Joinable` surface (`join()`, `join_hook`, ...).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
+from ..bucket.shard_levels import unsupported_with_sharding
 from ..diagnose import recorder
 from .replicas import broadcast_coalesced
 
 SYNCS_GRADIENTS, SYNCS_BUFFERS = 1, 2
+
+
+class JoinMixin:
+    """torch's Joinable interface, mixed into DistributedDataParallel (beside torch's `Joinable`)."""
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for ranks with different numbers of batches (as torch's).
+
+        >>> with model.join():                              # doctest: +SKIP
+        ...     for batch in my_shard:                      # ranks may differ in length
+        ...         model(batch).sum().backward(); optimizer.step()
+        """
+        if self.shard != "none" and enable:
+            raise unsupported_with_sharding("join()", self.shard, "Give every rank the same number of batches "
+                                            "(phalanx.DistributedSampler does), or use shard='none'.")
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> DDPJoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._control_device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
 
 class DDPJoinHook(JoinHook):

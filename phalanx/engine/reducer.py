@@ -5,7 +5,7 @@ complete it is launched through the exchange (which overlaps the rest of backwar
 issues the same collectives in the same order. An autograd engine callback at the end of backward
 has the exchange deliver every bucket's average into the gradients. After the first synchronized
 iteration the buckets are rebuilt once, in the order rank 0 saw gradients arrive. How a bucket is
-averaged is the exchange's business alone (exchange.py). Under distributed autograd (RPC) the
+averaged is the exchange's business alone (exchange/). Under distributed autograd (RPC) the
 gradients live in the context and other hooks count them (dist_autograd.py).
 """
 
@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..bucket.buckets import Bucket, plan_buckets
+from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..errors import UnusedParameterError, explain
-from .buckets import Bucket, plan_buckets
+from ..exchange.base import BucketExchange
 from .dist_autograd import accumulator_hooks, context_gradients
-from .exchange import BucketExchange
-from .step_guard import StepGuard
 
 _engine = torch.autograd.Variable._execution_engine
 

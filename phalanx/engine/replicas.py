@@ -12,9 +12,9 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from ..bucket.step_guard import tag_modulus
 from ..diagnose import recorder
 from ..errors import ParameterMismatchError, explain
-from .step_guard import tag_modulus
 
 BROADCAST_CAP_BYTES = 250 * 1024 * 1024  # per flat chunk: bounds the extra memory of a broadcast
 

@@ -1,3 +1,6 @@
 """Starting workers: `phalanx run` on torch's elastic agent (`run.py`, `agent.py`), the worker entry point,
-failure reports, stop requests passed on to the workers (`stop.py`), the run summary (`goodput.py`), and
-`phalanx.spawn` for the mp.spawn style."""
+failure reports, stop requests passed on to the workers (`stop.py`), the run summary (`goodput.py`), the
+workers' allocator (`allocator.py`), and `phalanx.spawn` for the mp.spawn style.
+
+May import: world, diagnose, errors, log.
+"""

@@ -1,4 +1,7 @@
-"""Layers that need the world: `SyncBatchNorm` and `convert_sync_batchnorm`."""
+"""Layers that need the world: `SyncBatchNorm` and `convert_sync_batchnorm`.
+
+May import: errors.
+"""
 
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 

@@ -1,1 +1,4 @@
-"""The bundled jobs: `phalanx bench` and `phalanx demo`. The library never imports this package."""
+"""The bundled jobs: `phalanx bench` and `phalanx demo`. The library never imports this package.
+
+May import: phalanx, engine, exchange, checkpoint, data, launch, testing, hooks, nn, shm, world, diagnose, errors, log.
+"""

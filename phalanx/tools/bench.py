@@ -13,7 +13,6 @@ import os
 import platform
 import socket
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +24,7 @@ from ..errors import BenchConfigError, PhalanxError, explain
 from ..launch.spawn import spawn
 from ..log import print0
 from ..world import group as world
+from .bench_block import run_block, train_step
 from .bench_models import MODELS, count_parameters, make_batches
 from .bench_profile import format_profile, maybe_profile, write_profile_chart
 from .bench_report import (
@@ -176,13 +176,6 @@ def load_allreduce_bandwidth():
 
 # -- what runs on every rank ----------------------------------------------------------------------
 
-def _train_step(module, optimizer, batch, loss_fn) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    inputs, target = batch
-    loss_fn(module(inputs), target).backward()
-    optimizer.step()
-
-
 def _build_variant(variant: str, bench_model, config: BenchConfig, device: torch.device):
     torch.manual_seed(config.seed)  # the same initial weights for every variant
     module = bench_model.build().to(device)
@@ -202,36 +195,6 @@ def _build_variant(variant: str, bench_model, config: BenchConfig, device: torch
             else:
                 os.environ["PHALANX_SHM"] = saved
     return module, torch.optim.SGD(module.parameters(), lr=LEARNING_RATE)
-
-
-def _slowest_rank(times_ms: list[float], device: torch.device) -> list[float]:
-    """Per step, the time of the slowest rank (a synchronous step is as slow as its slowest rank)."""
-    local = torch.tensor(times_ms, dtype=torch.float64, device=device)
-    if dist.get_world_size() == 1:
-        return local.tolist()
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
-    return torch.stack(gathered).max(dim=0).values.tolist()
-
-
-def run_block(module, optimizer, bench_model, batches, warmup: int, steps: int, device: torch.device) -> list[float]:
-    """`warmup` untimed steps, then `steps` timed together on every rank: per step, the slowest rank's ms."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    world.barrier(name="bench-block")
-    for i in range(warmup):
-        _train_step(module, optimizer, batches[i % len(batches)], bench_model.loss)
-    sync()
-    # Start the timed steps together, so that ranks without communication (compute-only) share
-    # the cores the way they do in the DDP variants.
-    world.barrier(name="bench-timed")
-    times = []
-    for i in range(steps):
-        batch = batches[(warmup + i) % len(batches)]
-        start = time.perf_counter()
-        _train_step(module, optimizer, batch, bench_model.loss)
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-    return _slowest_rank(times, device)
 
 
 def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
@@ -255,7 +218,7 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
             print0(f"[bench] {name} block {round_ + 1}/{config.blocks} {VARIANT_LABELS[variant]:<13} "
                          f"median {median:8.2f} ms")
     variants = {variant: summarize(blocks[variant]) for variant in config.variants}
-    profile = maybe_profile(built, _train_step, bench_model, batches, config.warmup, config.steps) \
+    profile = maybe_profile(built, train_step, bench_model, batches, config.warmup, config.steps) \
         if config.profile else None
     del built, module, optimizer  # free this model's copies (and DDP buffers) before the next model
     return {"name": name, "description": bench_model.description, "params": params, "tensors": tensors,
@@ -366,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--memory" in argv:  # what sharding saves and costs: a benchmark of its own
-        return importlib.import_module("phalanx.tools.bench_memory").main(argv)
+    if "--memory" in argv:  # what sharding saves and costs: a benchmark of its own, imported when asked for
+        from .bench_memory import main as memory_main
+
+        return memory_main(argv)
     try:
         config = parse_config(argv)
     except SystemExit as exc:  # argparse: --help, or a malformed flag (its message is already printed)

@@ -27,7 +27,7 @@ from ..engine.ddp import DistributedDataParallel
 from ..errors import BenchConfigError, PhalanxError, explain
 from ..launch.allocator import worker_preload
 from ..launch.spawn import spawn
-from .bench import run_block
+from .bench_block import run_block
 from .bench_models import MODELS, make_batches
 
 MODES = ("none", "optimizer", "gradients", "parameters")

@@ -1,7 +1,7 @@
 """`phalanx bench --profile`: where the time of a phalanx DDP step goes, per rank and per bucket.
 
 After the timed blocks, one more block of the phalanx variant runs with its exchange's phase timer
-on (engine/phase_timer.py): copy into buckets, reduction, waiting for peers (or a transport's
+on (exchange/phase_timer.py): copy into buckets, reduction, waiting for peers (or a transport's
 thread), copy out; the rest of the step is compute, the optimizer and the engine's bookkeeping.
 Kept apart from the timed blocks, so switching the timers on never touches the headline figures.
 """
@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..engine.phase_timer import PHASES
+from ..exchange.phase_timer import PHASES
 
 
 def profile_block(module, optimizer, train_step, bench_model, batches, warmup: int, steps: int) -> dict:

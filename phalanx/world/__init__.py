@@ -2,6 +2,8 @@
 stop requests that reach the process (stop.py).
 
 `group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports.
+
+May import: diagnose, errors, log.
 """
 
 from .group import (

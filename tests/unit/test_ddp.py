@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import phalanx
-from phalanx.engine.buckets import Bucket, GradBucket, plan_buckets
+from phalanx.bucket.buckets import Bucket, GradBucket, plan_buckets
+from phalanx.bucket.step_guard import tag_modulus
 from phalanx.engine.devices import move_to
-from phalanx.engine.step_guard import tag_modulus
 from phalanx.errors import WorldConfigError
 
 MB = 2 ** 20

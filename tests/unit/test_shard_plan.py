@@ -1,10 +1,10 @@
-"""Who owns which elements of a bucket when sharding (engine/shard_plan.py), and how the memory
+"""Who owns which elements of a bucket when sharding (bucket/shard_plan.py), and how the memory
 benchmark counts bytes (each byte once)."""
 
 import torch
 
-from phalanx.engine.buckets import Bucket
-from phalanx.engine.shard_plan import CHUNK_ALIGN, chunk_size, cut_bucket
+from phalanx.bucket.buckets import Bucket
+from phalanx.bucket.shard_plan import CHUNK_ALIGN, chunk_size, cut_bucket
 from phalanx.tools.bench_memory import _distinct_bytes
 
 

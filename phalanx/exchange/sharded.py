@@ -1,6 +1,6 @@
 """The sharded exchange: a reduce-scatter per bucket in backward, an all-gather of parameters after the step.
 
-Each rank owns one chunk of every bucket (shard_plan.py). In backward a full bucket is
+Each rank owns one chunk of every bucket (bucket/shard_plan.py). In backward a full bucket is
 reduce-scattered, so each rank receives only the average of the chunk it owns, as soon as the
 bucket is complete; after the optimizer has updated the owned chunks, `gather_parameters()` sends
 each rank's chunk to the others. The same bytes as an all-reduce move, in the same two halves.
@@ -13,7 +13,7 @@ Two memory modes:
 In both, the all-gather goes through the staging buffers, in forward order (the first layers' bucket
 first), and each bucket's wait can be deferred to the forward that needs it (`wait_gathered`).
 
-Here the process group's collectives carry the bytes; shm_sharded_exchange.py does the same in
+Here the process group's collectives carry the bytes; shm_sharded.py does the same in
 shared memory.
 """
 
@@ -22,15 +22,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..bucket.buckets import Bucket
+from ..bucket.shard_levels import GRADIENTS, OPTIMIZER, unsupported_with_sharding
+from ..bucket.shard_plan import BucketShard, chunk_size, cut_bucket
+from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..errors import ShardingError, explain
-from .buckets import Bucket
-from .exchange import BucketExchange
-from .shard_plan import BucketShard, chunk_size, cut_bucket
-from .step_guard import StepGuard
+from .base import BucketExchange
 
-OPTIMIZER, GRADIENTS = "optimizer", "gradients"
-SHARD_MODES = ("none", OPTIMIZER, GRADIENTS, "parameters")  # "parameters": torch's FSDP2 (fully_sharded.py)
 STAGING_BUFFERS = 2  # per dtype and device: two buckets in flight, the rest of the gradients freed
 
 
@@ -247,36 +246,3 @@ class ShardedExchange(BucketExchange):
     def gathering(self) -> bool:
         return bool(self._gathers)
 
-
-def check_shard(shard: str, as_view: bool, named: list) -> str:
-    """DistributedDataParallel's `shard` argument, checked against the rest of its configuration."""
-    if shard not in SHARD_MODES:
-        raise ShardingError(explain("DistributedDataParallel shard must name a sharding mode", seen=f"shard={shard!r}",
-                                    expected=" | ".join(repr(m) for m in SHARD_MODES),
-                                    fix="Pass shard='optimizer' (ZeRO-1), 'gradients' (ZeRO-2) or 'parameters' "
-                                        "(FSDP2)."))
-    on_meta = [name for name, p in named if p.is_meta]
-    if on_meta:
-        raise ShardingError(explain(
-            "a model built on the meta device is materialized only by shard='parameters'", rank=dist.get_rank(),
-            seen=f"shard={shard!r} and meta parameters {on_meta[:5]}", expected="parameters with values",
-            fix="Use shard='parameters' (it initializes one module at a time), or build the model on a real "
-                "device (net.to_empty(device=...) and your init)."))
-    if shard == "gradients" and as_view:
-        raise ShardingError(explain(
-            "gradient_as_bucket_view does not apply with shard='gradients'", rank=dist.get_rank(),
-            seen="gradient_as_bucket_view=True", expected="False",
-            fix="Drop gradient_as_bucket_view: with shard='gradients' the full gradients are freed once reduced."))
-    if shard != "none":
-        strided = [name for name, p in named if not p.is_contiguous()]
-        if strided:
-            raise ShardingError(explain(
-                "sharding cuts parameters into flat pieces: they must be contiguous", rank=dist.get_rank(),
-                seen=f"non-contiguous parameters {strided[:5]}", expected="contiguous parameters",
-                fix="Make them contiguous before wrapping (p.data = p.data.contiguous()), or use shard='none'."))
-    return shard
-
-
-def unsupported_with_sharding(feature: str, shard: str, fix: str) -> ShardingError:
-    return ShardingError(explain(f"{feature} does not work with sharded DistributedDataParallel",
-                                 rank=dist.get_rank(), seen=f"shard={shard!r}", expected="shard='none'", fix=fix))

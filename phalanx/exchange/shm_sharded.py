@@ -14,11 +14,12 @@ from functools import partial
 
 import torch
 
+from ..bucket.buckets import Bucket
+from ..bucket.shard_levels import GRADIENTS
+from ..bucket.shard_plan import BucketShard
+from ..bucket.step_guard import StepGuard
 from ..shm import ShmCommunicator
-from .buckets import Bucket
-from .shard_plan import BucketShard
-from .sharded_exchange import GRADIENTS, ShardedExchange
-from .step_guard import StepGuard
+from .sharded import ShardedExchange
 
 
 class ShmShardedExchange(ShardedExchange):

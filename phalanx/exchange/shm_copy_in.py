@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..bucket.buckets import Bucket
 from ..shm.reduce import copy_pieces
-from .buckets import Bucket
 
 
 def gradient_addresses(params: list[torch.nn.Parameter]) -> list[int] | None:

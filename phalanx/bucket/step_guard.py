@@ -3,7 +3,7 @@
 A rank that falls out of step (it ran out of data, crashed, or took another code path) turns into
 `UnevenInputsError` naming the ranks that are missing, never into silently mixed gradients. Only a
 wait over a second touches the rendezvous store (the rank notes it is in the step); on a stall,
-failure or tag mismatch those notes name the missing ranks. Inside `join()` (join.py) it is off.
+failure or tag mismatch those notes name the missing ranks. Inside `join()` (engine/join.py) it is off.
 """
 
 from __future__ import annotations

@@ -17,12 +17,12 @@ from functools import partial
 
 import torch
 
+from ..bucket.buckets import Bucket
+from ..bucket.step_guard import StepGuard
 from ..shm import ShmCommunicator
 from ..shm.reduce import kernel_serves, streams
-from .buckets import Bucket
-from .exchange import AllReduceExchange
+from .all_reduce import AllReduceExchange
 from .shm_copy_in import BucketCopyIn, gradient_addresses
-from .step_guard import StepGuard
 
 ALL_REDUCE, POSTED, SPLIT = "all-reduce", "posted", "split"
 

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .sharded_exchange import ShardedExchange
+from ..exchange.sharded import ShardedExchange
 
 
 @torch.no_grad()

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..bucket.shard_plan import Piece
 from ..errors import ShardingError, explain
+from ..exchange.sharded import ShardedExchange
 from .optimizer_view import OptimizerView
-from .shard_plan import Piece
-from .sharded_exchange import ShardedExchange
 
 # Optimizers that read whole tensors (norms, factored moments, line searches): their update of a piece
 # would differ from their update of the parameter.

@@ -5,7 +5,7 @@ first, the observed order after one iteration), per (device, dtype), at most a s
 first bucket small so that communication starts early. Each bucket owns one flat tensor; every
 parameter gets a view of it shaped like the parameter, plus one trailing slot for the step tag.
 A bucket copies its gradients in (scaled) and the result back out; when it is launched is the
-reducer's business (reducer.py), how it is averaged the exchange's (exchange.py).
+reducer's business (engine/reducer.py), how it is averaged the exchange's (exchange/).
 """
 
 from __future__ import annotations

@@ -12,13 +12,13 @@ import weakref
 
 import torch
 
-from .reducer import Reducer
+from ..exchange.sharded import ShardedExchange
 
 
-def install_gather_waits(module: torch.nn.Module, reducer: Reducer) -> list:
-    """Register the waits on `module` and its submodules; returns the hooks' handles."""
-    exchange = weakref.ref(reducer.exchange)  # a deep copy of the model copies its hooks, not the exchange
-    bucket_of = {id(p): bucket.index for bucket in reducer.buckets for p in bucket.params}
+def install_gather_waits(module: torch.nn.Module, sharded: ShardedExchange) -> list:
+    """Register the waits for `sharded`'s all-gathers on `module` and its submodules; returns the hooks' handles."""
+    exchange = weakref.ref(sharded)  # a deep copy of the model copies its hooks, not the exchange
+    bucket_of = {id(p): bucket.index for bucket in sharded.buckets for p in bucket.params}
 
     def waiter(indices: list[int]):
         def wait_for_parameters(_module, _inputs):

@@ -1,0 +1,81 @@
+"""`AllReduceExchange`: phalanx's default on a process group (Gloo, NCCL), one all-reduce per bucket.
+
+The gradients are divided by the world size on their way into the bucket, so the sum the process
+group computes is already the average; the step tag in the bucket's last slot rides along and is
+checked when the bucket is delivered.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..bucket.buckets import Bucket
+from ..bucket.step_guard import StepGuard
+from .base import BucketExchange
+
+
+class AllReduceExchange(BucketExchange):
+    """phalanx's default on a process group: the gradients are divided by the world size while they
+    are copied into the bucket, then one all-reduce (sum) carries them and the step tag after them."""
+
+    def __init__(self, group, guard: StepGuard):
+        super().__init__(guard)
+        self.group = group
+        self._handles: dict[int, object] = {}
+
+    def launch(self, bucket: Bucket) -> None:
+        if bucket.sparse:
+            self._launch_sparse(bucket, bucket.sparse_gradient())
+            return
+        with self.timer("copy_in", bucket.index):
+            bucket.fill_(self.scale)
+        bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
+        self._handles[bucket.index] = self._start(bucket.storage)
+
+    def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
+        with self.timer("wait", bucket.index):
+            result = self._finish(bucket)
+        self._write_back(bucket, used, result)
+
+    def discard(self, bucket: Bucket) -> None:
+        self._finish(bucket)
+
+    def shadow(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            self._launch_shadow(bucket)
+        for bucket in buckets:
+            self._finish(bucket, "the shadow all-reduce")
+
+    def _launch_shadow(self, bucket: Bucket) -> None:
+        if bucket.sparse:
+            self._launch_sparse(bucket, bucket.sparse_gradient(zeros=True))
+            return
+        bucket.detach_gradient_views()  # the bucket itself carries the zeros: shared-memory peers read it there
+        bucket.storage.zero_()
+        self._handles[bucket.index] = self._start(bucket.storage)
+
+    def _launch_sparse(self, bucket: Bucket, gradient: torch.Tensor) -> None:
+        """A sparse gradient goes through the process group (Gloo sums sparse tensors), divided first, as
+        torch DDP does; it carries no step tag."""
+        scale = self.scale
+        work = dist.all_reduce(gradient if scale is None else gradient * scale, group=self.group, async_op=True)
+        self._handles[bucket.index] = work.get_future()
+
+    def _start(self, storage: torch.Tensor):
+        return dist.all_reduce(storage, group=self.group, async_op=True)
+
+    def _wait(self, handle, what: str) -> None:
+        self.guard.wait_work(handle, what)  # a timed wait in C++: no Python callback per bucket
+
+    def _finish(self, bucket: Bucket, kind: str = "the gradient all-reduce") -> torch.Tensor | None:
+        """Wait for the bucket's all-reduce and check its step tag; returns a sparse bucket's sum."""
+        what = f"{kind} of bucket {bucket.index}"
+        handle = self._handles.pop(bucket.index)
+        if bucket.sparse:
+            return self.guard.wait(handle, what)[0]  # a sparse sum is a new tensor, not written in place
+        self._wait(handle, what)
+        # The check reads the tag back: free on the CPU, a stream synchronization on a GPU.
+        if bucket.storage.device.type == "cpu":
+            self.guard.check_tag_sum(bucket.tag_slot.item(), bucket.storage.dtype, what)
+        return None

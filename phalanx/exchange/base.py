@@ -1,0 +1,100 @@
+"""The seam between the reducer and the transports: how one full bucket becomes its average.
+
+The reducer decides *when* a bucket is ready and launches buckets in index order; an exchange
+decides *how* the bucket's gradients are averaged and delivered into `param.grad`. Nothing else
+crosses this seam. Here: the interface; each implementation is a module of its own beside this one,
+and choose.py picks one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..bucket.buckets import Bucket
+from ..bucket.step_guard import StepGuard
+from .phase_timer import PhaseTimer
+
+
+class BucketExchange(ABC):
+    """How a bucket of gradients becomes its average across ranks, delivered into each `param.grad`.
+
+    Per synchronized backward the reducer calls `launch(bucket)` for every bucket, in index order,
+    each as soon as its gradients are ready (the exchange starts and returns at once, so it overlaps
+    the rest of backward); then at the end of backward `deliver(bucket, used)` for every bucket, in
+    index order (the exchange waits, within the step guard's bounds, and writes the result).
+
+    The exchange owns its buckets' storage (`allocate`: shared memory for the shared-memory
+    exchange) and is told the plan each time it changes (`prepare`). It holds the step guard it was
+    built with, so its waits are bounded and name the ranks that are missing.
+
+    A sharded exchange (sharded.py) fits the same calls: `launch` reduce-scatters the bucket
+    and `deliver` hands the chunk this rank owns to the optimizer; its all-gather of the updated
+    parameters after the optimizer step works over the same bucket layout.
+    """
+
+    keeps_plan = False  # True: the bucket plan must not change once built (the one-time rebuild is skipped)
+
+    def __init__(self, guard: StepGuard):
+        self.guard = guard
+        self.divisor = guard.world_size  # averaged over this many ranks (join may change it)
+        self.timer = PhaseTimer()  # off unless a profiler (phalanx bench --profile) turns it on
+
+    # -- storage and plan -------------------------------------------------------------------------
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Storage for a bucket: a zero-filled 1-D tensor. Collective for exchanges that share memory."""
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def allocate_plan(self, sizes: list) -> list:
+        """Storage for every bucket of a plan: `sizes` holds (numel, dtype, device) per bucket, None for a
+        sparse one (no storage). An exchange may give more elements than asked, or views of shared buffers."""
+        return [None if size is None else self.allocate(*size) for size in sizes]
+
+    def release(self, storage: torch.Tensor) -> None:
+        """`storage` (from allocate) is no longer a bucket's."""
+
+    def prepare(self, buckets: list[Bucket]) -> None:
+        """The buckets were (re)built: precompute what each one's exchange needs."""
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Tensors this exchange holds besides the buckets' storage (for counting memory)."""
+        return []
+
+    # -- one backward ----------------------------------------------------------------------------
+
+    @abstractmethod
+    def launch(self, bucket: Bucket) -> None:
+        """Start averaging `bucket`: its parameters' `.grad` hold this rank's gradients (None: zeros)."""
+
+    @abstractmethod
+    def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
+        """Wait for `bucket`'s exchange and write the average into `.grad`. With `used` (per parameter
+        index, the number of ranks where it got a gradient) a parameter unused everywhere is left alone."""
+
+    @abstractmethod
+    def discard(self, bucket: Bucket) -> None:
+        """Finish a launched exchange whose result is not wanted (a backward that failed): the peers
+        may still need this rank's part."""
+
+    @abstractmethod
+    def shadow(self, buckets: list[Bucket]) -> None:
+        """join(): issue the collectives of one synchronized backward with zero gradients, as a rank that
+        ran out of data, without touching `.grad`."""
+
+    def settle(self, buckets: list[Bucket]) -> None:
+        """Before this exchange is replaced: return once no peer can still read this rank's buckets."""
+
+    def _write_back(self, bucket: Bucket, used: list[int] | None, sparse_sum: torch.Tensor | None) -> None:
+        """The average into .grad: a dense bucket's buffer, or a sparse bucket's sum (a new tensor)."""
+        if not bucket.sparse:
+            with self.timer("copy_out", bucket.index):
+                bucket.write_back(used)
+        elif used is None or used[bucket.indices[0]]:
+            bucket.params[0].grad = sparse_sum
+
+    @property
+    def scale(self) -> float | None:
+        """What the gradients are multiplied by on the way into the bucket (None: nothing)."""
+        return None if self.divisor == 1 else 1.0 / self.divisor
