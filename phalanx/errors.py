@@ -192,3 +192,14 @@ class StrayOptimizerError(ShardingError):
     def __init__(self, message: str, parameter: str | None = None):
         super().__init__(message)
         self.parameter = parameter
+
+
+def seconds_setting(raw, problem: str, expected: str, fix: str) -> float:
+    """`raw` (a flag's or an environment variable's text) as seconds >= 0, else a WorldConfigError."""
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        raise WorldConfigError(explain(problem, seen=repr(raw), expected=expected, fix=fix))
+    return seconds

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..diagnose import recorder
-from ..errors import PeerFailedError, RanksTimedOutError, WorldConfigError, explain
+from ..errors import PeerFailedError, RanksTimedOutError, explain, seconds_setting
 from ..world import group as world
 from ..world import stop
 
@@ -35,15 +35,9 @@ def interval() -> float:
     raw = os.environ.get("PHALANX_STOP_INTERVAL")
     if raw is None:
         return DEFAULT_INTERVAL
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value < 0:
-        raise WorldConfigError(explain("PHALANX_STOP_INTERVAL is not a number of seconds", seen=repr(raw),
-                                       expected="seconds >= 0 between the ranks' agreements on a stop, e.g. 0.2",
-                                       fix="Fix or unset PHALANX_STOP_INTERVAL."))
-    return value
+    return seconds_setting(raw, "PHALANX_STOP_INTERVAL is not a number of seconds",
+                           expected="seconds >= 0 between the ranks' agreements on a stop, e.g. 0.2",
+                           fix="Fix or unset PHALANX_STOP_INTERVAL.")
 
 
 def next_every(step_seconds: float, target: float) -> int:

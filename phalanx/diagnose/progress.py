@@ -17,6 +17,8 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from .record import rank_files
+
 MAGIC = float(0x50484C58)  # "PHLX"
 VERSION = 1
 (P_MAGIC, P_VERSION, P_PID, P_RANK, P_STATE, P_CREATED, P_READY, P_LOOP_START, P_LAST_STEP_AT, P_STEP, P_FIRST_STEP,
@@ -111,10 +113,15 @@ def checkpointer(directory: str) -> None:
 
 def restoring() -> int:
     """A restore begins; returns the state to go back to when there is nothing to restore."""
+    return _enter("restoring")
+
+
+def _enter(state: str) -> int:
+    """This rank is now in `state`; returns the state it was in (-1 without a record)."""
     if _record is None:
         return -1
     previous = int(_record.slots[P_STATE])
-    _record.slots[P_STATE] = STATE["restoring"]
+    _record.slots[P_STATE] = STATE[state]
     return previous
 
 
@@ -154,11 +161,7 @@ def step(count: int) -> None:
 
 def saving() -> int:
     """A save begins; returns the state to go back to."""
-    if _record is None:
-        return -1
-    previous = int(_record.slots[P_STATE])
-    _record.slots[P_STATE] = STATE["saving"]
-    return previous
+    return _enter("saving")
 
 
 def saved(count: int, path, started: float, ended: float, previous: int) -> None:
@@ -239,15 +242,9 @@ class Progress:
 def read(directory: str) -> dict[int, Progress]:
     """Every rank's record in `directory` (an attempt's folder), by rank."""
     found = {}
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return found
-    for name in names:
-        if not (name.startswith("rank-") and name.endswith(".progress")):
-            continue
+    for path in rank_files(directory, ".progress"):
         try:
-            with open(os.path.join(directory, name), "rb") as handle:
+            with open(path, "rb") as handle:
                 raw = handle.read(8 * SLOTS)
         except OSError:
             continue

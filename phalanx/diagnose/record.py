@@ -268,16 +268,20 @@ def read_header(path: str) -> tuple | None:
 def read_rings(directory: str) -> dict[int, Snapshot]:
     """Every rank's ring in `directory`, by rank."""
     found = {}
+    for path in rank_files(directory, ".ring"):
+        snapshot = read_ring(path)
+        if snapshot is not None:
+            found[snapshot.rank] = snapshot
+    return found
+
+
+def rank_files(directory: str, suffix: str) -> list[str]:
+    """The paths of the per-rank files (`rank-<r><suffix>`) in `directory`; none if it is gone."""
     try:
         names = os.listdir(directory)
     except OSError:
-        return found
-    for name in names:
-        if name.startswith("rank-") and name.endswith(".ring"):
-            snapshot = read_ring(os.path.join(directory, name))
-            if snapshot is not None:
-                found[snapshot.rank] = snapshot
-    return found
+        return []
+    return [os.path.join(directory, n) for n in names if n.startswith("rank-") and n.endswith(suffix)]
 
 
 def _name(table: tuple, code: int) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 
-from ..errors import WorldConfigError, explain
+from ..errors import seconds_setting
 from . import stacks
 from .record import H_EXITED, H_PHASE, H_PID, H_PROGRESS, PHASE, read_header, read_rings, ring_path
 from .verdict import Verdict, judge
@@ -25,15 +25,9 @@ ON_STALL = ("restart", "stop", "wait")
 def stall_timeout(value: float | str | None = None) -> float:
     """The stall timeout in seconds: `value`, else PHALANX_STALL_TIMEOUT, else 300 (0 turns detection off)."""
     raw = value if value is not None else os.environ.get("PHALANX_STALL_TIMEOUT", DEFAULT_STALL_TIMEOUT)
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if seconds < 0:
-        raise WorldConfigError(explain("the stall timeout is not a number of seconds", seen=repr(raw),
-                                       expected="seconds >= 0 (0 turns stall detection off), e.g. 300",
-                                       fix="Fix --stall-timeout or PHALANX_STALL_TIMEOUT."))
-    return seconds
+    return seconds_setting(raw, "the stall timeout is not a number of seconds",
+                           expected="seconds >= 0 (0 turns stall detection off), e.g. 300",
+                           fix="Fix --stall-timeout or PHALANX_STALL_TIMEOUT.")
 
 
 class StallWatch:
