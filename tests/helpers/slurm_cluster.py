@@ -142,7 +142,7 @@ class SlurmCluster:
             _run("ip", "-n", namespace, "link", "set", "lo", "up")
             if not os.path.isdir("/etc/netns"):
                 os.makedirs("/etc/netns")
-                self._made.insert(0, ("dir", "/etc/netns"))
+                self._made.insert(0, ("empty dir", "/etc/netns"))  # removed last, and only if empty
             etc = Path("/etc/netns") / namespace
             etc.mkdir(parents=True, exist_ok=True)
             self._made.append(("dir", str(etc)))
@@ -278,8 +278,13 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 _run("ip", "netns", "del", name, check=False)
             elif kind == "link":
                 _run("ip", "link", "del", name, check=False)
-            else:
+            elif kind == "dir":
                 shutil.rmtree(name, ignore_errors=True)
+            else:
+                try:
+                    os.rmdir(name)
+                except OSError:
+                    pass
         self._made = []
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
