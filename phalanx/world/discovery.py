@@ -118,10 +118,15 @@ def _from_slurm(env: Mapping[str, str]) -> WorldSpec:
                 "SLURM_JOB_NODELIST is missing", seen="nothing", expected="the job's node list",
                 fix="Run under `srun`, or set MASTER_ADDR to the first node of the job."))
         env = {**env, "MASTER_ADDR": parse_nodelist(nodelist)[0]}
-    job_id = env.get("SLURM_JOB_ID", "0")
-    default_port = 15000 + int(job_id) % 20000 if job_id.isdigit() else 29500
-    addr, port = _master(env, world_size, "slurm", default_port=default_port)
+    addr, port = _master(env, world_size, "slurm", default_port=job_port(env))
     return WorldSpec(rank, world_size, local_rank, local_world_size, addr, port, "slurm")
+
+
+def job_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of SLURM job SLURM_JOB_ID (29500 outside a job), the same on every node: two
+    jobs sharing a node differ (ports 15000..34999)."""
+    job_id = env.get("SLURM_JOB_ID", "")
+    return 15000 + int(job_id) % 20000 if job_id.isdigit() else 29500
 
 
 def _slurm_tasks_on_this_node(env: Mapping[str, str], world_size: int) -> int:
