@@ -30,6 +30,7 @@ from pathlib import Path
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/sbatch")
+FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 START_TIMEOUT = 60.0  # seconds for the nodes to show idle; on a busy 2-core machine it takes 2-5
 
 
@@ -188,7 +189,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=10
 StateSaveLocation={d / 'state'}
 SlurmdSpoolDir={d}/spool-%n
 SlurmctldPidFile={d / 'slurmctld.pid'}
@@ -197,11 +198,12 @@ SlurmctldLogFile={d / 'slurmctld.log'}
 SlurmdLogFile={d}/slurmd-%n.log
 SlurmdParameters=config_overrides
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
@@ -251,6 +253,30 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def run(self, *command: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
         """Run a SLURM command (sinfo, sbatch, scontrol, ...) against this cluster."""
         return _run(*command, check=check, timeout=timeout, env=self.env)
+
+    def submit(self, script, *args: str, flags=(), cwd=None, env: dict | None = None) -> int:
+        """`sbatch [flags] script [args]` from `cwd` (the job's SLURM_SUBMIT_DIR) with `env`; the job id."""
+        done = subprocess.run(["sbatch", "--parsable", *flags, str(script), *args], capture_output=True, text=True,
+                              cwd=cwd, env={**(env or os.environ), "SLURM_CONF": self.env["SLURM_CONF"]}, timeout=30)
+        if done.returncode != 0:
+            raise RuntimeError(f"sbatch failed ({done.returncode}): {done.stderr}")
+        return int(done.stdout.strip().split(";")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        """`scontrol show job`'s fields: JobState, ExitCode, Restarts, RunTime, ..."""
+        shown = self.run("scontrol", "show", "job", "--oneliner", str(job_id)).stdout
+        return dict(field.split("=", 1) for field in shown.split() if "=" in field)
+
+    def wait(self, job_id: int, timeout: float, until=FINISHED) -> dict[str, str]:
+        """Poll the job until its state is one of `until`; its fields. TimeoutError (with them) after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fields = self.job(job_id)
+            if fields.get("JobState") in until:
+                return fields
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} still {fields.get('JobState')} after {timeout:.0f}s: {fields}")
+            time.sleep(0.25)
 
     def logs(self) -> str:
         """The daemons' logs, for a failure message."""
