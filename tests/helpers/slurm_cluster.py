@@ -64,6 +64,15 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _unused_subnet() -> str:
+    """A 10.x.y.0/24 that no route of this machine covers yet (its first three numbers)."""
+    taken = _run("ip", "-4", "route", "show", check=False).stdout if shutil.which("ip") else ""
+    while True:
+        net = f"10.{random.randrange(200, 250)}.{random.randrange(256)}"
+        if f"{net}." not in taken:
+            return net
+
+
 class SlurmCluster:
     """`nodes` SLURM nodes named node1..nodeN with `cpus` CPUs each, one partition. Use as a context manager.
 
@@ -73,7 +82,7 @@ class SlurmCluster:
     def __init__(self, nodes: int = 2, cpus: int = 2):
         self.nodes, self.cpus = nodes, cpus
         tag = f"{random.randrange(16 ** 4):04x}"
-        self.net = f"10.{random.randrange(200, 250)}.{random.randrange(256)}"  # a /24 nobody else uses here
+        self.net = _unused_subnet()
         self.bridge = f"phxsb{tag}"
         self.names = [f"node{k}" for k in range(1, nodes + 1)]
         self.namespaces = [f"phxslurm{tag}{k}" for k in range(1, nodes + 1)]
