@@ -66,6 +66,7 @@ def finished(cluster: SlurmCluster, job: int, output: Path, timeout: float = JOB
     try:
         fields = cluster.wait(job, timeout)
     except TimeoutError as exc:
+        cluster.run("scancel", "--signal=KILL", "--full", str(job), check=False)  # the next test gets the nodes
         pytest.fail(f"{exc}\n--- job output:\n{output.read_text() if output.exists() else ''}")
     return fields, output.read_text() if output.exists() else ""
 
