@@ -35,13 +35,15 @@ class Watchdog(threading.Thread):
         self.directory, self.rank, self.on_stall = directory, rank, on_stall
         self.report_dir = os.environ.get("PHALANX_LOG_DIR") or directory
         self.watch = StallWatch(directory, timeout, self.expected)
-        self._stop = threading.Event()
+        # Not `_stop`: that is a method of Thread, which a forked child (a DataLoader worker) calls on
+        # every thread it inherits; an Event there prints "TypeError: 'Event' object is not callable".
+        self._quit = threading.Event()
 
     def stop(self) -> None:
-        self._stop.set()
+        self._quit.set()
 
     def run(self) -> None:
-        while not self._stop.wait(POLL_SECONDS):
+        while not self._quit.wait(POLL_SECONDS):
             if not self.watch.poll():
                 continue
             report = os.path.join(self.report_dir, "stall-report.json")

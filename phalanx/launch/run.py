@@ -28,7 +28,9 @@ from ..diagnose import progress
 from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ..errors import PhalanxError, explain
 from ..world.group import usable_cores
+from ..world.interface import set_for_world
 from ..world.rendezvous import LOOPBACK, StaticRendezvous
+from ..world.slurm import launcher_nodes
 from ..world.stop import STOP_EXIT_CODE
 from .agent import Agent
 from .allocator import preload_for_workers
@@ -61,15 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N|auto",
         help="workers on this node; auto = one per GPU, else one per CPU core (at most 8). Default 1")
-    add("--nnodes", default="1", metavar="N|MIN:MAX",
-        help="number of nodes, or an elastic range MIN:MAX. Default 1")
-    add("--node-rank", "--node_rank", dest="node_rank", type=int, default=0, metavar="R",
-        help="this node's index in 0..nnodes-1 (fixed --nnodes only). Default 0")
+    add("--nnodes", default=None, metavar="N|MIN:MAX",
+        help="number of nodes, or an elastic range MIN:MAX. Default 1, or the srun step's node count")
+    add("--node-rank", "--node_rank", dest="node_rank", type=int, default=None, metavar="R",
+        help="this node's index in 0..nnodes-1 (fixed --nnodes only). Default 0, or SLURM_NODEID under srun")
     add("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="A",
-        help=f"address of node 0, reachable from every node (required for several nodes). Default {LOOPBACK}")
+        help=f"address of node 0, reachable from every node (required for several nodes). Default {LOOPBACK}, "
+             f"or the srun step's first node")
     add("--master-port", "--master_port", dest="master_port", type=int, default=None, metavar="P",
         help=f"port of the rendezvous store on node 0. Default: a free port (one node), "
-             f"{DEFAULT_MULTI_NODE_PORT} (several nodes)")
+             f"{DEFAULT_MULTI_NODE_PORT} (several nodes), one per SLURM_JOB_ID under srun")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0, metavar="K",
         help="restart the whole worker group up to K times when a worker fails. Default 0")
     add("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="D",
@@ -127,7 +130,9 @@ def resolve_nproc(text: str) -> int:
 
 
 def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
-    """Validate the flags together; return (nproc, min_nodes, max_nodes)."""
+    """Validate the flags together (the unset ones filled from SLURM under srun: `args.from_slurm` says so);
+    return (nproc, min_nodes, max_nodes)."""
+    args.from_slurm = _slurm_defaults(args)
     if not args.module and not os.path.isfile(args.target):
         raise ValueError(explain("the training script does not exist", seen=repr(args.target),
                                  expected=f"a file (relative to {os.getcwd()})",
@@ -163,6 +168,29 @@ def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
 
 def _say(text: str) -> None:
     print(f"phalanx run: {text}", file=sys.stderr, flush=True)
+
+
+def _slurm_defaults(args) -> str | None:
+    """Under srun (one task per node), fill --nnodes, --node-rank, --master-addr and --master-port from the
+    step where they were not given; the sentence that says so. Outside an srun step: 1 node, node rank 0."""
+    nodes = launcher_nodes(os.environ) if args.nnodes is None or args.node_rank is None else None
+    if nodes is None or (args.nnodes is None and nodes.nnodes == 1):
+        args.nnodes = args.nnodes or "1"
+        args.node_rank = args.node_rank or 0
+        return None
+    args.nnodes = args.nnodes or str(nodes.nnodes)
+    args.node_rank = nodes.node_rank if args.node_rank is None else args.node_rank
+    if args.master_addr is None:
+        args.master_addr = nodes.master_addr
+        args.master_port = nodes.master_port if args.master_port is None else args.master_port
+    return f"from SLURM: {nodes.describe()}"
+
+
+def _choose_interface(master_addr: str | None, several_nodes: bool) -> None:
+    """Name Gloo's and NCCL's interface for the workers, unless the user did (world/interface.py)."""
+    choice = set_for_world(master_addr, several_nodes)
+    if choice is not None:
+        _say(choice.sentence)
 
 
 def _rendezvous_handler(args, config: LaunchConfig, node_rank: int):
@@ -206,6 +234,9 @@ def run(argv: list[str] | None = None) -> int:
         nproc, min_nodes, max_nodes = check_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.from_slurm:
+        _say(args.from_slurm)
+    _choose_interface(args.master_addr, max_nodes > 1)
     own_log_dir = args.log_dir is None
     log_dir = tempfile.mkdtemp(prefix="phalanx-run-") if own_log_dir else args.log_dir
     config = LaunchConfig(

@@ -1,5 +1,6 @@
-"""Joining the world: the environment read (discovery), the rendezvous store, the process group, and the
-stop requests that reach the process (stop.py).
+"""Joining the world: the environment read (discovery; slurm.py for `phalanx run` under srun), the
+rendezvous store, the network interface between hosts (interface.py), the process group, and the stop
+requests that reach the process (stop.py).
 
 `group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports.
 

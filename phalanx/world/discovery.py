@@ -1,8 +1,8 @@
 """Find out which world this process belongs to, from its environment alone.
 
 Sources, in order: the variables `phalanx run` and `torchrun` set (RANK, WORLD_SIZE, ...), SLURM's
-`srun` (SLURM_PROCID, ...), else a single process. Pure functions of a mapping, so every case is
-testable on a synthetic environment.
+`srun` (SLURM_PROCID, ..., inside a step: SLURM_STEP_ID), else a single process. Pure functions of a
+mapping, so every case is testable on a synthetic environment.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ def discover(environ: Mapping[str, str] | None = None) -> WorldSpec:
     env = os.environ if environ is None else environ
     if "RANK" in env or "WORLD_SIZE" in env:
         return _from_launcher(env)
+    # Only inside an srun step: the batch script itself has SLURM_PROCID=0 and SLURM_NTASKS of the whole
+    # job too, and a `python train.py` there is one process, not rank 0 of a world that never comes.
     if "SLURM_PROCID" in env and ("SLURM_STEP_NUM_TASKS" in env or "SLURM_NTASKS" in env) \
-            and env.get("PHALANX_IGNORE_SLURM", "0") != "1":
+            and "SLURM_STEP_ID" in env and env.get("PHALANX_IGNORE_SLURM", "0") != "1":
         return _from_slurm(env)
     return WorldSpec(0, 1, 0, 1, None, None, "single")
 
@@ -118,10 +120,15 @@ def _from_slurm(env: Mapping[str, str]) -> WorldSpec:
                 "SLURM_JOB_NODELIST is missing", seen="nothing", expected="the job's node list",
                 fix="Run under `srun`, or set MASTER_ADDR to the first node of the job."))
         env = {**env, "MASTER_ADDR": parse_nodelist(nodelist)[0]}
-    job_id = env.get("SLURM_JOB_ID", "0")
-    default_port = 15000 + int(job_id) % 20000 if job_id.isdigit() else 29500
-    addr, port = _master(env, world_size, "slurm", default_port=default_port)
+    addr, port = _master(env, world_size, "slurm", default_port=job_port(env))
     return WorldSpec(rank, world_size, local_rank, local_world_size, addr, port, "slurm")
+
+
+def job_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of SLURM job SLURM_JOB_ID (29500 outside a job), the same on every node: two
+    jobs sharing a node differ (ports 15000..34999)."""
+    job_id = env.get("SLURM_JOB_ID", "")
+    return 15000 + int(job_id) % 20000 if job_id.isdigit() else 29500
 
 
 def _slurm_tasks_on_this_node(env: Mapping[str, str], world_size: int) -> int:

@@ -20,7 +20,7 @@ from ..diagnose import progress, recorder, stacks
 from ..diagnose.watch import stall_timeout
 from ..diagnose.watchdog import Watchdog
 from ..errors import RanksTimedOutError, WorldConfigError, explain
-from . import stop
+from . import interface, stop
 from .discovery import WorldSpec, discover
 from .rendezvous import host_store, join_store
 
@@ -154,11 +154,13 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
         progress.start(recorder.run_directory(), spec.rank)
     _start_diagnosis(spec)
     rendezvous = recorder.begin(recorder.RENDEZVOUS)
+    network = None  # the interface chosen for Gloo / NCCL between hosts (interface.py)
     if dist.is_initialized():  # the user (or a framework) made the group: adopt it
         spec = WorldSpec(dist.get_rank(), dist.get_world_size(), spec.local_rank, spec.local_world_size,
                          spec.master_addr, spec.master_port, spec.source, spec.agent_store)
         store = dist.HashStore() if spec.world_size == 1 else None
     else:
+        network = interface.set_for_world(spec.master_addr, spec.world_size > spec.local_world_size)
         store = _connect_store(spec, connect_timeout, timeout)
         # The launcher's store outlives a restart of the workers: keys are per attempt, so a
         # restarted rank never reads a peer's address from the attempt before.
@@ -172,6 +174,8 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
     _spec, _device = spec, chosen
     log.configure(spec.rank)
+    if network is not None:
+        getattr(log.logger, network.level)(network.sentence)
     if _owns_group:
         # Gloo finishes connecting on some ranks before others; a rank that returned from init()
         # and exited at once would break its peers' half-made connections. Leave init() together.

@@ -141,7 +141,8 @@ def test_slurm_template_runs_under_a_stand_in_srun(tmp_path):
         while command and command[0].startswith("-"):  # srun's own options
             command.pop(0)
         tasks = int(os.environ["SLURM_NTASKS"])
-        workers = [subprocess.Popen(command, env={**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)})
+        workers = [subprocess.Popen(command, env={**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i),
+                                                  "SLURM_STEP_ID": "0"})
                    for i in range(tasks)]
         sys.exit(max(worker.wait() for worker in workers))
         """))

@@ -196,8 +196,9 @@ class TestTwoNodes:
         nodes = []
         try:
             for node_rank, host in enumerate(two_hosts):
-                # Inside a namespace the host name resolves to loopback: name Gloo's interface.
-                env = clean_env(GLOO_SOCKET_IFNAME=host["dev"])
+                # Inside a namespace the host name leads nowhere: phalanx finds Gloo's interface (no
+                # GLOO_SOCKET_IFNAME), by the route to the master.
+                env = clean_env()
                 command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run",
                            "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
                            "--master-addr", master, "--master-port", "29555", "--rdzv-timeout", "120", WORKER]
@@ -209,7 +210,34 @@ class TestTwoNodes:
                 if node.poll() is None:
                     node.kill()
                     node.wait()
+        for node, (_, stderr), host in zip(nodes, outputs, two_hosts):
+            assert node.returncode == 0, stderr
+            assert f"phalanx run: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME={host['dev']} ({host['addr']}), the " \
+                   f"interface of the route to the master {master}" in stderr
+        assert sums_by_rank(outputs[0][0]) == {0: (2, 1, 0)}
+        assert sums_by_rank(outputs[1][0]) == {1: (2, 1, 0)}
+
+    def test_torchrun_across_two_nodes_finds_the_interface_in_init(self, two_hosts):
+        """World size 2: 2 nodes x 1 worker under torchrun; phalanx.init() names Gloo's interface."""
+        master = two_hosts[0]["addr"]
+        nodes = []
+        try:
+            for node_rank, host in enumerate(two_hosts):
+                command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "torch.distributed.run",
+                           "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
+                           "--master-addr", master, "--master-port", "29556", WORKER]
+                nodes.append(subprocess.Popen(command, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True))
+            outputs = [node.communicate(timeout=HANG_GUARD) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    node.kill()
+                    node.wait()
         for node, (_, stderr) in zip(nodes, outputs):
             assert node.returncode == 0, stderr
         assert sums_by_rank(outputs[0][0]) == {0: (2, 1, 0)}
         assert sums_by_rank(outputs[1][0]) == {1: (2, 1, 0)}
+        host = two_hosts[0]  # rank 0 logs it
+        assert f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME={host['dev']} ({host['addr']}), the interface of the " \
+               f"route to the master {master}" in outputs[0][1]

@@ -175,11 +175,11 @@ def two_hosts_run(hosts, run_dir: Path, *job_args, port: int) -> list[tuple[int,
     nodes = []
     try:
         for node_rank, host in enumerate(hosts):
-            # Inside a namespace the host name resolves to loopback: name Gloo's interface.
+            # No GLOO_SOCKET_IFNAME: phalanx finds the interface that reaches the master.
             command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "2",
                        "--node-rank", str(node_rank), "--nproc-per-node", "1", "--master-addr", hosts[0]["addr"],
                        "--master-port", str(port), "--rdzv-timeout", "60", str(JOB), str(run_dir), *job_args]
-            nodes.append(subprocess.Popen(command, env=job_env(GLOO_SOCKET_IFNAME=host["dev"]), cwd=ROOT,
+            nodes.append(subprocess.Popen(command, env=job_env(), cwd=ROOT,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [node.communicate(timeout=HANG_GUARD)[0] for node in nodes]
     finally:

@@ -34,7 +34,8 @@ class TestSlurmNodeList:
 
 
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-         "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu[001-002]", "SLURM_JOB_ID": "4242"}
+         "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu[001-002]", "SLURM_JOB_ID": "4242",
+         "SLURM_STEP_ID": "0"}
 
 
 class TestSlurmWorld:
@@ -42,6 +43,12 @@ class TestSlurmWorld:
         spec = discover(SLURM)
         assert (spec.rank, spec.world_size, spec.local_rank, spec.local_world_size) == (3, 4, 1, 2)
         assert (spec.master_addr, spec.source) == ("gpu001", "slurm")
+
+    def test_the_batch_script_outside_srun_is_a_world_of_one(self):
+        """sbatch's shell has the job's SLURM_PROCID=0 and SLURM_NTASKS, but no step: `python train.py` there is
+        one process, not rank 0 of 4 waiting for three that never come."""
+        batch = {name: value for name, value in SLURM.items() if name != "SLURM_STEP_ID"}
+        assert discover({**batch, "SLURM_PROCID": "0"}).world_size == 1
 
     def test_every_task_of_a_job_derives_the_same_valid_port(self):
         ports = {discover({**SLURM, "SLURM_PROCID": str(r), "SLURM_NODEID": str(r // 2), "SLURM_LOCALID": str(r % 2)})
