@@ -156,6 +156,23 @@ class TestFailures:
         assert f"port {port} is already in use" in result.stderr
 
 
+def _on_each_host(hosts, python_args) -> tuple[list, list]:
+    """Python with `python_args(node_rank)` in each host's namespace, at once; their processes and
+    (stdout, stderr). Whatever still runs when this returns or fails (a hang, an error) is killed."""
+    nodes = []
+    try:
+        for node_rank, host in enumerate(hosts):
+            command = ["ip", "netns", "exec", host["ns"], sys.executable, *python_args(node_rank)]
+            nodes.append(subprocess.Popen(command, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        return nodes, [node.communicate(timeout=HANG_GUARD) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+
+
 def _ip(*args, check=True):
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
@@ -193,23 +210,11 @@ class TestTwoNodes:
     def test_all_reduce_across_two_nodes(self, two_hosts):
         """World size 2: 2 nodes x 1 worker, each node a network namespace."""
         master = two_hosts[0]["addr"]
-        nodes = []
-        try:
-            for node_rank, host in enumerate(two_hosts):
-                # Inside a namespace the host name leads nowhere: phalanx finds Gloo's interface (no
-                # GLOO_SOCKET_IFNAME), by the route to the master.
-                env = clean_env()
-                command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run",
-                           "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
-                           "--master-addr", master, "--master-port", "29555", "--rdzv-timeout", "120", WORKER]
-                nodes.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True))
-            outputs = [node.communicate(timeout=HANG_GUARD) for node in nodes]
-        finally:
-            for node in nodes:
-                if node.poll() is None:
-                    node.kill()
-                    node.wait()
+        # Inside a namespace the host name leads nowhere: phalanx finds Gloo's interface (no
+        # GLOO_SOCKET_IFNAME), by the route to the master.
+        nodes, outputs = _on_each_host(two_hosts, lambda node_rank: [
+            "-m", "phalanx", "run", "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
+            "--master-addr", master, "--master-port", "29555", "--rdzv-timeout", "120", WORKER])
         for node, (_, stderr), host in zip(nodes, outputs, two_hosts):
             assert node.returncode == 0, stderr
             assert f"phalanx run: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME={host['dev']} ({host['addr']}), the " \
@@ -220,20 +225,9 @@ class TestTwoNodes:
     def test_torchrun_across_two_nodes_finds_the_interface_in_init(self, two_hosts):
         """World size 2: 2 nodes x 1 worker under torchrun; phalanx.init() names Gloo's interface."""
         master = two_hosts[0]["addr"]
-        nodes = []
-        try:
-            for node_rank, host in enumerate(two_hosts):
-                command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "torch.distributed.run",
-                           "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
-                           "--master-addr", master, "--master-port", "29556", WORKER]
-                nodes.append(subprocess.Popen(command, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True))
-            outputs = [node.communicate(timeout=HANG_GUARD) for node in nodes]
-        finally:
-            for node in nodes:
-                if node.poll() is None:
-                    node.kill()
-                    node.wait()
+        nodes, outputs = _on_each_host(two_hosts, lambda node_rank: [
+            "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
+            "--master-addr", master, "--master-port", "29556", WORKER])
         for node, (_, stderr) in zip(nodes, outputs):
             assert node.returncode == 0, stderr
         assert sums_by_rank(outputs[0][0]) == {0: (2, 1, 0)}
