@@ -111,6 +111,12 @@ def checkpointer(directory: str) -> None:
         _record.event(event="checkpointer", directory=os.path.abspath(directory))
 
 
+def plan(text: str) -> None:
+    """How the loader splits its global batch at this world size: `phalanx run` repeats it after a regrouping."""
+    if _record is not None:
+        _record.event(event="plan", text=text)
+
+
 def restoring() -> int:
     """A restore begins; returns the state to go back to when there is nothing to restore."""
     return _enter("restoring")

@@ -28,7 +28,7 @@ def _say(text: str) -> None:
 class Regroup:
     """The agent's view of an elastic group. `poll()` and `failed()` answer whether to regroup now."""
 
-    def __init__(self, rendezvous: ElasticRendezvous, grace_period: float):
+    def __init__(self, rendezvous: ElasticRendezvous, grace_period: float, changes: list):
         self.rendezvous, self.grace_period = rendezvous, grace_period
         self.growing_since: float | None = None  # the workers were asked to save for a node that joins
         self.changed_at: float | None = None  # a change began (node lost, growth asked): timed to the first step
@@ -36,7 +36,7 @@ class Regroup:
         self.world_before = 0
         self.world = 0
         self.resume_reported = True
-        self.changes: list[dict] = []  # for the run summary
+        self.changes = changes  # the run summary's list
         self._next_look = 0.0
 
     # -- a new worker group -------------------------------------------------------------------------

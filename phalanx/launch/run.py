@@ -264,7 +264,8 @@ def run(argv: list[str] | None = None) -> int:
             spec = WorkerSpec(role="worker", local_world_size=nproc, entrypoint=entrypoint, args=worker_args,
                               rdzv_handler=handler, max_restarts=args.max_restarts,
                               monitor_interval=args.monitor_interval)
-            regroup = Regroup(handler, args.grace_period) if isinstance(handler, ElasticRendezvous) else None
+            elastic = isinstance(handler, ElasticRendezvous)
+            regroup = Regroup(handler, args.grace_period, summary.now.changes) if elastic else None
             agent = Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
                           log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis, stop=stop,
                           summary=summary, regroup=regroup)
@@ -272,6 +273,8 @@ def run(argv: list[str] | None = None) -> int:
             result = agent.run()
             ended = _conclude(agent, result, diagnosis, stop, args.max_restarts)
         except (PhalanxError, RendezvousError) as exc:
+            if agent is not None:  # an elastic group that lost its store: the attempt ends here
+                agent.end_attempt("failed")
             ended = _Ended(1, "failed", [f"{type(exc).__name__}: {exc}"])
         except SignalException as exc:
             ended = _stopped_by_signal(agent, exc, diagnosis, stop)

@@ -2,7 +2,7 @@
 
     phalanx run --nnodes 1:2 --nproc-per-node 1 ... tests/e2e/jobs/elastic_job.py RUN_DIR [--step-seconds S]
 
-96 samples, batches of 4 per rank, 3 epochs, a checkpoint every 2 steps. Rank 0 appends one line per
+96 samples, batches of 4 per rank, 3 epochs (--epochs), a checkpoint every 2 steps. Rank 0 appends one line per
 applied optimizer step to RUN_DIR/samples.log: `epoch step world_size time id id ...` (the ids of every sample
 that step averaged, from every rank); a step lost with a crash and redone appears twice, the later line
 is the lineage's. With `--wait-alone K`, a world of one rank, after K steps, waits (up to 60 s) for the
@@ -28,6 +28,7 @@ def main():
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--step-seconds", type=float, default=0.05, help="a pause per step: steps take time")
     parser.add_argument("--wait-alone", type=int, default=0, metavar="K")
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
     px.init()
@@ -44,7 +45,7 @@ def main():
     checkpointer.restore(state)
     world = px.world_size()
     alone = 0
-    while state["epoch"] < EPOCHS:
+    while state["epoch"] < args.epochs:
         loader.set_epoch(state["epoch"])
         for ids, x, y in loader:
             if world == 1 and args.wait_alone and alone >= args.wait_alone:
