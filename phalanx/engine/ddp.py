@@ -35,6 +35,7 @@ from ..sharding.shard_waits import install_gather_waits
 from ..sharding.sharded_optimizer import ShardedOptimizer
 from ..sharding.stray_optimizers import guard_level
 from ..world.group import collective_device
+from ..world.topology import HostGroups, host_topology
 from .comm_hook_checks import check_comm_hook
 from .dist_autograd import current_context
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, JoinMixin, announce_sync, count_active_ranks, find_common_rank
@@ -130,7 +131,10 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         named = self._trained(self.module)
         self._guard = StepGuard(self.process_group, next(_instances))
         params = [p for _, p in named]
-        exchange = choose_exchange(self.process_group, self._guard, params, owner=self, shard=self.shard)
+        if getattr(self, "_hosts", None) is None and self.process_group.size() > 1:
+            self._hosts = HostGroups(host_topology(self.process_group), self.process_group)  # collective
+        exchange = choose_exchange(self.process_group, self._guard, params, owner=self, shard=self.shard,
+                                   hosts=getattr(self, "_hosts", None))
         # static_graph: torch then tolerates parameters that never get a gradient; so do we.
         self._reducer = Reducer(params, [name for name, _ in named], self.process_group, exchange,
                                 cap_bytes=self.bucket_bytes_cap, first_cap_bytes=self._first_cap_bytes,
