@@ -143,6 +143,12 @@ class GlobalBatchPlan:
     def micro_batches_per_epoch(self) -> int:
         return sum(self.micro_batches(s) for s in range(self.steps_per_epoch))
 
+    def as_dict(self) -> dict:
+        """The plan's fields and its description, as primitives (what `phalanx run` reads back)."""
+        return {"world_size": self.world_size, "micro_batch_size": self.micro_batch_size,
+                "micro_batches_per_rank": self.micro_batches_per_rank, "global_batch_size": self.global_batch_size,
+                "steps_per_epoch": self.steps_per_epoch, "text": str(self)}
+
     def __str__(self) -> str:
         b, w, m = self.global_batch_size, self.world_size, self.micro_batches_per_rank
         ranks = f"{w} rank{'s' if w != 1 else ''} x {m} micro-batch{'es' if m != 1 else ''}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.distributed as dist
 
 from ..errors import DataConfigError, explain
 from .global_plan import GlobalBatchPlan, StepLayout
@@ -49,6 +50,15 @@ def _sync_off(model, world_size: int, rank: int):
     """The context that keeps `model` from exchanging gradients in a backward (None: the caller does it)."""
     if model is None:
         return nullcontext
+    group = getattr(model, "process_group", None)
+    if group is not None and dist.is_available() and dist.is_initialized() and \
+            dist.get_world_size(group) != world_size:
+        raise DataConfigError(explain(
+            "the model averages its gradients over another number of ranks than the sampler deals data to",
+            rank=dist.get_rank(), seen=f"a model over {dist.get_world_size(group)} ranks, "
+                            f"DistributedSampler(num_replicas={world_size})",
+            expected="the same number", fix="Leave num_replicas and rank of the DistributedSampler at their "
+                                            "defaults (the world), or give both the same process group's size."))
     if hasattr(model, "no_sync"):  # phalanx's and torch's DistributedDataParallel, at every shard level
         return model.no_sync
     if hasattr(model, "set_requires_gradient_sync"):  # a module torch's fully_shard (FSDP2) wrapped

@@ -15,7 +15,7 @@ from collections import deque
 import torch
 import torch.utils.data
 
-from ..diagnose import recorder
+from ..diagnose import progress, recorder
 from ..errors import DataConfigError, ResumeStateError, explain
 from ..log import logger
 from .global_plan import GlobalBatchPlan
@@ -95,8 +95,10 @@ class DataLoader(torch.utils.data.DataLoader):
         sampler = self.resumable_sampler()
         self._position = _fresh(sampler.epoch if sampler is not None else 0)
         self._resume_pending = False
-        if self.plan is not None and sampler.rank == 0:
-            logger.info("%s", self.plan)
+        if self.plan is not None:
+            progress.global_batch(**self.plan.as_dict())
+            if sampler.rank == 0:
+                logger.info("%s", self.plan)
 
     def _plan_global_batch(self, global_batch_size, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Check the arguments a global batch needs; hand torch a batch sampler of this rank's micro-batches."""

@@ -111,6 +111,13 @@ def checkpointer(directory: str) -> None:
         _record.event(event="checkpointer", directory=os.path.abspath(directory))
 
 
+def global_batch(**plan) -> None:
+    """A DataLoader with a global batch was built: its split (world size, micro-batches per rank, ...) for the
+    launcher to show; `Progress.last("global_batch")` reads it back."""
+    if _record is not None:
+        _record.event(event="global_batch", **plan)
+
+
 def restoring() -> int:
     """A restore begins; returns the state to go back to when there is nothing to restore."""
     return _enter("restoring")

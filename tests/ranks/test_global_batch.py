@@ -46,8 +46,21 @@ def wrap(engine):
     return model, (model.shard_optimizer(optimizer) if engine != "none" else optimizer)
 
 
+def _mismatch(rank):
+    """A sampler told of 1 rank under a model averaging over the world: a typed error, before any collective."""
+    model, _ = wrap("none")
+    dataset = Indexed()
+    sampler = px.DistributedSampler(dataset, num_replicas=1, rank=0, seed=SEED)
+    step = next(iter(px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, sampler=sampler)))
+    try:
+        next(step.micro_batches(model))
+    except px.DataConfigError as error:
+        return str(error)
+    return None
+
+
 def _train_with(rank, engines):
-    out = {}
+    out = {"mismatch": _mismatch(rank)}
     for engine in engines:
         model, optimizer = wrap(engine)
         loader = make_loader()
@@ -74,7 +87,11 @@ def _check(per_rank, world, engines):
 def test_same_global_batch_at_2_ranks_every_shard_level_and_torch_ddp():
     """World size 2 (13 samples per rank and step): phalanx's DDP at each shard level, torch's DDP."""
     engines = ["none", "optimizer", "gradients", "parameters", "torch"]
-    _check(run_ranks(_train_with, 2, (engines,), timeout=240), 2, engines)
+    per_rank = run_ranks(_train_with, 2, (engines,), timeout=240)
+    _check(per_rank, 2, engines)
+    for rank, results in enumerate(per_rank):
+        assert results["mismatch"].startswith(f"[rank {rank}] the model averages its gradients over another number")
+        assert "seen a model over 2 ranks, DistributedSampler(num_replicas=1)" in results["mismatch"]
 
 
 def test_same_global_batch_at_3_ranks_with_a_count_weighted_split_and_padding():
@@ -145,3 +162,37 @@ def test_stopped_at_4_ranks_resumed_at_2_then_3_applies_each_step_once_with_its_
     for results in legs[2]:
         for ours, theirs in zip(results["params"], expected_params):
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+# -- DataLoader workers ------------------------------------------------------------------------------
+
+def test_steps_and_resume_with_persistent_dataloader_workers():
+    """World size 1 (2, then 3 ranks simulated), 2 forked persistent DataLoader workers per loader."""
+    _, expected = reference_run()
+
+    def loaders(world):
+        dataset = Indexed()
+        return [px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, num_workers=2,
+                              persistent_workers=True, multiprocessing_context="fork",
+                              sampler=px.DistributedSampler(dataset, num_replicas=world, rank=r, seed=SEED))
+                for r in range(world)]
+
+    def ids(steps):
+        return sorted(i for step in steps for index, _, _ in step.micro_batches() if step.weight
+                      for i in index.tolist())
+
+    interrupted = loaders(2)
+    for loader in interrupted:
+        loader.set_epoch(0)
+    iterators = [iter(loader) for loader in interrupted]
+    seen = {(0, s): ids([next(it) for it in iterators]) for s in range(2)}
+    state = interrupted[0].state_dict()
+    resumed = loaders(3)
+    for loader in resumed:
+        loader.load_state_dict(state)
+    for epoch in range(EPOCHS):
+        for loader in resumed:
+            loader.set_epoch(epoch)
+        for steps in zip(*resumed):
+            seen[(epoch, steps[0].index)] = ids(steps)
+    assert seen == expected

@@ -6,6 +6,7 @@ The same with real Gloo ranks, phalanx's and torch's DDP, and Checkpointer resum
 """
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from phalanx import DataConfigError, DataLoader, DistributedSampler, ResumeStateError
 from phalanx.data.global_plan import GlobalBatchPlan, entries_before
+from phalanx.diagnose import progress
 from tests.helpers.global_batch_cases import (
     EPOCHS,
     GLOBAL_BATCH,
@@ -294,3 +296,20 @@ def test_all_micro_batches_but_the_last_run_without_gradient_sync(fsdp_style):
     for _ in step.micro_batches(model):
         model.seen.append(model.sync)
     assert model.seen == [False, False, False, True] and model.sync
+
+
+def test_the_plan_is_logged_once_by_rank_0_and_recorded_for_the_launcher(tmp_path, caplog):
+    progress.start(str(tmp_path), 0)
+    try:
+        with caplog.at_level(logging.INFO, logger="phalanx"):
+            loaders(2)
+    finally:
+        progress._record = None
+    logged = [r.getMessage() for r in caplog.records if "global batch" in r.getMessage()]
+    assert logged == [str(loaders(2)[0].plan)]  # rank 0's, once
+    (record,) = progress.read(str(tmp_path)).values()
+    events = [e for e in record.events if e["event"] == "global_batch"]
+    assert events[0] == {"event": "global_batch", "world_size": 2, "micro_batch_size": MICRO_BATCH,
+                         "micro_batches_per_rank": 4, "global_batch_size": GLOBAL_BATCH, "steps_per_epoch": 4,
+                         "text": logged[0]}
+    assert record.last("global_batch") == events[-1]
