@@ -96,7 +96,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._position = _fresh(sampler.epoch if sampler is not None else 0)
         self._resume_pending = False
         if self.plan is not None:
-            progress.global_batch(**self.plan.as_dict())
+            progress.plan(**self.plan.as_dict())
             if sampler.rank == 0:
                 logger.info("%s", self.plan)
 

@@ -111,11 +111,11 @@ def checkpointer(directory: str) -> None:
         _record.event(event="checkpointer", directory=os.path.abspath(directory))
 
 
-def global_batch(**plan) -> None:
-    """A DataLoader with a global batch was built: its split (world size, micro-batches per rank, ...) for the
-    launcher to show; `Progress.last("global_batch")` reads it back."""
+def plan(text: str, **fields) -> None:
+    """How the loader splits its global batch at this world size (`text`, and the numbers in `fields`), for
+    `phalanx run` to show; `Progress.last("plan")` reads it back."""
     if _record is not None:
-        _record.event(event="global_batch", **plan)
+        _record.event(event="plan", text=text, **fields)
 
 
 def restoring() -> int:

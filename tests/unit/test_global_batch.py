@@ -308,8 +308,8 @@ def test_the_plan_is_logged_once_by_rank_0_and_recorded_for_the_launcher(tmp_pat
     logged = [r.getMessage() for r in caplog.records if "global batch" in r.getMessage()]
     assert logged == [str(loaders(2)[0].plan)]  # rank 0's, once
     (record,) = progress.read(str(tmp_path)).values()
-    events = [e for e in record.events if e["event"] == "global_batch"]
-    assert events[0] == {"event": "global_batch", "world_size": 2, "micro_batch_size": MICRO_BATCH,
+    events = [e for e in record.events if e["event"] == "plan"]
+    assert events[0] == {"event": "plan", "world_size": 2, "micro_batch_size": MICRO_BATCH,
                          "micro_batches_per_rank": 4, "global_batch_size": GLOBAL_BATCH, "steps_per_epoch": 4,
                          "text": logged[0]}
-    assert record.last("global_batch") == events[-1]
+    assert record.last("plan") == events[-1]
