@@ -141,7 +141,10 @@ class GlobalBatchPlan:
         return entries_before(stop, rank, self.world_size)
 
     def micro_batches_per_epoch(self) -> int:
-        return sum(self.micro_batches(s) for s in range(self.steps_per_epoch))
+        """Micro-batches each rank runs in a whole epoch (the loader's batch sampler's length)."""
+        full = self.dataset_len // self.global_batch_size
+        last = self.micro_batches(full) if self.steps_per_epoch > full else 0
+        return full * self.micro_batches_per_rank + last
 
     def as_dict(self) -> dict:
         """The plan's fields and its description, as primitives (what `phalanx run` reads back)."""

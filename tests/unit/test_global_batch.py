@@ -89,6 +89,7 @@ def test_each_step_splits_its_global_entries_over_the_ranks_with_weights_that_ma
         # the mean over the step's samples: DDP's average over ranks of the weighted micro-batch means
         assert sum(w for layout in layouts for w in layout.weights) == pytest.approx(world)
     assert plan.micro_batches_per_rank == plan.micro_batches(0)
+    assert plan.micro_batches_per_epoch() == sum(plan.micro_batches(s) for s in range(plan.steps_per_epoch))
 
 
 def test_entries_before_counts_the_rank_strided_shard():
