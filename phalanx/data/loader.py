@@ -91,6 +91,10 @@ class DataLoader(torch.utils.data.DataLoader):
         if global_batch_size is not None:
             args, kwargs = self._plan_global_batch(global_batch_size, args, kwargs)
         super().__init__(*args, **kwargs)
+        if self.plan is not None:
+            # torch put a SequentialSampler here (it takes batch_sampler alone); `loader.sampler.set_epoch(e)`,
+            # torch's idiom, must reach the DistributedSampler. torch reads .sampler only without a batch_sampler.
+            object.__setattr__(self, "sampler", self._micro_sampler.sampler)
         self._recorder = _BatchSizeRecorder(super()._index_sampler, batched=self._auto_collation)
         sampler = self.resumable_sampler()
         self._position = _fresh(sampler.epoch if sampler is not None else 0)

@@ -115,6 +115,16 @@ def test_each_step_is_the_same_samples_at_every_world_size_and_every_sample_is_u
         assert sorted(used) == list(range(SIZE))
 
 
+def test_torchs_set_epoch_idiom_reaches_the_sampler():
+    rank_loaders = loaders(2)
+    for loader in rank_loaders:
+        assert isinstance(loader.sampler, DistributedSampler)
+        loader.sampler.set_epoch(1)
+    _, expected = reference_run()
+    seen = {(1, steps[0].index): step_ids(steps) for steps in zip(*rank_loaders)}
+    assert seen == {key: ids for key, ids in expected.items() if key[0] == 1}
+
+
 def test_drop_last_drops_the_epochs_last_partial_global_batch():
     rank_loaders = loaders(3, drop_last=True)
     assert len(rank_loaders[0]) == SIZE // GLOBAL_BATCH
