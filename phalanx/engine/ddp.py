@@ -120,6 +120,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         if init_sync:
             broadcast_coalesced([t for _, t in self._states(module)], self._group_rank0, self.process_group)
         self._first_cap_bytes = first_cap
+        self._user_cap = bucket_cap_mb is not None  # else the exchange may plan buckets of its own size
         self._hook_registered = False
         # Listing buffers walks every submodule: skip it on each forward of a model that has none.
         self._has_buffers = any(True for _ in self._synced_buffers())
@@ -135,9 +136,12 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
             self._hosts = HostGroups(host_topology(self.process_group), self.process_group)  # collective
         exchange = choose_exchange(self.process_group, self._guard, params, owner=self, shard=self.shard,
                                    hosts=getattr(self, "_hosts", None))
+        caps = (self.bucket_bytes_cap, self._first_cap_bytes)
+        if not getattr(self, "_user_cap", True):
+            caps = exchange.bucket_caps(*caps)
         # static_graph: torch then tolerates parameters that never get a gradient; so do we.
         self._reducer = Reducer(params, [name for name, _ in named], self.process_group, exchange,
-                                cap_bytes=self.bucket_bytes_cap, first_cap_bytes=self._first_cap_bytes,
+                                cap_bytes=caps[0], first_cap_bytes=caps[1],
                                 tolerate_unused=self.find_unused_parameters or self.static_graph,
                                 # "optimizer" sharding reduce-scatters the gradients where they lie
                                 as_view=self.gradient_as_bucket_view or self.shard == OPTIMIZER, guard=self._guard,

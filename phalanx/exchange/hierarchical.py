@@ -26,6 +26,10 @@ from ..diagnose import recorder
 from ..shm import ShmCommunicator
 from .all_reduce import AllReduceExchange
 
+# Buckets the hierarchical exchange plans when the user set no bucket_cap_mb. Measured (gpt, 2 hosts x 2 ranks,
+# 300 Mbit/s links, one run each under load 7-11): step / torch DDP's 0.65 with 4 MB, 0.79 with 2 MB, 0.88 with 25 MB.
+NETWORK_BUCKET_BYTES = 4 * 2**20
+
 
 class HierarchicalExchange(AllReduceExchange):
     """Buckets averaged over every rank of every host: shared memory (`comm`, this host's ranks) around
@@ -47,6 +51,10 @@ class HierarchicalExchange(AllReduceExchange):
 
     def release(self, storage: torch.Tensor) -> None:
         self.comm.release(storage)
+
+    def bucket_caps(self, cap_bytes: int, first_cap_bytes: int) -> tuple[int, int]:
+        # The network phase of a bucket starts once it is full: smaller buckets start it earlier in backward.
+        return min(cap_bytes, NETWORK_BUCKET_BYTES), first_cap_bytes
 
     def prepare(self, buckets: list[Bucket]) -> None:
         self._plans = {b.index: self._plan(b) for b in buckets if not b.sparse}

@@ -7,9 +7,15 @@ which trains phalanx DDP beside torch DDP and prints a JSON line per rank.
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.e2e.test_launch import _on_each_host, two_hosts  # noqa: F401 - a fixture, used by name
+import pytest
+
+from tests.conftest import ROOT
+from tests.e2e.test_launch import HANG_GUARD, _on_each_host, two_hosts  # noqa: F401 - a fixture, used by name
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "xhost_job.py")
 
@@ -87,3 +93,28 @@ class TestUnequalHosts:
         assert {r["exchange"] for r in results.values()} == {"AllReduceExchange"}
         assert len({r["digest"] for r in results.values()}) == 1
         assert max(r["max_diff"] for r in results.values()) < 1e-5
+
+
+class TestBench:
+    """World size 4: benchmarks/xhost_bench.py, 2 namespaces x 2 ranks on a shaped bridge, one short block."""
+
+    def test_bench_counts_the_bytes_each_exchange_should_move(self, tmp_path):
+        """World size 4: per host and step, hierarchical moves 2(N-1)/N * S and flat 2(P-1)/P * S (within 5 %)."""
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            pytest.skip("the bench needs iproute2 (ip, tc)")
+        out = tmp_path / "bench.json"
+        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "xhost_bench.py"), "--hosts", "2",
+                                 "--models", "gpt", "--variants", "flat,hier,compute", "--blocks", "1", "--steps", "2",
+                                 "--link", "1gbit", "--json", str(out)], capture_output=True, text=True,
+                                timeout=HANG_GUARD, cwd=ROOT)
+        if result.returncode and "Operation not permitted" in result.stderr:
+            pytest.skip(f"cannot create network namespaces here: {result.stderr[-300:]}")
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        written = json.loads(out.read_text())
+        summary = written["summary"]["gpt"]
+        for variant in ("flat", "hier"):
+            assert summary[variant]["deviation"] < 0.05, (variant, summary[variant])
+        assert summary["hier"]["theory_mb"] < summary["flat"]["theory_mb"]
+        assert "predicted_ms" in summary["hier"]
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"phx{written['tag']}" not in left  # the bench removed every namespace it made
