@@ -34,12 +34,14 @@ from .errors import (
     ShmUnavailableError,
     StrayOptimizerError,
     SyncBatchNormError,
+    TorchInternalError,
     UnevenInputsError,
     UnsafeCheckpointError,
     UnusedParameterError,
     WorldConfigError,
 )
 from .hooks import shm_allreduce_hook
+from .integrations.patch import patch_torch_ddp, torch_ddp_is_patched
 from .launch.spawn import spawn
 from .log import logger, print0
 from .shm import ShmCommunicator, shm_communicator, shm_enabled, sweep_stale_segments

@@ -211,3 +211,13 @@ def seconds_setting(raw, problem: str, expected: str, fix: str) -> float:
     if seconds < 0:
         raise WorldConfigError(explain(problem, seen=repr(raw), expected=expected, fix=fix))
     return seconds
+
+
+class TorchInternalError(PhalanxError, NotImplementedError, AttributeError):
+    """A library reached for a part of torch DDP's internals (its C++ reducer, fused optimizers, runtime
+    logging) that phalanx's engine has no counterpart for. It is a NotImplementedError, and an
+    AttributeError too, so that `getattr(model, name, default)` and `hasattr` see the name as absent."""
+
+    def __init__(self, message: str, name: str = ""):
+        super().__init__(message)
+        self.name = name

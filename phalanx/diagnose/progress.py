@@ -111,10 +111,11 @@ def checkpointer(directory: str) -> None:
         _record.event(event="checkpointer", directory=os.path.abspath(directory))
 
 
-def plan(text: str) -> None:
-    """How the loader splits its global batch at this world size: `phalanx run` repeats it after a regrouping."""
+def plan(text: str, **fields) -> None:
+    """How the loader splits its global batch at this world size (`text`, and the numbers in `fields`), for
+    `phalanx run` to show; `Progress.last("plan")` reads it back."""
     if _record is not None:
-        _record.event(event="plan", text=text)
+        _record.event(event="plan", text=text, **fields)
 
 
 def restoring() -> int:

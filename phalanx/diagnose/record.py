@@ -29,7 +29,7 @@ SITE_CAPACITY = 256
 (E_SEQ, E_KIND, E_BUCKET, E_NUMEL, E_DTYPE, E_STATE, E_ENTER, E_START, E_DONE, E_SITE, E_STEP) = range(11)
 
 KINDS = ("?", "bucket", "broadcast", "barrier", "checkpoint", "join", "used-map", "all-gather", "rendezvous",
-         "shadow")
+         "shadow", "host-phase", "network-phase")
 KIND = {name: code for code, name in enumerate(KINDS)}
 PHASES = ("startup", "init", "data", "forward", "backward", "optimizer", "checkpoint", "shutdown", "exited")
 PHASE = {name: code for code, name in enumerate(PHASES)}
@@ -164,7 +164,9 @@ class Ring:
 
 _WHAT = {"bucket": "gradient exchange", "shadow": "join() shadow exchange", "used-map": "used-parameter all-reduce",
          "join": "join() control all-reduce", "checkpoint": "checkpoint commit broadcast",
-         "all-gather": "model signature all-gather", "rendezvous": "rendezvous (init_process_group)"}
+         "all-gather": "model signature all-gather", "rendezvous": "rendezvous (init_process_group)",
+         "host-phase": "host phase (shared memory between this host's ranks) of the gradient exchange",
+         "network-phase": "network phase (Gloo between hosts) of the gradient exchange"}
 
 
 @dataclass

@@ -35,6 +35,7 @@ JOIN, USED_MAP, ALL_GATHER, RENDEZVOUS, SHADOW = (KIND["join"], KIND["used-map"]
                                                   KIND["rendezvous"], KIND["shadow"])
 DATA, FORWARD, BACKWARD, OPTIMIZER = PHASE["data"], PHASE["forward"], PHASE["backward"], PHASE["optimizer"]
 SAVING, SHUTDOWN = PHASE["checkpoint"], PHASE["shutdown"]
+HOST_PHASE, NETWORK_PHASE = KIND["host-phase"], KIND["network-phase"]  # the two levels of an exchange across hosts
 
 _ring: Ring | None = None
 _sites: CallSites | None = None

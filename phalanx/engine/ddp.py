@@ -3,11 +3,12 @@
 The constructor checks that every rank holds the same model, copies rank 0's parameters and
 buffers to all, and builds the reducer (reducer.py) with the exchange that exchange/choose.py picks
 (shared memory on one host, else the process group); forward broadcasts buffers and arms the
-reducer, which has the exchange average gradients during backward. Three surfaces are mixed in
-from modules of their own: pickling and deepcopy (pickling.py), state dicts (state_dict.py), and
-`join()` for ranks with fewer batches (join.py). While the module runs, torch.compile's Dynamo sees
-this DDP as torch DDP's, so compiled graphs are split at bucket boundaries and backward still
-overlaps communication.
+reducer, which has the exchange average gradients during backward. Four surfaces are mixed in
+from modules of their own: pickling and deepcopy (pickling.py), state dicts (state_dict.py),
+`join()` for ranks with fewer batches (join.py), and what libraries built on torch's class reach for
+(`.reducer`, `_set_static_graph`, `_get_ddp_logging_data`, ...: torch_surface.py). While the module
+runs, torch.compile's Dynamo sees this DDP as torch DDP's, so compiled graphs are split at bucket
+boundaries and backward still overlaps communication.
 """
 
 from __future__ import annotations
@@ -34,14 +35,15 @@ from ..sharding.shard_waits import install_gather_waits
 from ..sharding.sharded_optimizer import ShardedOptimizer
 from ..sharding.stray_optimizers import guard_level
 from ..world.group import collective_device
+from ..world.topology import HostGroups, host_topology
 from .comm_hook_checks import check_comm_hook
-from .devices import check_device_ids, move_to
 from .dist_autograd import current_context
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, JoinMixin, announce_sync, count_active_ranks, find_common_rank
 from .pickling import PicklingMixin
 from .reducer import Reducer, unused_parameters_error
 from .replicas import broadcast_coalesced, check_same_signature
 from .state_dict import StateDictMixin
+from .torch_surface import TorchSurfaceMixin, check_device_ids, ignored_names, move_to
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
@@ -50,7 +52,8 @@ _instances = itertools.count()  # names each DDP's keys in the store; same order
 _LEVELS: dict[str, type] = {}
 
 
-class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, torch.nn.Module, Joinable):
+class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSurfaceMixin, torch.nn.Module,
+                              Joinable):
     """Synchronous data parallelism: every rank holds a replica, gradients are averaged in backward.
 
     Drop-in for `torch.nn.parallel.DistributedDataParallel` (same arguments, same behaviour).
@@ -82,7 +85,8 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, torch.nn
         check_ready_to_wrap(unsupported)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self._ignored = ignored_names(module)  # torch's _ddp_params_and_buffers_to_ignore
+        named = self._trained(module)
         if not named:
             raise NoTrainableParametersError(explain(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
@@ -114,24 +118,30 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, torch.nn
         self._control_device = collective_device(self.process_group, next(iter(devices)))
         check_same_signature(module, self.process_group, self._control_device)
         if init_sync:
-            broadcast_coalesced(list(module.parameters()) + list(module.buffers()), self._group_rank0,
-                                self.process_group)
+            broadcast_coalesced([t for _, t in self._states(module)], self._group_rank0, self.process_group)
         self._first_cap_bytes = first_cap
+        self._user_cap = bucket_cap_mb is not None  # else the exchange may plan buckets of its own size
         self._hook_registered = False
         # Listing buffers walks every submodule: skip it on each forward of a model that has none.
-        self._has_buffers = any(True for _ in module.buffers())
+        self._has_buffers = any(True for _ in self._synced_buffers())
         self._divide_by_initial_world_size = True
         self._build_engine()
 
     def _build_engine(self) -> None:
         """The step guard, the exchange and the reducer (collective when the exchange shares memory)."""
-        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        named = self._trained(self.module)
         self._guard = StepGuard(self.process_group, next(_instances))
         params = [p for _, p in named]
-        exchange = choose_exchange(self.process_group, self._guard, params, owner=self, shard=self.shard)
+        if getattr(self, "_hosts", None) is None and self.process_group.size() > 1:
+            self._hosts = HostGroups(host_topology(self.process_group), self.process_group)  # collective
+        exchange = choose_exchange(self.process_group, self._guard, params, owner=self, shard=self.shard,
+                                   hosts=getattr(self, "_hosts", None))
+        caps = (self.bucket_bytes_cap, self._first_cap_bytes)
+        if not getattr(self, "_user_cap", True):
+            caps = exchange.bucket_caps(*caps)
         # static_graph: torch then tolerates parameters that never get a gradient; so do we.
         self._reducer = Reducer(params, [name for name, _ in named], self.process_group, exchange,
-                                cap_bytes=self.bucket_bytes_cap, first_cap_bytes=self._first_cap_bytes,
+                                cap_bytes=caps[0], first_cap_bytes=caps[1],
                                 tolerate_unused=self.find_unused_parameters or self.static_graph,
                                 # "optimizer" sharding reduce-scatters the gradients where they lie
                                 as_view=self.gradient_as_bucket_view or self.shard == OPTIMIZER, guard=self._guard,
@@ -194,8 +204,22 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, torch.nn
         finally:
             _TorchDDP._active_ddp_module = previous
 
+    def _trained(self, module: torch.nn.Module) -> list:
+        """(name, parameter) for the parameters DDP averages: trainable, not ignored."""
+        ignored = getattr(self, "_ignored", frozenset())
+        return [(name, p) for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
+
+    def _states(self, module: torch.nn.Module) -> list:
+        """(name, tensor) for the parameters and buffers replicas share: all but the ignored ones."""
+        ignored = getattr(self, "_ignored", frozenset())
+        return [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in ignored]
+
+    def _synced_buffers(self) -> list:
+        ignored = getattr(self, "_ignored", frozenset())
+        return [b for name, b in self.module.named_buffers() if name not in ignored]
+
     def _sync_buffers(self, joining: bool, src: int | None = None) -> None:
-        buffers = list(self.module.buffers())
+        buffers = self._synced_buffers()
         if not buffers:
             return
         self._guard.begin()

@@ -30,7 +30,7 @@ from ..sharding.optimizer_view import OptimizerView
 from ..sharding.param_retarget import retarget
 from ..sharding.stray_optimizers import forbid
 from .ddp import DistributedDataParallel, check_ready_to_wrap
-from .devices import check_device_ids, move_to
+from .torch_surface import check_device_ids, move_to
 
 PARAMETERS = "parameters"
 

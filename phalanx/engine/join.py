@@ -70,7 +70,7 @@ class DDPJoinHook(JoinHook):
         """After join: every rank adopts the model of the (highest) last rank to finish."""
         ddp = self.ddp
         src, step = all_reduce_max(ddp, [dist.get_rank() if is_last_joiner else -1, ddp._guard.step])
-        broadcast_coalesced(list(ddp.module.parameters()) + list(ddp.module.buffers()), src,
+        broadcast_coalesced([t for _, t in ddp._states(ddp.module)], src,
                             ddp.process_group, wait=ddp._guard.wait_work)
         ddp._guard.step = step
         ddp._guard.end()

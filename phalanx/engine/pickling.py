@@ -27,7 +27,7 @@ class PicklingMixin:
                                           expected="the default group (process_group=None)",
                                           fix="Copy or save the inner model (`model.module`) instead."))
         state = dict(self.__dict__)
-        for name in ("process_group", "_guard", "_reducer"):
+        for name in ("process_group", "_guard", "_reducer", "_hosts"):
             state.pop(name, None)
         return state
 
@@ -38,7 +38,7 @@ class PicklingMixin:
         A comm hook is not copied (it belongs to the original's engine, as in torch): register it again."""
         super().__setstate__(state)
         self.process_group = _default_group()
-        self._guard = self._reducer = None
+        self._guard = self._reducer = self._hosts = None
         self._hook_registered = False
 
     def _ensure_engine(self) -> None:

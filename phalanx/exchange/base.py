@@ -52,6 +52,11 @@ class BucketExchange(ABC):
         sparse one (no storage). An exchange may give more elements than asked, or views of shared buffers."""
         return [None if size is None else self.allocate(*size) for size in sizes]
 
+    def bucket_caps(self, cap_bytes: int, first_cap_bytes: int) -> tuple[int, int]:
+        """The bucket caps to plan with, given DDP's defaults (asked only when the user set no bucket_cap_mb):
+        an exchange whose transport pipelines better with other sizes says so here."""
+        return cap_bytes, first_cap_bytes
+
     def release(self, storage: torch.Tensor) -> None:
         """`storage` (from allocate) is no longer a bucket's."""
 

@@ -106,8 +106,9 @@ class ShmCommunicator(PostedExchanges):
     """
 
     def __init__(self, process_group=None, *, staging_mb: float | None = None, timeout: float | None = None,
-                 threaded: bool = True, spin_us: float = 10.0):
+                 threaded: bool = True, spin_us: float = 10.0, host: str | None = None):
         self.group = process_group if process_group is not None else dist.group.WORLD
+        self.host = host  # the launcher's node these ranks run on: it names every segment
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.timeout = float(timeout) if timeout is not None else _group_timeout(self.group)
@@ -157,7 +158,7 @@ class ShmCommunicator(PostedExchanges):
         segment, problem = None, None
         if self.rank == 0:
             try:
-                segment = Segment.create(size)
+                segment = Segment.create(size, self.host)
             except OSError as exc:
                 problem = f"creating {size} bytes in {SHM_DIR} failed: {exc}"
         names = [segment.name if segment else None]

@@ -3,6 +3,8 @@
 A segment lives under a name only while the ranks of one job map it; then the name is unlinked
 and the memory stays alive through the mappings alone, so even a SIGKILL leaves no file. A crash
 in that short window leaves a file whose name embeds its creator's pid: the next start sweeps it.
+A name also carries its host (the launcher's node): two hosts simulated on one machine (network
+namespaces) share its /dev/shm, and a segment must be traceable to the one host whose ranks map it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import stat
 
 SHM_DIR = "/dev/shm"
 PREFIX = "phalanx-shm"
-# phalanx-shm.<creator pid>.<creator start time>.<random token>
-_NAME = re.compile(rf"^{re.escape(PREFIX)}\.(\d+)\.(\d+)\.([0-9a-f]+)$")
+# phalanx-shm.[<host>.]<creator pid>.<creator start time>.<random token>; a host key starts with a letter
+_NAME = re.compile(rf"^{re.escape(PREFIX)}\.(?:(?P<host>[a-z][a-z0-9-]*)\.)?(?P<pid>\d+)\.(?P<start>\d+)\."
+                   r"(?P<token>[0-9a-f]+)$")
+_HOST = re.compile(r"^[a-z][a-z0-9-]*$")
 PAGE = mmap.PAGESIZE
 
 
@@ -60,10 +64,20 @@ def host_identity() -> dict:
     return identity
 
 
-def new_segment_name() -> str:
-    """A fresh name: ours (prefix), traceable to its creator (pid, start time), unguessable (128 random bits)."""
+def new_segment_name(host: str | None = None) -> str:
+    """A fresh name: ours (prefix), of its host, traceable to its creator (pid, start time), unguessable
+    (128 random bits)."""
     pid = os.getpid()
-    return f"{PREFIX}.{pid}.{process_start_time(pid)}.{secrets.token_hex(16)}"
+    if host is not None and not _HOST.match(host):
+        raise ValueError(f"not a host key for a segment name: {host!r} (lower-case letters, digits, '-')")
+    where = f"{host}." if host else ""
+    return f"{PREFIX}.{where}{pid}.{process_start_time(pid)}.{secrets.token_hex(16)}"
+
+
+def segment_host(name: str) -> str | None:
+    """The host a segment name was made for (None: a name without one, or not a phalanx segment)."""
+    match = _NAME.match(name)
+    return match.group("host") if match else None
 
 
 class Segment:
@@ -79,9 +93,10 @@ class Segment:
         return os.path.join(SHM_DIR, self.name)
 
     @classmethod
-    def create(cls, size: int) -> Segment:
-        """Create and map a new zero-filled segment of `size` bytes, readable and writable by this user only."""
-        name = new_segment_name()
+    def create(cls, size: int, host: str | None = None) -> Segment:
+        """Create and map a new zero-filled segment of `size` bytes, readable and writable by this user only,
+        named for `host` (see new_segment_name)."""
+        name = new_segment_name(host)
         path = os.path.join(SHM_DIR, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
@@ -148,7 +163,7 @@ def sweep_stale_segments(directory: str = SHM_DIR) -> list[str]:
                 continue
         except FileNotFoundError:
             continue
-        if not process_alive(int(match.group(1)), int(match.group(2))):
+        if not process_alive(int(match.group("pid")), int(match.group("start"))):
             _unlink_quietly(path)
             removed.append(name)
     return removed

@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import torch
+
 from phalanx.testing import free_port
 from tests.conftest import ROOT, run_command
 
@@ -78,6 +80,25 @@ def test_toy_example_trains_and_round_trips_its_checkpoint(tmp_path):
     assert "rank 0: loaded toy.pt" in output and "rank 1: loaded toy.pt" in output
     assert "checkpoint round trip exact: True" in output
     assert (tmp_path / "toy.pt").exists()
+
+
+def test_global_batch_example_resumes_at_another_world_size_on_the_uninterrupted_weights(tmp_path):
+    """World size 2, stopped after step 22 (mid-epoch), resumed at world size 3; against one process (plain
+    python) from start to end: the same final weights, and each run names its split of the global batch."""
+    script, checkpoints = EXAMPLES / "global_batch.py", tmp_path / "checkpoints"
+    first = _run([*PHALANX, "run", "--nproc-per-node", "2", script, "--checkpoints", checkpoints,
+                  "--max-steps", "22", "--epochs", "2"], cwd=tmp_path)
+    assert "global batch 64 = 2 ranks x 2 micro-batches x 16" in first and "left after step 22" in first
+    second = _run([*PHALANX, "run", "--nproc-per-node", "3", script, "--checkpoints", checkpoints,
+                   "--out", tmp_path / "resumed.pt", "--epochs", "2"], cwd=tmp_path)
+    assert "global batch 64 = 3 ranks x 2 micro-batches of at most 11" in second
+    assert "from step 6 of epoch 1" in second  # 16 steps per epoch: step 22 is the 6th of the second
+    alone = _run([sys.executable, script, "--checkpoints", tmp_path / "alone", "--out", tmp_path / "alone.pt",
+                  "--epochs", "2"], cwd=tmp_path)
+    assert "global batch 64 = 1 rank x 4 micro-batches x 16" in alone
+    resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
+    for name, value in torch.load(tmp_path / "alone.pt", weights_only=True).items():
+        torch.testing.assert_close(resumed[name], value, atol=1e-5, rtol=0)
 
 
 def test_ema_example_keeps_an_average_through_a_deep_copy_of_the_ddp_model(tmp_path):

@@ -156,14 +156,15 @@ class TestFailures:
         assert f"port {port} is already in use" in result.stderr
 
 
-def _on_each_host(hosts, python_args) -> tuple[list, list]:
-    """Python with `python_args(node_rank)` in each host's namespace, at once; their processes and
-    (stdout, stderr). Whatever still runs when this returns or fails (a hang, an error) is killed."""
+def _on_each_host(hosts, python_args, env=None) -> tuple[list, list]:
+    """Python with `python_args(node_rank)` in each host's namespace, at once (`env`: more variables);
+    their processes and (stdout, stderr). Whatever still runs when this returns or fails (a hang, an
+    error) is killed."""
     nodes = []
     try:
         for node_rank, host in enumerate(hosts):
             command = ["ip", "netns", "exec", host["ns"], sys.executable, *python_args(node_rank)]
-            nodes.append(subprocess.Popen(command, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+            nodes.append(subprocess.Popen(command, env=clean_env(**(env or {})), cwd=ROOT, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
         return nodes, [node.communicate(timeout=HANG_GUARD) for node in nodes]
     finally:

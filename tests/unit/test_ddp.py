@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import phalanx
 from phalanx.bucket.buckets import Bucket, GradBucket, plan_buckets
 from phalanx.bucket.step_guard import tag_modulus
-from phalanx.engine.devices import move_to
+from phalanx.engine.torch_surface import move_to
 from phalanx.errors import WorldConfigError
 
 MB = 2 ** 20

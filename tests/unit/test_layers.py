@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 # (the bucket, its per-rank cut and the step guard: what the exchange and the engine share), then
 # exchange/ (how a bucket becomes its average), then sharding/ (optimizers on the owned chunks), then
 # engine/ (the front and the reducer, which use all three). The launcher, data and checkpoints build
-# on the world (checkpoints on the engine too); the public face on everything the library holds;
-# the bundled tools on the face; the command on the tools.
+# on the world (checkpoints on the engine too), the trainers' integrations on the engine; the public
+# face on everything the library holds; the bundled tools on the face; the command on the tools.
 LAYERS = [
     {"errors", "log", "hooks"},
     {"diagnose"},
@@ -25,7 +25,7 @@ LAYERS = [
     {"exchange"},
     {"sharding"},
     {"engine"},
-    {"data", "checkpoint", "launch"},
+    {"data", "checkpoint", "launch", "integrations"},
     {"testing"},
     {"__init__"},
     {"tools"},
@@ -50,8 +50,10 @@ ALLOWED = {
     "data": {"errors", "log", "world", "diagnose"},
     "checkpoint": {"errors", "log", "world", "engine", "sharding", "diagnose"},
     "launch": {"errors", "log", "world", "diagnose"},
+    "integrations": {"errors", "log", "engine"},
     "testing": {"launch"},
-    "__init__": {"errors", "log", "hooks", "diagnose", "shm", "world", "nn", "engine", "data", "checkpoint", "launch"},
+    "__init__": {"errors", "log", "hooks", "diagnose", "shm", "world", "nn", "engine", "data", "checkpoint", "launch",
+                 "integrations"},
     "tools": {"errors", "log", "world", "shm", "engine", "exchange", "data", "checkpoint", "launch", "hooks", "nn",
               "testing", "diagnose", "__init__"},
     "cli": {"errors", "__init__"},  # `phalanx --version` reads phalanx.__version__; commands are found by name

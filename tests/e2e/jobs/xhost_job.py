@@ -1,0 +1,66 @@
+"""A training job for tests/e2e/test_xhost.py: phalanx DDP beside torch DDP across hosts (namespaces).
+
+Every rank trains the same model with phalanx DDP and with torch DDP on the same batches, then
+prints one JSON line: the exchange phalanx chose, its parameters' digest (bitwise equality across
+ranks), the largest difference to torch DDP's, and the shared-memory segments this process maps
+(from /proc/self/maps). `--kill-rank R` makes rank R kill itself (SIGKILL) at step 2.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import signal
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import phalanx
+
+
+def mapped_segments() -> list[str]:
+    with open("/proc/self/maps") as handle:
+        return sorted({m.group(1) for m in re.finditer(r"/dev/shm/(phalanx-shm\.[^\s]+)", handle.read())})
+
+
+def build(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                               torch.nn.Linear(256, 8))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kill-rank", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    phalanx.init()
+    rank = dist.get_rank()
+    ours = phalanx.DistributedDataParallel(build(0), bucket_cap_mb=0.05)  # several buckets: a pipeline
+    theirs = TorchDDP(build(0), bucket_cap_mb=0.05)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    segments = mapped_segments()
+    for step in range(args.steps):
+        if step == 2 and rank == args.kill_rank:
+            print(json.dumps({"rank": rank, "killing": os.getpid()}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        x, y = torch.randn(16, 32, generator=generator), torch.randn(16, 8, generator=generator)
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
+    reference = torch.cat([p.detach().reshape(-1) for p in theirs.parameters()])
+    print(json.dumps({"rank": rank, "exchange": type(ours._reducer.exchange).__name__,
+                      "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+                      "max_diff": (flat - reference).abs().max().item(), "segments": segments,
+                      "host": os.environ.get("GROUP_RANK")}), flush=True)
+    phalanx.shutdown()
+
+
+if __name__ == "__main__":
+    main()

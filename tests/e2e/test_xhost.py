@@ -1,0 +1,120 @@
+"""The exchange across hosts, end to end: `phalanx run --nnodes 2` in two network namespaces on one machine.
+
+Each namespace is a host (the launcher's node), although both share the machine's name and /dev/shm.
+World sizes: 4 (2 hosts x 2 ranks) and 3 (2 + 1). Every test starts tests/e2e/jobs/xhost_job.py,
+which trains phalanx DDP beside torch DDP and prints a JSON line per rank.
+"""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.e2e.test_launch import HANG_GUARD, _on_each_host, two_hosts  # noqa: F401 - a fixture, used by name
+
+JOB = str(Path(__file__).resolve().parent / "jobs" / "xhost_job.py")
+
+
+def _run(hosts, nprocs, *job_args, env=None):
+    master = hosts[0]["addr"]
+    return _on_each_host(hosts, lambda node: [
+        "-m", "phalanx", "run", "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nprocs[node]),
+        "--master-addr", master, "--master-port", "29571", "--rdzv-timeout", "120", JOB, *job_args], env=env)
+
+
+def _results(outputs) -> dict[int, dict]:
+    found = {}
+    for stdout, _ in outputs:
+        for line in stdout.splitlines():
+            match = re.search(r"(\{\"rank\".*\})\s*$", line)
+            if match:
+                record = json.loads(match.group(1))
+                found[record["rank"]] = record
+    return found
+
+
+class TestTwoHostsTwoRanks:
+    """World size 4: 2 hosts x 2 ranks, each host a network namespace."""
+
+    def test_hierarchical_matches_torch_and_keeps_segments_per_host(self, two_hosts):  # noqa: F811
+        """World size 4: the hierarchical exchange is chosen; every rank ends bitwise equal, allclose to
+        torch DDP; no shared-memory segment is mapped by ranks of two hosts, and each names its host."""
+        nodes, outputs = _run(two_hosts, (2, 2))
+        for node, (_, stderr) in zip(nodes, outputs):
+            assert node.returncode == 0, stderr
+        results = _results(outputs)
+        assert sorted(results) == [0, 1, 2, 3]
+        assert {r["exchange"] for r in results.values()} == {"HierarchicalExchange"}
+        assert len({r["digest"] for r in results.values()}) == 1
+        assert max(r["max_diff"] for r in results.values()) < 1e-5
+        by_host = {}
+        for record in results.values():
+            assert record["segments"], f"rank {record['rank']} maps no shared-memory segment"
+            by_host.setdefault(record["host"], set()).update(record["segments"])
+            assert all(name.startswith(f"phalanx-shm.node{record['host']}.") for name in record["segments"])
+        assert sorted(by_host) == ["0", "1"]
+        assert not by_host["0"] & by_host["1"]
+
+    def test_flat_when_forced(self, two_hosts):  # noqa: F811
+        """World size 4: PHALANX_XHOST=flat gives the process group's all-reduce, still equal to torch DDP."""
+        nodes, outputs = _run(two_hosts, (2, 2), env={"PHALANX_XHOST": "flat"})
+        for node, (_, stderr) in zip(nodes, outputs):
+            assert node.returncode == 0, stderr
+        results = _results(outputs)
+        assert {r["exchange"] for r in results.values()} == {"AllReduceExchange"}
+        assert len({r["digest"] for r in results.values()}) == 1
+        assert max(r["max_diff"] for r in results.values()) < 1e-5
+        assert all(not r["segments"] for r in results.values())  # no shared memory across hosts
+
+    def test_a_killed_rank_is_named_on_the_other_host(self, two_hosts):  # noqa: F811
+        """World size 4: rank 3 (host 1) is killed in step 2; the ranks of host 0 name it."""
+        nodes, outputs = _run(two_hosts, (2, 2), "--kill-rank", "3")
+        assert all(node.returncode != 0 for node in nodes)
+        host0 = outputs[0][0] + outputs[0][1]
+        assert re.search(r"ranks \[[^\]]*\b3\b[^\]]*\] did not take part", host0), host0[-3000:]
+        assert "the network phase of the gradient exchange" in host0, host0[-3000:]
+
+
+class TestUnequalHosts:
+    """World size 3: 2 ranks on host 0, 1 on host 1."""
+
+    def test_unequal_hosts_fall_back_to_flat(self, two_hosts):  # noqa: F811
+        """World size 3: hosts of 2 and 1 ranks use the flat all-reduce; results equal torch DDP's."""
+        nodes, outputs = _run(two_hosts, (2, 1))
+        for node, (_, stderr) in zip(nodes, outputs):
+            assert node.returncode == 0, stderr
+        results = _results(outputs)
+        assert sorted(results) == [0, 1, 2]
+        assert {r["exchange"] for r in results.values()} == {"AllReduceExchange"}
+        assert len({r["digest"] for r in results.values()}) == 1
+        assert max(r["max_diff"] for r in results.values()) < 1e-5
+
+
+class TestBench:
+    """World size 4: benchmarks/xhost_bench.py, 2 namespaces x 2 ranks on a shaped bridge, one short block."""
+
+    def test_bench_counts_the_bytes_each_exchange_should_move(self, tmp_path):
+        """World size 4: per host and step, hierarchical moves 2(N-1)/N * S and flat 2(P-1)/P * S (within 5 %)."""
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            pytest.skip("the bench needs iproute2 (ip, tc)")
+        out = tmp_path / "bench.json"
+        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "xhost_bench.py"), "--hosts", "2",
+                                 "--models", "gpt", "--variants", "flat,hier,compute", "--blocks", "1", "--steps", "2",
+                                 "--link", "1gbit", "--json", str(out)], capture_output=True, text=True,
+                                timeout=HANG_GUARD, cwd=ROOT)
+        if result.returncode and "Operation not permitted" in result.stderr:
+            pytest.skip(f"cannot create network namespaces here: {result.stderr[-300:]}")
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        written = json.loads(out.read_text())
+        summary = written["summary"]["gpt"]
+        for variant in ("flat", "hier"):
+            assert summary[variant]["deviation"] < 0.05, (variant, summary[variant])
+        assert summary["hier"]["theory_mb"] < summary["flat"]["theory_mb"]
+        assert "predicted_ms" in summary["hier"]
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"phx{written['tag']}" not in left  # the bench removed every namespace it made
