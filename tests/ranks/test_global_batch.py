@@ -1,7 +1,7 @@
 """DataLoader(global_batch_size=B) on real ranks (Gloo CPU processes via phalanx.testing.run_ranks): the same
-script with the same B at 2, 3 and 4 ranks (and 1, in tests/unit/test_global_batch.py) ends at the
-parameters of one process that takes each step's B samples at once, with phalanx's DDP at every shard
-level and with torch's DDP; and a run stopped at 4 ranks (an agreed stop), resumed at 2 and again at 3
+script with the same B at 1, 2, 3 and 4 ranks (simulated ranks: tests/unit/test_global_batch.py) ends at
+the parameters of one process that takes each step's B samples at once, with phalanx's DDP at every
+shard level and with torch's DDP; and a run stopped at 4 ranks (an agreed stop), resumed at 2 and again at 3
 from Checkpointer files, applies each step once, with each step's samples, each sample once per epoch.
 
 Data and loop: tests/helpers/global_batch_cases.py (80 samples, B = 26, micro-batches of at most 4: uneven
@@ -40,6 +40,9 @@ def wrap(engine):
     model = make_model()
     if engine == "torch":
         model = torch.nn.parallel.DistributedDataParallel(model)
+        return model, make_optimizer(model)
+    if engine == "bucket_view":
+        model = px.DistributedDataParallel(model, gradient_as_bucket_view=True)
         return model, make_optimizer(model)
     model = px.DistributedDataParallel(model, shard=engine)
     optimizer = make_optimizer(model)
@@ -84,9 +87,16 @@ def _check(per_rank, world, engines):
         assert (plan.world_size, plan.micro_batch_size, plan.global_batch_size) == (world, MICRO_BATCH, GLOBAL_BATCH)
 
 
+def test_same_global_batch_at_1_rank():
+    """World size 1 (26 samples in 7 micro-batches per step), DDP-wrapped as at the other sizes."""
+    engines = ["none", "torch"]
+    _check(run_ranks(_train_with, 1, (engines,), timeout=240), 1, engines)
+
+
 def test_same_global_batch_at_2_ranks_every_shard_level_and_torch_ddp():
-    """World size 2 (13 samples per rank and step): phalanx's DDP at each shard level, torch's DDP."""
-    engines = ["none", "optimizer", "gradients", "parameters", "torch"]
+    """World size 2 (13 samples per rank and step): phalanx's DDP at each shard level and with
+    gradient_as_bucket_view (micro-batches accumulate into the buckets), torch's DDP."""
+    engines = ["none", "optimizer", "gradients", "parameters", "bucket_view", "torch"]
     per_rank = run_ranks(_train_with, 2, (engines,), timeout=240)
     _check(per_rank, 2, engines)
     for rank, results in enumerate(per_rank):
