@@ -22,12 +22,15 @@ bench: $(STAMP)
 
 install: $(STAMP)
 
-# torch goes in first and pinned: an unpinned resolve would pull the CUDA build.
+# torch goes in first and pinned: an unpinned resolve would pull the CUDA build. The trainers extra
+# (Accelerate, Lightning: pinned, and accepting this torch) is for the tests marked `trainers`, which CI
+# runs; `make install EXTRAS=dev,examples` leaves it out (those tests then skip: -m "not trainers").
+EXTRAS ?= dev,examples,trainers
 $(STAMP): pyproject.toml setup.py phalanx/shm/_reduce_kernels.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,examples]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 clean:

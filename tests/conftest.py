@@ -15,7 +15,11 @@ One folder per tier; every test is marked with its folder's tier (pytest_collect
 
     pytest tests/unit            # the unit tier alone
     pytest -m "not e2e"          # unit and ranks
+    pytest -m "not trainers"     # all but phalanx inside Accelerate and Lightning (the trainers extra)
     pytest                       # everything, as `make test` runs it
+
+Across the tiers, a test file may carry a marker of its own: `trainers` (tests/e2e/test_accelerate.py,
+test_lightning.py; they skip without the trainers extra, except under CI), `torch_suite`.
 
 tests/helpers/ holds modules that test files of several tiers import, tests/e2e/jobs/ the scripts the
 e2e tests start. `tests` is a package: test modules import `tests.conftest` and `tests.helpers.*` by

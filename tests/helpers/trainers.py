@@ -1,0 +1,45 @@
+"""What the tests of phalanx inside Accelerate and Lightning share (marker `trainers`): the libraries, which
+come from the `trainers` extra, and launching 2 CPU ranks with torchrun.
+
+Without the extra the tests skip, except under CI (CI=true), where `make test` installs it and a missing
+library is a failure, not a silent skip.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, checkout_on_pythonpath
+
+
+def require(module: str):
+    """Import `module` (from the `trainers` extra): skip without it locally, fail without it under CI."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"{module} is not installed under CI: `make test` installs the trainers extra ({error})")
+        pytest.skip(f"{module} is not installed: pip install -e '.[trainers]' (the trainers extra)")
+
+
+def torchrun(args: list, *, env: dict | None = None, timeout: float = 180) -> tuple[int, str]:
+    """`torchrun --standalone --nproc-per-node 2 ARGS` on the CPU, one thread per rank: (exit code, output)."""
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": checkout_on_pythonpath(), **(env or {})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               *map(str, args)]
+    process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{command} did not finish within {timeout}s; output:\n{output}")
+    return process.returncode, output
