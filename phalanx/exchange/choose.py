@@ -22,6 +22,7 @@ from ..shm.reduce import DTYPE_CODES
 from .all_reduce import AllReduceExchange
 from .base import BucketExchange
 from .comm_hook import CommHookExchange
+from .hier_sharded import HierShardedExchange
 from .hierarchical import HierarchicalExchange
 from .sharded import ShardedExchange
 from .shm import ShmExchange
@@ -39,7 +40,7 @@ def choose_exchange(group, guard: StepGuard, params: list[torch.Tensor], *, owne
       world.topology.HostGroups, says which host each rank is on; None: one host): shared memory,
       reduce-scattered when `shard` is "optimizer" or "gradients";
     - the same across hosts where the two-level exchange applies (`hosts.topology.hierarchical()`):
-      shared memory inside each host, Gloo between hosts (hierarchical.py);
+      shared memory inside each host, Gloo between hosts (hierarchical.py; hier_sharded.py when sharded);
     - otherwise the process group: an all-reduce, or a reduce-scatter when sharded.
 
     Collective unless `comm_hook` is given: the conditions are the same on every rank (DDP checked
@@ -56,8 +57,8 @@ def choose_exchange(group, guard: StepGuard, params: list[torch.Tensor], *, owne
     if topology is not None and topology.spans_hosts:
         _check_forced(topology, guard)
         whole_world = group.size() == dist.get_world_size()  # the host groups are built from every rank
-        if cpu_floats and shard == "none" and whole_world and topology.hierarchical():
-            exchange = _hierarchical(hosts, group, guard, owner)
+        if cpu_floats and whole_world and topology.hierarchical():
+            exchange = _hierarchical(hosts, group, guard, owner, shard)
             if exchange is not None:
                 return exchange
     elif group.size() > 1 and cpu_floats:
@@ -82,7 +83,7 @@ def _check_forced(topology, guard: StepGuard) -> None:
             fix="Start as many ranks on every node (--nproc-per-node), or unset PHALANX_XHOST (flat here)."))
 
 
-def _hierarchical(hosts, group, guard: StepGuard, owner: object) -> BucketExchange | None:
+def _hierarchical(hosts, group, guard: StepGuard, owner: object, shard: str) -> BucketExchange | None:
     """The two-level exchange, when every host's ranks could share memory; else None (flat) on every rank."""
     groups = hosts.build()
     comm = shm_communicator(groups.host, host=hosts.topology.key)
@@ -95,4 +96,6 @@ def _hierarchical(hosts, group, guard: StepGuard, owner: object) -> BucketExchan
         log.logger.info("the exchange across hosts is flat: shared memory is off on some host")
         return None
     weakref.finalize(owner, comm.close)
+    if shard != "none":
+        return HierShardedExchange(comm, groups.network, group, guard, shard, hosts.topology.hosts)
     return HierarchicalExchange(comm, groups.network, group, guard)

@@ -60,6 +60,19 @@ class TestTwoHostsTwoRanks:
         assert sorted(by_host) == ["0", "1"]
         assert not by_host["0"] & by_host["1"]
 
+    @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
+    def test_sharded_levels_reduce_scatter_in_two_levels(self, two_hosts, shard):  # noqa: F811
+        """World size 4: shard="optimizer" / "gradients" across hosts reduce-scatter and all-gather in two
+        levels; every rank ends bitwise equal, allclose to torch DDP."""
+        nodes, outputs = _run(two_hosts, (2, 2), "--shard", shard)
+        for node, (_, stderr) in zip(nodes, outputs):
+            assert node.returncode == 0, stderr
+        results = _results(outputs)
+        assert sorted(results) == [0, 1, 2, 3]
+        assert {r["exchange"] for r in results.values()} == {"HierShardedExchange"}
+        assert len({r["digest"] for r in results.values()}) == 1
+        assert max(r["max_diff"] for r in results.values()) < 1e-5
+
     def test_flat_when_forced(self, two_hosts):  # noqa: F811
         """World size 4: PHALANX_XHOST=flat gives the process group's all-reduce, still equal to torch DDP."""
         nodes, outputs = _run(two_hosts, (2, 2), env={"PHALANX_XHOST": "flat"})

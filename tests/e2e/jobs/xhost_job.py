@@ -3,7 +3,8 @@
 Every rank trains the same model with phalanx DDP and with torch DDP on the same batches, then
 prints one JSON line: the exchange phalanx chose, its parameters' digest (bitwise equality across
 ranks), the largest difference to torch DDP's, and the shared-memory segments this process maps
-(from /proc/self/maps). `--kill-rank R` makes rank R kill itself (SIGKILL) at step 2.
+(from /proc/self/maps). `--kill-rank R` makes rank R kill itself (SIGKILL) at step 2; `--shard L` shards
+phalanx DDP at level L ("optimizer", "gradients").
 """
 
 import argparse
@@ -35,13 +36,15 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--shard", default="none")
     args = parser.parse_args()
     torch.set_num_threads(1)
     phalanx.init()
     rank = dist.get_rank()
-    ours = phalanx.DistributedDataParallel(build(0), bucket_cap_mb=0.05)  # several buckets: a pipeline
+    ours = phalanx.DistributedDataParallel(build(0), bucket_cap_mb=0.05, shard=args.shard)  # several buckets
     theirs = TorchDDP(build(0), bucket_cap_mb=0.05)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    opts = [ours.shard_optimizer(torch.optim.SGD(ours.parameters(), lr=0.1)),
+            torch.optim.SGD(theirs.parameters(), lr=0.1)]
     segments = mapped_segments()
     for step in range(args.steps):
         if step == 2 and rank == args.kill_rank:
