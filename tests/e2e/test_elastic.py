@@ -15,10 +15,15 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 
+from phalanx.errors import StoreLostError
+from phalanx.testing import free_port
+from phalanx.world.membership import ElasticRendezvous
 from tests.conftest import ROOT
 from tests.e2e.test_launch import clean_env, two_hosts  # noqa: F401 - two_hosts is a fixture
 
@@ -223,3 +228,31 @@ def test_same_global_batch_at_1_2_and_4_ranks(tmp_path, two_hosts):  # noqa: F81
         assert {row[2] for row in steps(tmp_path / name)} == {2 * nproc}
         assert_same_params(tmp_path / name, one)
     check_every_sample_once(steps(one))
+
+
+def test_the_stores_host_lost_is_named_within_seconds():
+    """One elastic node (this process, no namespaces) whose store another process hosts, which is SIGKILLed."""
+    port = free_port()
+    serve = (f"import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, 1, True, "
+             f"wait_for_workers=False); print('up', flush=True); time.sleep(120)")
+    host = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True, env=job_env())
+    rendezvous = None
+    try:
+        assert host.stdout.readline().strip() == "up"
+        rendezvous = ElasticRendezvous("127.0.0.1", port, "test", 1, 2, timedelta(seconds=20))
+        assert not rendezvous.hosting  # the port is another process's: this node dials it
+        info = rendezvous.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert rendezvous.lost() == [] and rendezvous.waiting() == []
+        host.kill()
+        host.wait()
+        began = time.monotonic()
+        with pytest.raises(StoreLostError, match=f"the rendezvous store at 127.0.0.1:{port}"):
+            rendezvous.lost()
+        assert time.monotonic() - began < 10
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+        if rendezvous is not None:
+            rendezvous.shutdown()
