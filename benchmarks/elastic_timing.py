@@ -134,7 +134,10 @@ def one_round(hosts, port, args) -> dict:
                 if process is not None and process.poll() is None:
                     kill_tree(process)
     lost = re.search(r"lost \(no heartbeat", out_a) is not None
+    # host A's own figures: from the change it saw (a node named lost; a node seen waiting) to the first step
+    said = [float(x) for x in re.findall(r"([\d.]+) s from the change to the first step", out_a)]
     return {"death_to_step": alone - died, "grow": grown - joined, "goodput": goodput(out_a), "named": lost,
+            "said": said,
             "summary": [line for line in out_a.splitlines() if line.startswith("phalanx run: ")
                         and "[rank" not in line][-6:]}
 
@@ -159,7 +162,8 @@ def main() -> None:
             results.append(result)
             print(f"round {i}: death -> first step at world 1 {result['death_to_step']:.1f} s; start of the joining "
                   f"node -> first step at world 2 {result['grow']:.1f} s; goodput {result['goodput']:.1f} % "
-                  f"(uninterrupted {reference:.1f} %)", flush=True)
+                  f"(uninterrupted {reference:.1f} %); host A said {result['said']} s from the change it saw to the "
+                  f"first step (lost, grown)", flush=True)
         for key, label in (("death_to_step", "death -> first step at the smaller world"),
                            ("grow", "joining launcher's start -> first step at the larger world")):
             values = [r[key] for r in results]

@@ -20,7 +20,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from ..diagnose import progress
 from ..diagnose.recorder import pid_alive
-from ..errors import RendezvousTimeoutError, explain
+from ..errors import RendezvousTimeoutError, StoreLostError, explain
 from ..world.stop import STOP_EXIT_CODE
 from .diagnosis import RunDiagnosis
 from .failures import describe_failure, root_cause, sweep_process_groups
@@ -70,7 +70,9 @@ class Agent(LocalElasticAgent):
                                                  for local, pid in pids.items()})
         self.summary.attempt_started()
         self._attempt_failed = False
-        self.stop.workers_started(pids.values(), worker_group.store, worker_group.group_rank)
+        # Elastic: the look for other nodes' stop requests fails within seconds when the store's host is cut off.
+        store = self.regroup.rendezvous.quick_store() if self.regroup is not None else worker_group.store
+        self.stop.workers_started(pids.values(), store, worker_group.group_rank)
         return pids
 
     def _mark_teardown_before_close(self) -> None:
@@ -112,9 +114,20 @@ class Agent(LocalElasticAgent):
         rendezvous), and the restart it takes off --max-restarts is given back."""
         self._remaining_restarts += 1
         self._attempt_failed = why == "lost"  # the steps after the last save are redone
+        if why == "lost":  # a worker blocked in a collective with the lost node would not see a SIGTERM
+            sweep_process_groups(self.group_pids)
         return RunResult(state=WorkerState.FAILED)
 
     def _monitor_workers(self, worker_group):
+        try:
+            return self._monitor(worker_group)
+        except StoreLostError:
+            self.stop.kill_now = True  # the workers may be blocked in a collective with the lost node: no grace
+            raise
+
+    def _monitor(self, worker_group):
+        if self.regroup is not None:
+            self.regroup.check_store()  # before the stop's look into the store, which could block on a lost host
         self.stop.tick()  # passes a request on; raises GraceExpired when the grace period is over
         elastic = self.regroup is not None and not self.stop.active
         if elastic:

@@ -37,7 +37,7 @@ class Regroup:
         self.world = 0
         self.resume_reported = True
         self.changes = changes  # the run summary's list
-        self._next_look = 0.0
+        self._next_look = self._next_probe = 0.0
 
     # -- a new worker group -------------------------------------------------------------------------
 
@@ -60,6 +60,13 @@ class Regroup:
         self.growing_since = None
 
     # -- while the workers run ----------------------------------------------------------------------
+
+    def check_store(self) -> None:
+        """About once a POLL: StoreLostError when the store's host no longer answers (before anything waits on it)."""
+        now = time.monotonic()
+        if now >= self._next_probe:
+            self._next_probe = now + POLL
+            self.rendezvous.probe()
 
     def poll(self, pids, records_of) -> str | None:
         """'lost' (regroup now: a node is gone), 'grown' (the workers saved for a joining node and left), else

@@ -9,6 +9,7 @@ and a round with MIN nodes closes LAST_CALL after the MIN-th arrived (at once wi
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -26,12 +27,14 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from ..errors import RendezvousTimeoutError as PhalanxRendezvousTimeout
 from ..errors import StoreLostError, explain
 from .interface import address_toward
-from .rendezvous import host_or_join
+from .rendezvous import host_or_join, join_store
 
 # Measured on 2 namespaces: a lost node is named ~4 s after its death, the smaller round closes 2 s later.
 KEEP_ALIVE_INTERVAL = 1  # seconds between a launcher's heartbeats (torch: 5)
 KEEP_ALIVE_MISSES = 4  # heartbeats missed before a node counts as lost (torch: 3, so 15 s)
 LAST_CALL = timedelta(seconds=2)  # wait for more nodes once MIN are in (torch: 30 s)
+STATE_TIMEOUT = timedelta(seconds=10)  # a read of the rounds' state that takes longer: the store is unreachable
+PROBE_TIMEOUT = 3.0  # seconds for the store's host to answer a TCP connect
 
 
 @dataclass(frozen=True)
@@ -73,10 +76,18 @@ class ElasticRendezvous(RendezvousHandler):
                                                 timeout_setting="--rdzv-timeout")
         self.master_port = self.store.port
         self.round = -1
+        self.store_lost = False
         self.previous: list[Node] = []
         self.current: list[Node] = []
         try:
-            backend = C10dRendezvousBackend(self.store, run_id)
+            # The rounds' state on a connection of its own that answers within STATE_TIMEOUT or fails: a node cut
+            # off from the store's host learns it in seconds, not after --rdzv-timeout (the agent's waits for the
+            # other nodes keep the long timeout on self.store).
+            state_store = self.store if self.hosting else join_store(
+                master_addr, self.master_port, 1, rank=None, connect_timeout=timeout, timeout=STATE_TIMEOUT,
+                timeout_setting="--rdzv-timeout")
+            self._state_store = state_store
+            backend = C10dRendezvousBackend(state_store, run_id)
             settings = RendezvousSettings(
                 run_id, min_nodes, max_nodes, RendezvousTimeout(join=timeout, last_call=LAST_CALL),
                 keep_alive_interval=timedelta(seconds=KEEP_ALIVE_INTERVAL), keep_alive_max_attempt=KEEP_ALIVE_MISSES)
@@ -94,14 +105,16 @@ class ElasticRendezvous(RendezvousHandler):
         return f"{self.master_addr}:{self.master_port}"
 
     def _lost(self, exc: BaseException) -> StoreLostError:
+        self.store_lost = True
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         return StoreLostError(explain(
-            f"the rendezvous store at {self.where} (hosted by node 0's `phalanx run`, the node that owns "
-            f"--master-addr) is gone", seen=f"{type(exc).__name__}: {first_line}",
-            expected="the store's host alive for the whole run",
-            fix="The store lives in the launcher of the node that owns --master-addr: when that node is lost, the "
-                "run cannot regroup. Start the same command again on the nodes (the master's node first, or one "
-                "that owns the address now): the workers resume from the newest checkpoint."))
+            f"the rendezvous store at {self.where} (in the `phalanx run` of the node that owns --master-addr) is gone "
+            f"or cannot be reached from this node", seen=f"{type(exc).__name__}: {first_line}",
+            expected="the store's host reachable for the whole run",
+            fix="If this node lost its network, the others go on without it: run the same command here again once "
+                "it is back, and it joins at a step boundary. If the store's node was lost, the group cannot regroup: "
+                "run the same command again on the nodes (the master's node, or one that took over its address), and "
+                "the workers resume from the newest checkpoint."))
 
     # -- what torch's agent calls --------------------------------------------------------------
 
@@ -147,6 +160,8 @@ class ElasticRendezvous(RendezvousHandler):
         return self.run_id
 
     def shutdown(self) -> bool:
+        if self.store_lost:  # nothing to close (the heartbeat thread, a daemon, may be stuck in a read: left alone)
+            return False
         try:
             return self._inner.shutdown()
         except Exception:  # the store's host is gone: nothing left to close
@@ -154,7 +169,22 @@ class ElasticRendezvous(RendezvousHandler):
 
     # -- what phalanx's agent asks --------------------------------------------------------------
 
+    def quick_store(self):
+        """This round's store (the one torch's agent gets) on the connection that fails within STATE_TIMEOUT."""
+        return dist.PrefixStore(f"torch.rendezvous.{self.run_id}.{self.round}", self._state_store)
+
+    def probe(self) -> None:
+        """StoreLostError unless the store's host answers a TCP connect within PROBE_TIMEOUT. Dialled from Python
+        first: torch's client can block in a read for good once its host is cut off."""
+        if self.hosting:
+            return
+        try:
+            socket.create_connection((self.master_addr, self.master_port), timeout=PROBE_TIMEOUT).close()
+        except OSError as exc:
+            raise self._lost(exc) from None
+
     def _state(self):
+        self.probe()
         with self._inner._heartbeat_lock:
             try:
                 self._inner._state_holder.sync()
