@@ -1,6 +1,6 @@
 """Elastic membership's costs, measured: a node lost, a node back, and the goodput of such a run.
 
-    sudo PYTHONPATH=. python benchmarks/elastic_timing.py [--rounds 3] [--step-seconds 0.1] [--epochs 6]
+    sudo PYTHONPATH=. python benchmarks/elastic_timing.py [--rounds 3] [--step-seconds 0.1] [--epochs 20]
 
 Builds two network namespaces joined by a veth pair (a random tag; torn down at the end, also on
 failure), and runs tests/e2e/jobs/elastic_job.py (96 samples, batches of 4 per rank, a checkpoint
@@ -143,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-seconds", type=float, default=0.1)
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=20)
     args = parser.parse_args()
     tag = uuid.uuid4().hex[:6]
     port = 29700 + int(tag[:2], 16) % 200

@@ -16,7 +16,12 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+)
 
 from ..errors import RendezvousTimeoutError as PhalanxRendezvousTimeout
 from ..errors import StoreLostError, explain
@@ -72,10 +77,14 @@ class ElasticRendezvous(RendezvousHandler):
         self.current: list[Node] = []
         try:
             backend = C10dRendezvousBackend(self.store, run_id)
-            self._inner = _Handler.from_backend(
-                run_id, self.store, backend, min_nodes, max_nodes, local_addr=address_toward(master_addr),
-                timeout=RendezvousTimeout(join=timeout, last_call=LAST_CALL),
-                keep_alive_interval=KEEP_ALIVE_INTERVAL, keep_alive_max_attempt=KEEP_ALIVE_MISSES)
+            settings = RendezvousSettings(
+                run_id, min_nodes, max_nodes, RendezvousTimeout(join=timeout, last_call=LAST_CALL),
+                keep_alive_interval=timedelta(seconds=KEEP_ALIVE_INTERVAL), keep_alive_max_attempt=KEEP_ALIVE_MISSES)
+            # cache_duration=0: every look at the state reads the store (torch's handler serves a 1 s old copy,
+            # which hides a store that is gone).
+            self._inner = _Handler(_Handler._node_desc_generator.generate(address_toward(master_addr)), settings,
+                                   backend.name, self.store,
+                                   _BackendRendezvousStateHolder(backend, settings, cache_duration=0))
         except Exception as exc:
             raise self._lost(exc) from None
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
@@ -168,7 +177,8 @@ class ElasticRendezvous(RendezvousHandler):
         state = self._state()
         expired = datetime.now(timezone.utc) - timedelta(seconds=KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES)
         alive = {(desc.addr, desc.pid) for desc, beat in state.last_heartbeats.items() if beat >= expired}
-        return [node for node in self.current if (node.addr, node.pid) not in alive]
+        me = (self._inner._this_node.addr, self._inner._this_node.pid)
+        return [node for node in self.current if (node.addr, node.pid) not in alive and (node.addr, node.pid) != me]
 
     def changes(self) -> tuple[list[Node], list[Node]]:
         """(left, joined) between the previous round and this one."""

@@ -1,10 +1,13 @@
 """`phalanx run --nnodes MIN:MAX` across two hosts (network namespaces): nodes lost, nodes back, errors named.
 
-2 hosts x 1 worker (world size 2, then 1, then 2 again) run tests/e2e/jobs/elastic_job.py, which logs the
-sample ids of every applied optimizer step. Host B's launcher and workers are SIGKILLed mid-epoch; host A
-goes on alone from the newest checkpoint; the same command on host B brings it back, and the group grows at
-a step boundary (the agreed save). Every epoch uses each sample exactly once over the steps that count (a
-step lost with the crash and redone counts once: the later line is the lineage's).
+tests/e2e/jobs/elastic_job.py trains at a global batch of 8 and logs the sample ids of every applied
+optimizer step. 2 hosts x 1 worker (world size 2, then 1, then 2 again): host B's launcher and workers are
+SIGKILLed mid-epoch; host A goes on alone from the newest checkpoint; the same command on host B brings it
+back, and the group grows at a step boundary (the agreed save). The final parameters match an
+uninterrupted 2-host run's, and every epoch uses each sample exactly once over the steps that count (a step
+lost with the crash and redone counts once: the later line is the lineage's). The same global batch at 1,
+2 and 4 ranks (1 process; 2 hosts x 1; 2 hosts x 2) averages the same samples in every step and ends at
+the same parameters.
 """
 
 import os
@@ -12,27 +15,63 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
+import torch
+
+from phalanx.errors import StoreLostError
+from phalanx.testing import free_port
+from phalanx.world.membership import ElasticRendezvous
 from tests.conftest import ROOT
 from tests.e2e.test_launch import clean_env, two_hosts  # noqa: F401 - two_hosts is a fixture
 
 JOB = Path(__file__).resolve().parent / "jobs" / "elastic_job.py"
 HANG_GUARD = 180
 SAMPLES = 96
+STEPS_PER_EPOCH = 12  # a global batch of 8, at any world size
 
 
 def job_env() -> dict:
     return clean_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
 
 
-def start(host: dict, master: str, port: int, run_dir: Path, *job_args, flags=()) -> subprocess.Popen:
-    """`phalanx run --nnodes 1:2` on one host (its network namespace), the same command on every host."""
-    command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "1:2",
-               "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port), *flags,
-               str(JOB), str(run_dir), *job_args]
-    return subprocess.Popen(command, env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+def start(host: dict | None, master: str, port: int, run_dir: Path, *job_args, nnodes="1:2", node_rank=None,
+          nproc=1, flags=(), env=None) -> subprocess.Popen:
+    """`phalanx run` on one host (its network namespace; None: this machine), the same command on every host."""
+    rank = ("--node-rank", str(node_rank)) if node_rank is not None else ()
+    where = ["ip", "netns", "exec", host["ns"]] if host is not None else []
+    command = [*where, sys.executable, "-m", "phalanx", "run", "--nnodes", nnodes, *rank, "--nproc-per-node",
+               str(nproc), "--master-addr", master, "--master-port", str(port), *flags, str(JOB), str(run_dir),
+               *job_args]
+    return subprocess.Popen(command, env={**job_env(), **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def fixed_run(hosts, run_dir: Path, port: int, nproc: int = 1, env=None) -> list[str]:
+    """An uninterrupted run on a fixed set of nodes (`--nnodes 2` on two hosts, or one process here)."""
+    if hosts is None:
+        nodes = [start(None, "127.0.0.1", port, run_dir, nnodes="1", nproc=nproc)]
+    else:
+        nodes = [start(host, hosts[0]["addr"], port, run_dir, nnodes=str(len(hosts)), node_rank=i, nproc=nproc,
+                       flags=("--rdzv-timeout", "60"), env=env) for i, host in enumerate(hosts)]
+    try:
+        outputs = finish(nodes)
+    finally:
+        stop_all(nodes)
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output
+    return outputs
+
+
+def final_params(run_dir: Path) -> list:
+    return torch.load(run_dir / "final.pt", weights_only=True)["params"]
+
+
+def assert_same_params(run_dir: Path, reference: Path) -> None:
+    for got, expected in zip(final_params(run_dir), final_params(reference), strict=True):
+        assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
 
 
 def descendants(pid: int) -> list[int]:
@@ -100,6 +139,7 @@ def check_every_sample_once(rows) -> None:
     assert sorted(by_epoch) == [0, 1, 2]
     for epoch, ids in by_epoch.items():
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}: samples missing or twice"
+    assert sorted(lineage(rows)) == list(range(1, 3 * STEPS_PER_EPOCH + 1))
 
 
 def finish(processes) -> list[str]:
@@ -132,7 +172,10 @@ def test_unreachable_master_is_named_within_the_rendezvous_timeout(tmp_path, two
 
 
 def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
-    """World size 2 -> 1 -> 2: 2 hosts x 1 worker, --nnodes 1:2, host B SIGKILLed mid-epoch, then started again."""
+    """World size 2 -> 1 -> 2: 2 hosts x 1 worker, --nnodes 1:2, host B SIGKILLed mid-epoch, then started again;
+    against an uninterrupted run of 2 hosts x 1 worker."""
+    reference = tmp_path / "uninterrupted"
+    fixed_run(two_hosts, reference, 29573)
     run_dir = tmp_path / "run"
     master = two_hosts[0]["addr"]
     job = ("--wait-alone", "4")
@@ -168,3 +211,48 @@ def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
     last_alone = max(row[1] for row in rows if row[2] == 1)
     assert f"resumed from step {last_alone} at world size 2" in resumed[1]
     assert "attempt 2 of" not in out_a  # not counted as a failure
+    assert "global batch 8 = 1 rank x 4 micro-batches x 2" in resumed[0]  # the micro-batches per rank, said
+    assert_same_params(run_dir, reference)
+
+
+def test_same_global_batch_at_1_2_and_4_ranks(tmp_path, two_hosts):  # noqa: F811
+    """World sizes 1 (one process), 2 (2 hosts x 1) and 4 (2 hosts x 2), a global batch of 8."""
+    one = tmp_path / "one"
+    fixed_run(None, one, 0)
+    for name, nproc, port in (("two", 1, 29574), ("four", 2, 29575)):
+        # The flat exchange across hosts: with 2 hosts x 2 this job's second step fails in the hierarchical one
+        # (CollectiveMismatchError in shm/posted.py), a fault of that exchange, reported, not of the global batch.
+        fixed_run(two_hosts, tmp_path / name, port, nproc=nproc, env={"PHALANX_XHOST": "flat"})
+        # Every optimizer step averaged the same samples, and the parameters end the same.
+        assert [sorted(row[4]) for row in steps(tmp_path / name)] == [sorted(row[4]) for row in steps(one)]
+        assert {row[2] for row in steps(tmp_path / name)} == {2 * nproc}
+        assert_same_params(tmp_path / name, one)
+    check_every_sample_once(steps(one))
+
+
+def test_the_stores_host_lost_is_named_within_seconds():
+    """One elastic node (this process, no namespaces) whose store another process hosts, which is SIGKILLed."""
+    port = free_port()
+    serve = (f"import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, 1, True, "
+             f"wait_for_workers=False); print('up', flush=True); time.sleep(120)")
+    host = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True, env=job_env())
+    rendezvous = None
+    try:
+        assert host.stdout.readline().strip() == "up"
+        rendezvous = ElasticRendezvous("127.0.0.1", port, "test", 1, 2, timedelta(seconds=20))
+        assert not rendezvous.hosting  # the port is another process's: this node dials it
+        info = rendezvous.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        assert rendezvous.lost() == [] and rendezvous.waiting() == []
+        host.kill()
+        host.wait()
+        began = time.monotonic()
+        with pytest.raises(StoreLostError, match=f"the rendezvous store at 127.0.0.1:{port}"):
+            rendezvous.lost()
+        assert time.monotonic() - began < 10
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+        if rendezvous is not None:
+            rendezvous.shutdown()
