@@ -40,6 +40,14 @@ class MasterUnreachableError(PhalanxError, ConnectionError):
     """The rendezvous master could not be reached within the connect timeout."""
 
 
+class StoreLostError(MasterUnreachableError):
+    """The rendezvous store went away with its host (node 0's `phalanx run`) in the middle of an elastic run."""
+
+
+class RendezvousTimeoutError(PhalanxError, TimeoutError):
+    """An elastic rendezvous did not gather --nnodes MIN nodes within --rdzv-timeout."""
+
+
 class PortInUseError(PhalanxError, OSError):
     """The master port is already taken by another process on this host."""
 

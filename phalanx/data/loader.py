@@ -76,6 +76,11 @@ class DataLoader(torch.utils.data.DataLoader):
     its indices in order, like torch's BatchSampler). `len()` is the number of batches of a whole
     epoch, also after a resume (`state_dict()["batches"]` says how many are already done).
 
+    With `global_batch_size=B` (and `batch_size`, a micro-batch) it yields one `GlobalStep` per optimizer
+    step instead: step s averages entries [s*B, (s+1)*B) of the epoch's order at any world size, `len()`
+    counts steps, `plan` says how B is split, and the state is a position in steps that any world size
+    resumes (docs/data.md, "A global batch").
+
     >>> from phalanx import DataLoader, DistributedSampler
     >>> sampler = DistributedSampler(range(12), num_replicas=2, rank=0, shuffle=False)
     >>> loader = DataLoader(range(12), batch_size=2, sampler=sampler)

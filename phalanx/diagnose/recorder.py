@@ -47,7 +47,8 @@ def run_directory(rank_env: dict | None = None) -> str | None:
     """Where this attempt's rings live: `phalanx run` names it (PHALANX_RUN_DIR); under torchrun or srun
     every local rank derives the same one from what they share (their parent, the master port, the job)."""
     env = os.environ if rank_env is None else rank_env
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # PHALANX_ATTEMPT: `phalanx run` counts the worker groups it starts (a regrouping at a new world size is one)
+    attempt = env.get("PHALANX_ATTEMPT") or env.get("TORCHELASTIC_RESTART_COUNT", "0")
     if env.get("PHALANX_RUN_DIR"):
         return os.path.join(env["PHALANX_RUN_DIR"], f"attempt-{attempt}")
     shared = "|".join([str(os.getppid()), env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", ""),

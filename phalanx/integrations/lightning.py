@@ -26,9 +26,20 @@ from lightning.pytorch.strategies.ddp import DDPStrategy as TrainerDDPStrategy
 from torch.nn import Module
 
 from ..engine.ddp import DistributedDataParallel
-from ..errors import explain
+from ..errors import ShardingError, explain
 
 NAME = "phalanx_ddp"
+
+
+def check_no_shard(kwargs: dict) -> None:
+    """Lightning builds and steps the optimizers itself, never through `model.shard_optimizer`: no shard level."""
+    shard = kwargs.get("shard", "none")
+    if shard != "none":
+        raise ShardingError(explain(
+            "strategy='phalanx_ddp' replicates the model: Lightning steps its optimizers itself, not the sharded "
+            "optimizer a shard level needs", seen=f"shard={shard!r}", expected="shard='none' (the default)",
+            fix="Leave out shard=, or train with phalanx.DistributedDataParallel(..., shard=...) and "
+                "model.shard_optimizer(optimizer) in a loop of your own (docs/sharding.md)."))
 
 
 class _NoSync(_BackwardSyncControl):
@@ -51,6 +62,7 @@ class PhalanxFabricStrategy(FabricDDPStrategy):
     """
 
     def __init__(self, *args, **kwargs):
+        check_no_shard(kwargs)
         super().__init__(*args, **kwargs)
         self._backward_sync_control = _NoSync()
 
@@ -77,6 +89,10 @@ class PhalanxDDPStrategy(TrainerDDPStrategy):
     Keyword arguments go to DistributedDataParallel, as with Lightning's DDPStrategy; `ddp_comm_hook` (and
     its state and wrapper) is registered on the CPU too (Lightning's registers it on GPUs only).
     """
+
+    def __init__(self, *args, **kwargs):
+        check_no_shard(kwargs)
+        super().__init__(*args, **kwargs)
 
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)

@@ -3,24 +3,29 @@
 On top of LocalElasticAgent: say which rank failed before a restart; sweep the process groups of
 workers that died; watch the workers' rings for stalls and stragglers (diagnosis.py); pass a stop
 request on to the workers and wait for them to save (stop.py) instead of letting torch's handler kill
-them; never restart a group that was asked to stop; and tell the run summary (goodput.py) when each
+them; never restart a group that was asked to stop; under `--nnodes MIN:MAX`, regroup when a node is lost
+or joins, without counting it as a failure (regroup.py); and tell the run summary (goodput.py) when each
 attempt starts and ends.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
+from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from ..diagnose import progress
 from ..diagnose.recorder import pid_alive
+from ..errors import RendezvousTimeoutError, explain
 from ..world.stop import STOP_EXIT_CODE
 from .diagnosis import RunDiagnosis
 from .failures import describe_failure, root_cause, sweep_process_groups
 from .goodput import RunSummary
+from .regroup import Regroup
 from .stop import StopRequest
 
 
@@ -31,19 +36,36 @@ def _say(text: str) -> None:
 class Agent(LocalElasticAgent):
     """See the module docstring. `ended_by_stop`: the last attempt's workers stopped on request."""
 
-    def __init__(self, *args, diagnosis: RunDiagnosis, stop: StopRequest, summary: RunSummary, **kwargs):
+    def __init__(self, *args, diagnosis: RunDiagnosis, stop: StopRequest, summary: RunSummary,
+                 regroup: Regroup | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.group_pids: set[int] = set()
-        self.diagnosis, self.stop, self.summary = diagnosis, stop, summary
+        self.diagnosis, self.stop, self.summary, self.regroup = diagnosis, stop, summary, regroup
         self.ended_by_stop = False
         self._attempt_failed = False
+        self._starts = 0  # worker groups started: restarts after failures, and regroupings
+
+    def _rendezvous(self, worker_group) -> None:
+        try:
+            super()._rendezvous(worker_group)
+        except DistError as exc:  # torch's wait for the other nodes' ranks (a C++ message)
+            first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise RendezvousTimeoutError(explain(
+                "the nodes met but did not all register their workers", seen=first_line,
+                expected="every node's `phalanx run` registering within --rdzv-timeout",
+                fix="A node was lost in the middle of the rendezvous, or its launcher is stuck: run the same "
+                    "command on the nodes again (training resumes from the newest checkpoint).")) from None
 
     def _start_workers(self, worker_group):
+        attempt = self._starts
+        self._starts += 1
+        os.environ["PHALANX_ATTEMPT"] = str(attempt)  # the workers' folder for their records (diagnose/)
+        if self.regroup is not None:
+            self.regroup.starting(worker_group)
         pids = super()._start_workers(worker_group)
         self.stop.install()  # torch's start may have put its own handlers (they kill) back in place
         self._mark_teardown_before_close()
         self.group_pids = set(pids.values())
-        attempt = worker_group.spec.max_restarts - self._remaining_restarts  # TORCHELASTIC_RESTART_COUNT
         self.diagnosis.attempt_started(attempt, {worker_group.workers[local].global_rank: pid
                                                  for local, pid in pids.items()})
         self.summary.attempt_started()
@@ -82,11 +104,30 @@ class Agent(LocalElasticAgent):
         """The attempt's workers are done: its time goes into the run summary (once per attempt)."""
         self.summary.attempt_ended(progress.read(self.diagnosis.directory), outcome)
 
+    def _records(self) -> dict:
+        return progress.read(self.diagnosis.directory)
+
+    def _regroup_now(self, why: str) -> RunResult:
+        """A node was lost, or the workers saved for one that joins: torch restarts the group (a new
+        rendezvous), and the restart it takes off --max-restarts is given back."""
+        self._remaining_restarts += 1
+        self._attempt_failed = why == "lost"  # the steps after the last save are redone
+        return RunResult(state=WorkerState.FAILED)
+
     def _monitor_workers(self, worker_group):
         self.stop.tick()  # passes a request on; raises GraceExpired when the grace period is over
+        elastic = self.regroup is not None and not self.stop.active
+        if elastic:
+            verdict = self.regroup.poll(self.group_pids, self._records)
+            if verdict is not None:
+                return self._regroup_now(verdict)
+            if self.regroup.growing_since is not None:
+                return RunResult(state=WorkerState.HEALTHY)  # the workers are saving at the agreed step
         if self._some_stopped_others_running():
             return RunResult(state=WorkerState.HEALTHY)
         result = super()._monitor_workers(worker_group)
+        if elastic and result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and self.regroup.failed():
+            return self._regroup_now("lost")
         spec = worker_group.spec
         attempt = spec.max_restarts - self._remaining_restarts + 1
         if result.state == WorkerState.FAILED and self._stopped_on_request(result.failures):

@@ -5,9 +5,10 @@ imports, rendezvous, building the model) up to the training loop, checkpoint res
 time in steps, and what is left (evaluation after the loop, shutdown, or, after a failure, the time
 until the group was torn down). Steps after a failed attempt's last save are redone by the next one:
 their time is lost, not counted. The launcher's own rendezvous and the gaps between attempts count
-as start-up and restarts. `goodput = time in steps that counted / wall time`. The summary of every
-invocation is added to `run-summary.json` in the checkpoint directory, so a job stopped and resumed
-shows its whole goodput; it is also written to `--log-dir`.
+as start-up and restarts (under `--nnodes MIN:MAX`, regroupings too; each node lost or joined is
+listed with the seconds to the first step at the new size). `goodput = time in steps that counted /
+wall time`. The summary of every invocation is added to `run-summary.json` in the checkpoint
+directory, so a job stopped and resumed shows its whole goodput; it is also written to `--log-dir`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ SUMMARY_NAME = "run-summary.json"
 FORMAT = "phalanx.run-summary/1"
 LOST = ("startup", "restore", "save", "redone", "restart", "outside")
 LABELS = {"startup": "start-up and rendezvous", "restore": "checkpoint restores", "save": "checkpoint saves",
-          "redone": "steps redone (lost after the last save)", "restart": "restarts",
+          "redone": "steps redone (lost after the last save)", "restart": "restarts and regroupings",
           "outside": "outside the training loop"}
 
 
@@ -64,6 +65,9 @@ class Invocation:
     steps_redone: int = 0
     saves: int = 0
     times: Times = field(default_factory=Times)
+    # Elastic runs: each node lost or joined, the world sizes, the step resumed from, the seconds from the
+    # change (a lost node named, a joining one seen) to the first step at the new size.
+    changes: list = field(default_factory=list)
 
 
 class RunSummary:
@@ -198,6 +202,10 @@ def summary_lines(now: Invocation, job: list[dict], job_path: str | None) -> lis
              f"  time lost: {lost or 'none'}"]
     if now.first_step is None:
         lines[-1] += " (no checkpointer.step() seen: the steps' time is not known)"
+    for change in now.changes:
+        took = f", {change['seconds']:.1f} s to the first step there" if change.get("seconds") else ""
+        before, after = change["world"]
+        lines.append(f"  {change['change']}: world size {before} -> {after}, resumed from step {change['step']}{took}")
     if len(job) > 1:
         total = _total(job)
         lines.append(f"  the whole job, {len(job)} runs: {total['wall']:.1f} s wall, goodput "

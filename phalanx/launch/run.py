@@ -29,6 +29,7 @@ from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ..errors import PhalanxError, explain
 from ..world.group import usable_cores
 from ..world.interface import set_for_world
+from ..world.membership import ElasticRendezvous
 from ..world.rendezvous import LOOPBACK, StaticRendezvous
 from ..world.slurm import launcher_nodes
 from ..world.stop import STOP_EXIT_CODE
@@ -37,6 +38,7 @@ from .allocator import preload_for_workers
 from .diagnosis import STALL_EXIT_CODE, RunDiagnosis
 from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
 from .goodput import RunSummary
+from .regroup import Regroup
 from .stop import (
     DEFAULT_GRACE_PERIOD,
     GraceExpired,
@@ -200,14 +202,9 @@ def _rendezvous_handler(args, config: LaunchConfig, node_rank: int):
         port = args.master_port if args.master_port is not None else (
             DEFAULT_MULTI_NODE_PORT if config.max_nodes > 1 else 0)
         return StaticRendezvous(addr, port, node_rank, config.max_nodes, config.run_id, timeout)
-    # An elastic range: torch's c10d rendezvous admits nodes as they come and go.
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
-    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
+    # An elastic range: the node that owns the master address hosts the store; torch's dynamic rendezvous on it.
     port = args.master_port if args.master_port is not None else DEFAULT_MULTI_NODE_PORT
-    return get_rendezvous_handler(RendezvousParameters(
-        backend="c10d", endpoint=f"{args.master_addr}:{port}", run_id=config.run_id,
-        min_nodes=config.min_nodes, max_nodes=config.max_nodes, timeout=int(args.rdzv_timeout)))
+    return ElasticRendezvous(args.master_addr, port, config.run_id, config.min_nodes, config.max_nodes, timeout)
 
 
 def _worker_command(args) -> tuple[str, tuple]:
@@ -267,13 +264,17 @@ def run(argv: list[str] | None = None) -> int:
             spec = WorkerSpec(role="worker", local_world_size=nproc, entrypoint=entrypoint, args=worker_args,
                               rdzv_handler=handler, max_restarts=args.max_restarts,
                               monitor_interval=args.monitor_interval)
+            elastic = isinstance(handler, ElasticRendezvous)
+            regroup = Regroup(handler, args.grace_period, summary.now.changes) if elastic else None
             agent = Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
                           log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis, stop=stop,
-                          summary=summary)
+                          summary=summary, regroup=regroup)
             _quiet_torch_elastic()  # now that every torch module in use has made its logger
             result = agent.run()
             ended = _conclude(agent, result, diagnosis, stop, args.max_restarts)
         except (PhalanxError, RendezvousError) as exc:
+            if agent is not None:  # an elastic group that lost its store: the attempt ends here
+                agent.end_attempt("failed")
             ended = _Ended(1, "failed", [f"{type(exc).__name__}: {exc}"])
         except SignalException as exc:
             ended = _stopped_by_signal(agent, exc, diagnosis, stop)

@@ -49,7 +49,8 @@ def _answer_stack_signal() -> None:
     directory, rank = os.environ.get("PHALANX_RUN_DIR"), os.environ.get("RANK")
     if not directory or rank is None:
         return
-    attempt = os.path.join(directory, f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    number = os.environ.get("PHALANX_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = os.path.join(directory, f"attempt-{number}")
     try:
         os.makedirs(attempt, mode=0o700, exist_ok=True)
         handle = open(os.path.join(attempt, f"rank-{rank}.stack"), "a")

@@ -149,7 +149,9 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     connect_timeout = (timedelta(seconds=_seconds(connect_timeout)) if connect_timeout is not None
                        else _env_seconds("PHALANX_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT))
     chosen = _choose_device(spec, device)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # Keys private to this worker group in the launcher's store: the restart count, or under `--nnodes MIN:MAX`
+    # the rendezvous round (the nodes' restart counts differ there, and a regrouping is no restart).
+    attempt = os.environ.get("PHALANX_STORE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if os.environ.get("PHALANX_RUN_DIR"):  # under `phalanx run`: what the stop report and run summary read
         progress.start(recorder.run_directory(), spec.rank)
     _start_diagnosis(spec)

@@ -91,6 +91,12 @@ def _resolve(host: str) -> str | None:
     return found[0][4][0] if found else None
 
 
+def address_toward(master_addr: str) -> str | None:
+    """This host's address on the route to `master_addr` (what the other hosts can reach it by), or None."""
+    master_ip = _resolve(master_addr)
+    return _source_address(master_ip) if master_ip is not None else None
+
+
 def _source_address(master_ip: str) -> str | None:
     """The local address the kernel would send from to reach `master_ip` (no packet leaves)."""
     family = socket.AF_INET6 if ":" in master_ip else socket.AF_INET

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -63,20 +64,67 @@ def host_store(addr: str, port: int, world_size: int, *, rank: int | None = 0, t
 
 def join_store(addr: str, port: int, world_size: int, *, rank: int | None, connect_timeout: timedelta,
                timeout=timedelta(minutes=10), timeout_setting: str = "the connect timeout") -> dist.TCPStore:
-    """Connect to the TCPStore at addr:port; MasterUnreachableError after `connect_timeout`."""
+    """Connect to the TCPStore at addr:port; MasterUnreachableError after `connect_timeout`.
+
+    The port is dialled from Python until it answers, and only then handed to torch's client: torch's C++
+    client logs every failed try and, when it gives up, its own C++ stack trace."""
     where = f"{addr}:{port}"
+    deadline = time.monotonic() + connect_timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                break
+        except OSError as exc:  # refused (nobody listens yet), no route, timed out, unknown name
+            if time.monotonic() >= deadline:
+                raise MasterUnreachableError(explain(
+                    f"could not reach the rendezvous master at {where}", rank=rank,
+                    seen=f"no answer within {connect_timeout.total_seconds():.0f}s (last try: {exc})",
+                    expected=f"rank 0 (or node 0's `phalanx run`) listening on {where}",
+                    fix="Check the master address and port, that rank 0 / node 0 started, and that the port is open "
+                        f"between the hosts ({timeout_setting} sets how long to wait).")) from None
+            time.sleep(max(0.0, min(0.2, deadline - time.monotonic())))
     try:
-        store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=connect_timeout)
+        store = dist.TCPStore(addr, port, world_size, is_master=False,
+                              timeout=timedelta(seconds=max(5.0, deadline - time.monotonic())))
     except Exception as exc:  # torch raises DistNetworkError, DistStoreError or RuntimeError
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise MasterUnreachableError(explain(
-            f"could not reach the rendezvous master at {where}", rank=rank,
-            seen=f"no answer within {connect_timeout.total_seconds():.0f}s ({first_line})",
-            expected=f"rank 0 (or node 0's `phalanx run`) listening on {where}",
-            fix="Check the master address and port, that rank 0 / node 0 started, and that the port is open "
-                f"between the hosts ({timeout_setting} sets how long to wait).")) from None
+            f"could not connect to the rendezvous master at {where}", rank=rank, seen=first_line,
+            expected=f"rank 0 (or node 0's `phalanx run`) serving a store on {where}",
+            fix="Check that the port belongs to this run's master and not to another program.")) from None
     store.set_timeout(timeout)
     return store
+
+
+def owns_address(addr: str) -> bool:
+    """Whether this host has `addr` (it can bind a socket there): the elastic nodes' test for who hosts the store."""
+    try:
+        infos = socket.getaddrinfo(addr, 0, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, sockaddr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(sockaddr)
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def host_or_join(addr: str, port: int, *, timeout: timedelta, timeout_setting: str) -> tuple[dist.TCPStore, bool]:
+    """(store, hosting): the node that owns `addr` hosts the store on `port` (every interface), any other dials
+    it and waits up to `timeout` for it (MasterUnreachableError then). Decided by the address, not the host name:
+    in containers and network namespaces the host name says nothing about which node is the master."""
+    if owns_address(addr):
+        try:
+            return host_store(addr, port, 1, rank=None, timeout=timeout, all_interfaces=True), True
+        except PortInUseError:
+            if not addr.startswith("127."):
+                raise
+            # Several nodes on one machine, all on loopback: the first hosts, the others dial it.
+    return join_store(addr, port, 1, rank=None, connect_timeout=timeout, timeout=timeout,
+                      timeout_setting=timeout_setting), False
 
 
 class StaticRendezvous(RendezvousHandler):

@@ -2,8 +2,9 @@
 torch's DDP class and then with phalanx's in its place (phalanx.patch_torch_ddp()): torch's run first in
 each test, so that a failure of the launch shows there and a failure of phalanx's class shows alone.
 
-Launch: torchrun with ACCELERATE_USE_CPU=1, which is what `accelerate launch --cpu` sets (without it
-Accelerate sees no distributed CPU run and builds no DDP model). The scripts run unmodified
+Launch: torchrun with ACCELERATE_USE_CPU=1 (the variable `accelerate launch --cpu` sets; that command itself
+starts one process on one host, or goes through mpirun). Without the variable, Accelerate under torchrun on
+a machine without GPUs sees no distributed run and builds no DDP model at all. The scripts run unmodified
 (tests/e2e/jobs/with_ddp_class.py); test_ddp_comm_hook.py passes `device_ids=[local rank]` to its
 reference model, which both classes refuse on the CPU, so there the class bound to torch's name takes
 them as None (a shim applied to both classes). Marked `trainers`: needs the trainers extra.

@@ -2,7 +2,8 @@
 
 Each test starts the real script in a subprocess (under `phalanx run --nproc-per-node 2` when it is a
 DDP job; world size 2, CPU only so the test means the same on every machine) and checks what users
-would look at: the accuracy it prints, the loss against the unigram entropy, the files it writes.
+would look at: the accuracy it prints, the loss against the unigram entropy, the files it writes. The
+examples/trainers/ ones (Accelerate, Lightning) are marked `trainers`: they need the trainers extra.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from phalanx.testing import free_port
 from tests.conftest import ROOT, run_command
+from tests.helpers.trainers import require
 
 EXAMPLES = ROOT / "examples"
 PHALANX = [sys.executable, "-c", "import sys; from phalanx.cli import main; sys.exit(main())"]
@@ -176,3 +179,36 @@ def test_slurm_template_runs_under_a_stand_in_srun(tmp_path):
                   cwd=tmp_path, env=slurm_env)
     assert "on 2 process(es)" in output
     _accuracy(output)  # printed once, by rank 0
+
+
+def _held_out(output: str) -> tuple[float, float]:
+    found = re.findall(r"held-out mse: (\d+\.\d+) \(predicting the mean: (\d+\.\d+)\)", output)
+    assert len(found) == 1, f"expected one 'held-out mse' line (rank 0 only); output:\n{output}"
+    return float(found[0][0]), float(found[0][1])
+
+
+@pytest.mark.trainers
+def test_accelerate_example_trains_phalanx_ddp_through_accelerate(tmp_path):
+    """World size 2 under `phalanx run` (ACCELERATE_USE_CPU=1): Accelerate built phalanx's class, the replicas
+    agree, the held-out error is well below predicting the mean, and save_state wrote every rank's state."""
+    require("accelerate")
+    output = _run([*PHALANX, "run", "--nproc-per-node", "2", EXAMPLES / "trainers" / "accelerate_train.py",
+                   "--out", tmp_path / "state"], cwd=tmp_path, env={"ACCELERATE_USE_CPU": "1"})
+    assert "model class: phalanx.engine.ddp.DistributedDataParallel on 2 process(es)" in output, output
+    assert "replicas identical: True" in output
+    mse, mean = _held_out(output)
+    assert mse < 0.6 * mean, output
+    assert (tmp_path / "state" / "model.safetensors").exists() and (tmp_path / "state" / "random_states_1.pkl").exists()
+
+
+@pytest.mark.trainers
+def test_lightning_example_trains_with_the_phalanx_ddp_strategy(tmp_path):
+    """World size 2, started by Lightning itself (`python lightning_train.py`): the Trainer wrapped the model in
+    phalanx's class, the held-out error is well below predicting the mean, and the checkpoint was written."""
+    require("lightning")
+    output = _run([sys.executable, EXAMPLES / "trainers" / "lightning_train.py", "--out", tmp_path / "runs"],
+                  cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert "model class: phalanx.engine.ddp.DistributedDataParallel on 2 process(es)" in output, output
+    mse, mean = _held_out(output)
+    assert mse < 0.6 * mean, output
+    assert list((tmp_path / "runs" / "checkpoints").glob("epoch=9-*.ckpt")), output

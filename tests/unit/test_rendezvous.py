@@ -7,7 +7,7 @@ import pytest
 
 from phalanx.errors import MasterUnreachableError, PortInUseError
 from phalanx.testing import free_port
-from phalanx.world.rendezvous import LOOPBACK, host_store, join_store
+from phalanx.world.rendezvous import LOOPBACK, host_or_join, host_store, join_store, owns_address
 
 
 def listening_addresses(port: int) -> set:
@@ -53,3 +53,25 @@ def test_nobody_listening_is_master_unreachable_naming_address_and_port():
     port = free_port()
     with pytest.raises(MasterUnreachableError, match=f"127.0.0.1:{port}"):
         join_store(LOOPBACK, port, 2, rank=3, connect_timeout=timedelta(seconds=1))
+
+
+def test_the_node_that_owns_the_master_address_hosts_the_store():
+    """An elastic node hosts when it can bind the master address; otherwise it dials (here: the port is taken by a
+    store already, as by a second node on one machine)."""
+    assert owns_address(LOOPBACK)
+    assert not owns_address("192.0.2.1")  # TEST-NET-1: bound nowhere (bind() sends no packet)
+    port = free_port()
+    first, hosting = host_or_join(LOOPBACK, port, timeout=timedelta(seconds=5), timeout_setting="--rdzv-timeout")
+    second, dialled = host_or_join(LOOPBACK, port, timeout=timedelta(seconds=5), timeout_setting="--rdzv-timeout")
+    assert (hosting, dialled) == (True, False)
+    first.set("key", "value")
+    assert second.get("key") == b"value"
+
+
+def test_a_master_nobody_serves_is_named_without_torchs_cpp_trace(capfd):
+    port = free_port()
+    with pytest.raises(MasterUnreachableError) as caught:
+        join_store(LOOPBACK, port, 2, rank=None, connect_timeout=timedelta(seconds=1),
+                   timeout_setting="--rdzv-timeout")
+    assert f"{LOOPBACK}:{port}" in str(caught.value) and "--rdzv-timeout" in str(caught.value)
+    assert "frame #" not in capfd.readouterr().err

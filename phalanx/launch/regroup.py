@@ -1,0 +1,136 @@
+"""Membership changes under `--nnodes MIN:MAX`: a node lost, a node joining, and what the user is told.
+
+A node is lost when it misses its heartbeats (world/membership.py): the survivors stop their workers and
+meet again at the smaller world; the workers resume from the newest checkpoint. A node waiting to join
+makes every node ask its workers for the agreed stop (the one a SIGTERM asks for: they agree on a step,
+save, exit 75), then the group meets again at the larger world: nothing is redone. Neither counts against
+--max-restarts. The launcher says who left or joined, the new world size, the step it resumes from and
+how long the change took; the run summary keeps the changes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from ..diagnose.recorder import pid_alive
+from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES, ElasticRendezvous
+
+POLL = 1.0  # seconds between looks at the rendezvous state (lost nodes, waiting ones)
+
+
+def _say(text: str) -> None:
+    print(f"phalanx run: {text}", file=sys.stderr, flush=True)
+
+
+class Regroup:
+    """The agent's view of an elastic group. `poll()` and `failed()` answer whether to regroup now."""
+
+    def __init__(self, rendezvous: ElasticRendezvous, grace_period: float, changes: list):
+        self.rendezvous, self.grace_period = rendezvous, grace_period
+        self.growing_since: float | None = None  # the workers were asked to save for a node that joins
+        self.changed_at: float | None = None  # a change began (node lost, growth asked): timed to the first step
+        self.change = ""  # "node 1 (10.0.0.2) left" ...
+        self.world_before = 0
+        self.world = 0
+        self.resume_reported = True
+        self.changes = changes  # the run summary's list
+        self._next_look = 0.0
+
+    # -- a new worker group -------------------------------------------------------------------------
+
+    def starting(self, worker_group) -> None:
+        """Before the workers of a new round start: keys of their own in the store; say who is in."""
+        os.environ["PHALANX_STORE_ATTEMPT"] = f"round-{self.rendezvous.round}"
+        spec = worker_group.spec
+        self.world_before, self.world = self.world, worker_group.group_world_size * spec.local_world_size
+        nodes = ", ".join(str(node) for node in self.rendezvous.current)
+        left, joined = self.rendezvous.changes()
+        me = f"this is node {worker_group.group_rank}"
+        if not self.rendezvous.previous:
+            _say(f"elastic group of {len(self.rendezvous.current)} node(s) ({nodes}): world size {self.world}; {me}.")
+            return
+        what = "; ".join([f"{node} left" for node in left] + [f"{node} joined" for node in joined]) or "regrouped"
+        _say(f"{what}: {len(self.rendezvous.current)} node(s) now ({nodes}), world size {self.world_before} -> "
+             f"{self.world}; {me}.")
+        self.change = what
+        self.resume_reported = False
+        self.growing_since = None
+
+    # -- while the workers run ----------------------------------------------------------------------
+
+    def poll(self, pids, records_of) -> str | None:
+        """'lost' (regroup now: a node is gone), 'grown' (the workers saved for a joining node and left), else
+        None. Asks the workers to stop when a node waits to join. `records_of()`: this node's progress records
+        (a worker already stopping, asked by another node's workers, makes it look at once)."""
+        records = records_of()
+        self._report_resume(records)
+        stopping = any(record.stop_step >= 0 for record in records.values())
+        if self.growing_since is not None:
+            alive = [pid for pid in pids if pid_alive(pid)]
+            if not alive or time.monotonic() > self.growing_since + self.grace_period:
+                return "grown"
+            return None
+        now = time.monotonic()
+        if now < self._next_look and not stopping:
+            return None
+        self._next_look = now + POLL
+        lost = self.rendezvous.lost()
+        if lost:
+            self._lost(lost)
+            return "lost"
+        waiting = self.rendezvous.waiting()
+        if waiting:
+            self.growing_since = self.changed_at = now
+            _say(f"{len(waiting)} node(s) waiting to join ({', '.join(waiting)}): asking the workers to save at a "
+                 f"step they agree on, then regrouping at the larger world.")
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        return None
+
+    def failed(self) -> bool:
+        """The workers failed: was it a node lost (True: regroup, not a failure)? Waits until a silent node's
+        heartbeats count as missed, so that a worker's own error is told apart from a peer node's death."""
+        if self.growing_since is not None:
+            return True  # asked to stop for the growth: a worker that did not listen died of the SIGTERM
+        deadline = time.monotonic() + KEEP_ALIVE_INTERVAL * (KEEP_ALIVE_MISSES + 1)
+        while True:
+            lost = self.rendezvous.lost()
+            if lost:
+                self._lost(lost)
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.25)
+
+    def _lost(self, lost) -> None:
+        self.changed_at = time.monotonic()
+        _say(f"{', '.join(str(node) for node in lost)} lost (no heartbeat for {KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES}"
+             f" s): stopping this node's workers to regroup without it (not counted against --max-restarts).")
+
+    def _report_resume(self, records: dict) -> None:
+        """Once the first step at the new world size is done: from which step, and how long the change took."""
+        if self.resume_reported:
+            return
+        first = records.get(min(records)) if records else None
+        if first is None or first.state == "exited":
+            return
+        restored = first.last("restored")
+        if first.last_step_at <= first.loop_start or first.step <= first.first_step:
+            return
+        self.resume_reported = True
+        resumed = restored["step"] if restored else first.first_step
+        seconds = first.last_step_at - self.changed_at if self.changed_at is not None else None
+        took = f"; {seconds:.1f} s from the change to the first step at world size {self.world}" if seconds else ""
+        plan = first.last("plan")
+        batches = f"; {plan['text']}" if plan and plan.get("text") else ""
+        _say(f"resumed from step {resumed} at world size {self.world}{batches}{took}.")
+        self.changes.append({"change": self.change, "world": [self.world_before, self.world], "step": resumed,
+                             "seconds": round(seconds, 3) if seconds else None})
+        self.changed_at = None
+

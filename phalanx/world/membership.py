@@ -1,0 +1,188 @@
+"""Elastic membership (`phalanx run --nnodes MIN:MAX`): torch's dynamic rendezvous on a store phalanx places.
+
+The node that owns the master address hosts the store (it can bind it; host names decide nothing), the
+others dial it; torch's DynamicRendezvousHandler keeps the rounds on it (C10dRendezvousBackend). Each
+launcher sends a heartbeat every KEEP_ALIVE_INTERVAL; a node silent for KEEP_ALIVE_MISSES of them is lost,
+and a round with MIN nodes closes LAST_CALL after the MIN-th arrived (at once with MAX). torch's errors
+(a C++ trace for a lost store) come out as typed ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+)
+
+from ..errors import RendezvousTimeoutError as PhalanxRendezvousTimeout
+from ..errors import StoreLostError, explain
+from .interface import address_toward
+from .rendezvous import host_or_join
+
+# Measured on 2 namespaces: a lost node is named ~4 s after its death, the smaller round closes 2 s later.
+KEEP_ALIVE_INTERVAL = 1  # seconds between a launcher's heartbeats (torch: 5)
+KEEP_ALIVE_MISSES = 4  # heartbeats missed before a node counts as lost (torch: 3, so 15 s)
+LAST_CALL = timedelta(seconds=2)  # wait for more nodes once MIN are in (torch: 30 s)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One launcher in a round: its node rank there and the address the others reach it by."""
+
+    rank: int
+    addr: str
+    pid: int
+
+    def __str__(self) -> str:
+        return f"node {self.rank} ({self.addr})"
+
+
+class _Handler(DynamicRendezvousHandler):
+    """torch's handler, minus its second TCPStore server: the workers use the store phalanx placed."""
+
+    def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
+        return self._store
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        # torch keeps the first round's store address and has rank 0 publish it in that round only: a node
+        # that joins a later round would wait for it forever. Every round publishes it again.
+        self._bootstrap_store_info = None
+        return super().next_rendezvous()
+
+
+class ElasticRendezvous(RendezvousHandler):
+    """`--nnodes MIN:MAX`: rounds of torch's dynamic rendezvous; `nodes()`, `lost()` and `waiting()` for the agent.
+
+    torch's agent restarts the workers the moment a node waits to join; `num_nodes_waiting()` answers 0 to it,
+    and phalanx's agent asks `waiting()` itself, to let the workers save at an agreed step first.
+    """
+
+    def __init__(self, master_addr: str, master_port: int, run_id: str, min_nodes: int, max_nodes: int,
+                 timeout: timedelta):
+        self.master_addr, self.run_id, self.timeout = master_addr, run_id, timeout
+        self.store, self.hosting = host_or_join(master_addr, master_port, timeout=timeout,
+                                                timeout_setting="--rdzv-timeout")
+        self.master_port = self.store.port
+        self.round = -1
+        self.previous: list[Node] = []
+        self.current: list[Node] = []
+        try:
+            backend = C10dRendezvousBackend(self.store, run_id)
+            settings = RendezvousSettings(
+                run_id, min_nodes, max_nodes, RendezvousTimeout(join=timeout, last_call=LAST_CALL),
+                keep_alive_interval=timedelta(seconds=KEEP_ALIVE_INTERVAL), keep_alive_max_attempt=KEEP_ALIVE_MISSES)
+            # cache_duration=0: every look at the state reads the store (torch's handler serves a 1 s old copy,
+            # which hides a store that is gone).
+            self._inner = _Handler(_Handler._node_desc_generator.generate(address_toward(master_addr)), settings,
+                                   backend.name, self.store,
+                                   _BackendRendezvousStateHolder(backend, settings, cache_duration=0))
+        except Exception as exc:
+            raise self._lost(exc) from None
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+
+    @property
+    def where(self) -> str:
+        return f"{self.master_addr}:{self.master_port}"
+
+    def _lost(self, exc: BaseException) -> StoreLostError:
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        return StoreLostError(explain(
+            f"the rendezvous store at {self.where} (hosted by node 0's `phalanx run`, the node that owns "
+            f"--master-addr) is gone", seen=f"{type(exc).__name__}: {first_line}",
+            expected="the store's host alive for the whole run",
+            fix="The store lives in the launcher of the node that owns --master-addr: when that node is lost, the "
+                "run cannot regroup. Start the same command again on the nodes (the master's node first, or one "
+                "that owns the address now): the workers resume from the newest checkpoint."))
+
+    # -- what torch's agent calls --------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return "phalanx-elastic"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the workers dial the store at MASTER_ADDR:MASTER_PORT
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        try:
+            info = self._inner.next_rendezvous()
+        except RendezvousTimeoutError:
+            raise PhalanxRendezvousTimeout(explain(
+                f"the elastic rendezvous at {self.where} did not gather enough nodes",
+                seen=f"fewer than {self.min_nodes} node(s) within --rdzv-timeout {self.timeout.total_seconds():g} s",
+                expected=f"--nnodes {self.min_nodes}:{self.max_nodes}",
+                fix="Start `phalanx run` on more nodes, lower MIN, or raise --rdzv-timeout.")) from None
+        except Exception as exc:
+            raise self._lost(exc) from None
+        self.previous, self.current = self.current, self.nodes()
+        self.round = self._inner._state_holder.state.round
+        return RendezvousInfo(info.store, info.rank, info.world_size,
+                              RendezvousStoreInfo(self.master_addr, self.master_port))
+
+    def is_closed(self) -> bool:
+        try:
+            return self._inner.is_closed()
+        except Exception as exc:
+            raise self._lost(exc) from None
+
+    def set_closed(self) -> None:
+        try:
+            self._inner.set_closed()
+        except Exception as exc:
+            raise self._lost(exc) from None
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # to torch's agent; phalanx's asks waiting()
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        try:
+            return self._inner.shutdown()
+        except Exception:  # the store's host is gone: nothing left to close
+            return False
+
+    # -- what phalanx's agent asks --------------------------------------------------------------
+
+    def _state(self):
+        with self._inner._heartbeat_lock:
+            try:
+                self._inner._state_holder.sync()
+            except Exception as exc:
+                raise self._lost(exc) from None
+            return self._inner._state_holder.state
+
+    def nodes(self) -> list[Node]:
+        """The current round's nodes, by node rank."""
+        state = self._inner._state_holder.state
+        return sorted((Node(rank, desc.addr, desc.pid) for desc, rank in state.participants.items()),
+                      key=lambda node: node.rank)
+
+    def waiting(self) -> list[str]:
+        """Addresses of the nodes waiting to join the next round."""
+        return sorted(desc.addr for desc in self._state().wait_list)
+
+    def lost(self) -> list[Node]:
+        """This round's nodes that missed KEEP_ALIVE_MISSES heartbeats (or were dropped for it already)."""
+        state = self._state()
+        expired = datetime.now(timezone.utc) - timedelta(seconds=KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES)
+        alive = {(desc.addr, desc.pid) for desc, beat in state.last_heartbeats.items() if beat >= expired}
+        me = (self._inner._this_node.addr, self._inner._this_node.pid)
+        return [node for node in self.current if (node.addr, node.pid) not in alive and (node.addr, node.pid) != me]
+
+    def changes(self) -> tuple[list[Node], list[Node]]:
+        """(left, joined) between the previous round and this one."""
+        before = {(n.addr, n.pid) for n in self.previous}
+        now = {(n.addr, n.pid) for n in self.current}
+        return ([n for n in self.previous if (n.addr, n.pid) not in now],
+                [n for n in self.current if (n.addr, n.pid) not in before])
