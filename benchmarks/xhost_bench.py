@@ -52,9 +52,14 @@ def run_job(hosts: Hosts, nproc: int, worker_args: list[str], out: str, timeout:
                                           stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout
         outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
-    finally:
+    finally:  # a launcher stopped by SIGTERM stops its workers too; SIGKILL only if it does not end
         for p in procs:
             if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
     failed = [i for i, p in enumerate(procs) if p.returncode]
@@ -96,9 +101,11 @@ def report(result: dict, links: list, cal_source: dict | None, rate: str) -> dic
                 row["theory_mb"] = theory[variant] / 1e6
                 row["deviation"] = max(abs(t - theory[variant]) for t in tx + rx) / theory[variant]
                 line += f" {theory[variant] / 1e6:7.2f} {row['deviation'] * 100:6.2f}"
-            if variant in ("flat", "hier") and "buckets" in record and "compute" in medians:
-                buckets = [(b["bytes"], b["ready"]) for b in record["buckets"]]
-                predicted = predict_step(buckets, record["backward"], medians["compute"], n, local, cal, variant)
+            if variant in record.get("phases", {}):
+                phases = record["phases"][variant]
+                buckets = [(b["bytes"], b["ready"]) for b in phases["buckets"]]
+                compute = phases["fwd"] + phases["backward"] + phases["opt"]
+                predicted = predict_step(buckets, phases["backward"], compute, n, local, cal, variant)
                 row["predicted_ms"] = predicted * 1e3
                 row["prediction_error"] = predicted / median - 1
                 line += f" {predicted * 1e3:13.1f} {row['prediction_error'] * 100:6.1f}"

@@ -1,10 +1,11 @@
 """One rank of benchmarks/xhost_bench.py, started by `phalanx run` inside a host's network namespace.
 
 Times torch DDP, phalanx flat (PHALANX_XHOST=flat) and phalanx hierarchical (PHALANX_XHOST=hier) on the
-same models and batches, in interleaved blocks, plus compute-only (no DDP) for the backward's readiness
-times. Local rank 0 of every host reads its interface's byte counters around each block. Before the
-models, the cost model's microbenchmarks: the shared-memory all-reduce on this host's ranks and the
-network all-reduce of every local index at once, at a few sizes. Rank 0 writes one JSON file.
+same models and batches, in interleaved blocks, plus compute-only (no DDP); for the phalanx variants it
+records when each gradient is ready in backward (the cost model's input). Local rank 0 of every host
+reads its interface's byte counters around each block. Before the models, the cost model's
+microbenchmarks: the shared-memory all-reduce on this host's ranks and the network all-reduce of every
+local index at once, at a few sizes. Rank 0 writes one JSON file.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from phalanx.world import group as world
 from phalanx.world.topology import HostGroups, host_topology
 
 VARIANTS = ("torch", "flat", "hier", "compute")
-CALIBRATION_MB = (0.25, 1.0, 4.0, 8.0)
+CALIBRATION_MB = (0.25, 1.0, 4.0, 16.0)
 
 
 def counters(dev: str) -> dict:
@@ -36,14 +37,15 @@ def counters(dev: str) -> dict:
 
 
 def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() over `repeats`, every rank starting together."""
+    """Fastest seconds of fn() over `repeats` (the machine is shared: noise only adds), every rank starting
+    together; the slowest rank's."""
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    local = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    local = torch.tensor([min(times)], dtype=torch.float64)
     dist.all_reduce(local, op=dist.ReduceOp.MAX)
     return local.item()
 
@@ -57,7 +59,7 @@ def calibrate(groups: HostGroups) -> dict:
     for mb in CALIBRATION_MB:
         numel = int(mb * 2**20) // 4
         shared = comm.alloc(numel)
-        out["shm"].append((numel * 4, timed(lambda t=shared: comm.allreduce_(t, async_op=False), 5)))
+        out["shm"].append((numel * 4, timed(lambda t=shared: comm.allreduce_(t, async_op=False), 9)))
         piece = torch.ones(numel // local)
         out["network"].append((numel * 4, timed(lambda t=piece: dist.all_reduce(t, group=groups.network), 3)))
         comm.release(shared)
@@ -81,37 +83,52 @@ def build_variant(name: str, bench_model, bucket_cap_mb: float):
     return model, torch.optim.SGD(model.parameters(), lr=1e-3)
 
 
-def readiness(model, optimizer, bench_model, batches) -> list[float]:
-    """Seconds from the start of backward at which each parameter's gradient is ready (compute only)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    ready = [0.0] * len(params)
-    start = [0.0]
-    hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: ready.__setitem__(i, time.perf_counter() - start[0]))
-             for i, p in enumerate(params)]
-    samples = []
-    for batch in batches * 2:
-        optimizer.zero_grad(set_to_none=True)
-        inputs, target = batch
-        loss = bench_model.loss(model(inputs), target)
-        start[0] = time.perf_counter()
-        loss.backward()
-        samples.append(list(ready) + [time.perf_counter() - start[0]])
-    for hook in hooks:
-        hook.remove()
-    return [statistics.median(column) for column in zip(*samples)]  # per parameter, then the whole backward
+class Probe:
+    """When each gradient of a model is ready in backward (post-accumulate hooks), and how long the forward,
+    backward and optimizer step took, per timed step: what the cost model is fed."""
+
+    def __init__(self, model):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.ready = [0.0] * len(self.params)
+        self.start = 0.0
+        self.steps: list[dict] = []
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _, i=i: self._mark(i))
+
+    def _mark(self, i: int) -> None:
+        self.ready[i] = time.perf_counter() - self.start
+
+    def medians(self) -> dict:
+        ready = [statistics.median(column) for column in zip(*(step["ready"] for step in self.steps))]
+        return {"ready": ready, **{k: statistics.median(step[k] for step in self.steps) for k in ("fwd", "bwd", "opt")}}
 
 
-def run_block(model, optimizer, bench_model, batches, warmup: int, steps: int, dev: str, reader: bool):
+def timed_step(model, optimizer, batch, loss_fn, probe: Probe | None) -> float:
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    inputs, target = batch
+    loss = loss_fn(model(inputs), target)
+    backward = time.perf_counter()
+    if probe is not None:
+        probe.start = backward
+    loss.backward()
+    step = time.perf_counter()
+    optimizer.step()
+    end = time.perf_counter()
+    if probe is not None:
+        probe.steps.append({"ready": list(probe.ready), "fwd": backward - start, "bwd": step - backward,
+                            "opt": end - step})
+    return end - start
+
+
+def run_block(model, optimizer, bench_model, batches, warmup: int, steps: int, dev: str, reader: bool, probe=None):
     world.barrier(name="xhost-block")
     for i in range(warmup):
         train_step(model, optimizer, batches[i % len(batches)], bench_model.loss)
     world.barrier(name="xhost-timed")
     before = counters(dev) if reader else None
-    times = []
-    for i in range(steps):
-        start = time.perf_counter()
-        train_step(model, optimizer, batches[(warmup + i) % len(batches)], bench_model.loss)
-        times.append(time.perf_counter() - start)
+    times = [timed_step(model, optimizer, batches[(warmup + i) % len(batches)], bench_model.loss, probe)
+             for i in range(steps)]
     local = torch.tensor(times, dtype=torch.float64)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)  # after the timed steps: counted, but 8 bytes a step per rank
@@ -144,26 +161,29 @@ def main() -> None:
         bench_model = MODELS[name]
         batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
         built = {variant: build_variant(variant, bench_model, args.bucket_cap_mb) for variant in variants}
+        probes = {v: Probe(built[v][0]) for v in variants if v in ("flat", "hier")}
         record = {"times": {v: [] for v in variants}, "traffic": {v: [] for v in variants},
                   "grad_bytes": sum(p.numel() * p.element_size() for p in built[variants[0]][0].parameters())}
         for block in range(args.blocks):
             for variant in variants[block % len(variants):] + variants[:block % len(variants)]:
                 model, optimizer = built[variant]
                 times, traffic = run_block(model, optimizer, bench_model, batches, args.warmup, args.steps, args.dev,
-                                           reader)
+                                           reader, probes.get(variant))
                 record["times"][variant] += times
                 gathered = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, traffic)
                 record["traffic"][variant].append([t for t in gathered if t is not None])
-        if "hier" in built and "compute" in built:
-            hier, _ = built["hier"]
-            plain, optimizer = built["compute"]
-            ready = readiness(plain, optimizer, bench_model, batches)
-            # The same architecture: parameter k of the hierarchical model is parameter k of the plain one.
-            position = {id(p): k for k, p in enumerate(p for p in hier.parameters() if p.requires_grad)}
-            record["buckets"] = [{"bytes": 4 * (b.numel + 1), "ready": max(ready[position[id(p)]] for p in b.params)}
-                                 for b in hier._reducer.buckets]
-            record["backward"] = ready[-1]
+        # The cost model's inputs, per phalanx variant, from this run (rank 0): its buckets, when each was
+        # ready in backward, and the forward, backward compute and optimizer times around them.
+        record["phases"] = {}
+        for variant, probe in probes.items():
+            model = built[variant][0]
+            medians = probe.medians()
+            position = {id(p): k for k, p in enumerate(probe.params)}
+            buckets = [{"bytes": 4 * (b.numel + 1), "ready": max(medians["ready"][position[id(p)]] for p in b.params)}
+                       for b in model._reducer.buckets]
+            record["phases"][variant] = {"buckets": buckets, "backward": max(medians["ready"]),
+                                         "fwd": medians["fwd"], "bwd": medians["bwd"], "opt": medians["opt"]}
         result["models"][name] = record
         del built
     if rank == 0:

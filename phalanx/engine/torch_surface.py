@@ -93,11 +93,26 @@ class ReducerView:
                              "register_comm_hook); report the library that calls it.")
 
 
+class NoReducer:
+    """`model.reducer` of the FSDP2 level (shard="parameters"): every use raises the error it holds."""
+
+    def __init__(self, error: TorchInternalError):
+        self._error = error
+
+    def __getattr__(self, name: str):
+        raise self._error
+
+
 class TorchSurfaceMixin:
     """torch DDP's surface beyond forward, no_sync, join and comm hooks (mixed into DistributedDataParallel)."""
 
     @property
-    def reducer(self) -> ReducerView:
+    def reducer(self) -> ReducerView | NoReducer:
+        if self.shard == "parameters":  # raised on use: an AttributeError raised here would be nn.Module's own
+            return NoReducer(torch_internal("DistributedDataParallel.reducer", "with shard='parameters' torch's "
+                                            "FSDP2 synchronizes the gradients, and it has no reducer",
+                                            "Use no_sync() for accumulation, or shard='none' / 'optimizer' / "
+                                            "'gradients'."))
         return ReducerView(self)
 
     def _arm_backward(self) -> None:

@@ -29,14 +29,18 @@ def host_key(environ: Mapping[str, str] | None = None) -> str:
     'node3'
     >>> host_key({"RANK": "5", "LOCAL_RANK": "1"})   # set by hand: ranks are dealt node by node
     'first-rank4'
+    >>> host_key({"RANK": "5", "WORLD_SIZE": "6"})   # no LOCAL_RANK: one node, as discovery reads it
+    'first-rank0'
     """
     env = os.environ if environ is None else environ
     if "GROUP_RANK" in env and ("RANK" in env or "WORLD_SIZE" in env):
         return f"node{int(env['GROUP_RANK'])}"
     if "SLURM_NODEID" in env and ("SLURM_PROCID" in env and "RANK" not in env):
         return f"node{int(env['SLURM_NODEID'])}"
-    if "RANK" in env:
-        return f"first-rank{int(env['RANK']) - int(env.get('LOCAL_RANK', 0))}"
+    if "RANK" in env:  # LOCAL_RANK as discovery.py reads it: by default rank % LOCAL_WORLD_SIZE (WORLD_SIZE)
+        rank = int(env["RANK"])
+        local = int(env.get("LOCAL_RANK", rank % int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))))
+        return f"first-rank{rank - local}"
     return "node0"
 
 

@@ -1,8 +1,9 @@
 """Lightning's Fabric and Trainer with strategy="phalanx_ddp" (phalanx/integrations/lightning.py) against the
 same runs with strategy="ddp" (torch's class), on 2 CPU ranks under torchrun (tests/e2e/jobs/lightning_job.py):
 gradient accumulation (its first micro-batch under no_sync), a checkpoint at the half and a fresh model
-resumed from it, and for the Trainer a manual-optimization run. The ddp run comes first in each test, so a
-failure of the launch or of Lightning shows there. Marked `trainers`: needs the trainers extra.
+resumed from it, and for the Trainer a manual-optimization run and a run with a comm hook. The ddp run
+comes first in each test, so a failure of the launch or of Lightning shows there. Marked `trainers`: needs
+the trainers extra.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def test_phalanx_strategy_ends_where_ddp_ends(api, tmp_path):
     assert ours["apart"] > 0 and ours["equal"] > 0 and ours["apart"] + ours["equal"] >= STEPS * ACCUMULATE
     if api == "trainer":  # manual_backward synchronizes every backward
         assert (ours["manual_apart"], ours["manual_equal"]) == (0, STEPS)
+        # ddp_comm_hook: Lightning's DDPStrategy registers it on GPUs only, phalanx_ddp on the CPU too; the fp16
+        # round trip of the averaged gradients stays within half precision of the unhooked ddp run.
+        calls = (torch_ddp["hook_calls"], ours["hook_calls"])
+        assert calls[0] == 0 and calls[1] >= STEPS, calls
+        torch.testing.assert_close(ours["fp16_hook"], torch_ddp["fp16_hook"], rtol=1e-2, atol=2e-3)
+        assert not torch.equal(ours["fp16_hook"], torch_ddp["fp16_hook"])  # the hook did round the gradients
 
     _same_checkpoints(api, tmp_path)
 

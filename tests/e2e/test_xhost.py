@@ -73,6 +73,17 @@ class TestTwoHostsTwoRanks:
         assert len({r["digest"] for r in results.values()}) == 1
         assert max(r["max_diff"] for r in results.values()) < 1e-5
 
+    def test_uneven_inputs_under_join(self, two_hosts):  # noqa: F811
+        """World size 4: rank 3 has one batch fewer; under join() the hierarchical exchange shadows its
+        collectives, and the result still equals torch DDP's under join(), bitwise equal on every rank."""
+        nodes, outputs = _run(two_hosts, (2, 2), "--uneven")
+        for node, (_, stderr) in zip(nodes, outputs):
+            assert node.returncode == 0, stderr
+        results = _results(outputs)
+        assert {r["exchange"] for r in results.values()} == {"HierarchicalExchange"}
+        assert len({r["digest"] for r in results.values()}) == 1
+        assert max(r["max_diff"] for r in results.values()) < 1e-5
+
     def test_flat_when_forced(self, two_hosts):  # noqa: F811
         """World size 4: PHALANX_XHOST=flat gives the process group's all-reduce, still equal to torch DDP."""
         nodes, outputs = _run(two_hosts, (2, 2), env={"PHALANX_XHOST": "flat"})

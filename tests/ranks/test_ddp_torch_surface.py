@@ -85,10 +85,12 @@ def _surface(rank: int) -> dict:
                                                        "total_parameter_size_bytes", "broadcast_buffers")}
         out[f"buffers/{name}"] = ddp.will_sync_module_buffers()
     ddp = phalanx.DistributedDataParallel(_net())
+    fsdp2 = phalanx.DistributedDataParallel(nn.Sequential(nn.Linear(6, 16), nn.Linear(16, 3)), shard="parameters")
     refused = {}
     for label, call in (("reducer._ddp_graph_static", lambda: ddp.reducer._ddp_graph_static()),
                         ("_register_fused_optim", lambda: ddp._register_fused_optim(torch.optim.SGD, lr=0.1)),
-                        ("_set_ddp_runtime_logging_sample_rate", lambda: ddp._set_ddp_runtime_logging_sample_rate(5))):
+                        ("_set_ddp_runtime_logging_sample_rate", lambda: ddp._set_ddp_runtime_logging_sample_rate(5)),
+                        ("DistributedDataParallel.reducer", lambda: fsdp2.reducer.prepare_for_backward([]))):
         try:
             call()
         except TorchInternalError as error:
@@ -144,10 +146,11 @@ def test_static_graph_logging_data_and_buffers_match_torch(results):
 
 
 def test_torch_internals_raise_a_typed_error_naming_them(results):
-    """World size 2: a torch internal raises TorchInternalError naming it and the rank; hasattr sees it absent."""
+    """World size 2: a torch internal raises TorchInternalError naming it and the rank (`.reducer` of the FSDP2
+    level too: FSDP2 has none); hasattr sees it absent."""
     refused = results[0]["refused"]
     assert set(refused) == {"reducer._ddp_graph_static", "_register_fused_optim",
-                            "_set_ddp_runtime_logging_sample_rate"}
+                            "_set_ddp_runtime_logging_sample_rate", "DistributedDataParallel.reducer"}
     for name, message in refused.items():
         assert name in message and "[rank 0]" in message and "torch DDP internal" in message
     assert results[0]["hasattr"] is False

@@ -222,3 +222,16 @@ class TestRecorder:
             recorder.stop(remove=True)
         assert not os.path.exists(tmp_path / "rank-0.ring") and recorder.begin(recorder.BUCKET) == -1
 
+
+
+def test_the_phases_of_an_exchange_across_hosts_are_named():
+    """A rank waiting in the hierarchical exchange is recorded in its host or network phase, and said so."""
+    from phalanx.diagnose.record import Entry
+
+    def entry(kind):
+        return Entry(seq=7, kind=kind, bucket=2, numel=1000, dtype="float32", state="started", entered_ns=1,
+                     started_ns=1, done_ns=0, site="train.py:10", step=3)
+
+    assert entry("network-phase").describe() == ("#7 network phase (Gloo between hosts) of the gradient exchange "
+                                                 "of bucket 2 (1,000 x float32)")
+    assert entry("host-phase").describe().startswith("#7 host phase (shared memory between this host's ranks)")

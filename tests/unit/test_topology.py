@@ -13,6 +13,7 @@ def test_host_is_the_launchers_node_not_the_machine_name():
     assert host_key({"GROUP_RANK": "1", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}) == "node1"
     assert host_key({"SLURM_NODEID": "2", "SLURM_PROCID": "5", "SLURM_STEP_ID": "0"}) == "node2"
     assert host_key({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "6"}) == "first-rank4"
+    assert host_key({"RANK": "5", "WORLD_SIZE": "6"}) == "first-rank0"  # LOCAL_RANK defaults as in discovery
     assert host_key({}) == "node0"
 
 

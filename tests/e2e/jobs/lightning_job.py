@@ -3,7 +3,8 @@
 The same small regression, trained with gradient accumulation (2 micro-batches per step, the first under
 no_sync), checkpointed after the first half and resumed from that checkpoint in a fresh model. Rank 0
 writes OUT_DIR/STRATEGY.pt: the parameters of the uninterrupted run and of the resumed one (the trainer
-also those of a manual-optimization run), and how many backwards left the ranks' gradients apart
+also those of a manual-optimization run, and of a run with torch's fp16 comm hook passed as
+`ddp_comm_hook`, with the hook's call count), and how many backwards left the ranks' gradients apart
 (under no_sync) or equal (synchronized).
 """
 
@@ -13,10 +14,13 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 import phalanx.integrations.lightning  # noqa: F401 -- registers strategy="phalanx_ddp"
+from phalanx.integrations.lightning import PhalanxDDPStrategy
 
 HALF, STEPS, ACCUMULATE, BATCH = 4, 8, 2, 4  # optimizer steps; 64 samples = 4 steps per epoch on 2 ranks
 
@@ -110,7 +114,16 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-def trainer(strategy: str, manual: bool = False, callbacks=()) -> L.Trainer:
+HOOK_CALLS = []
+
+
+def counted_fp16_hook(state, bucket):
+    """torch's fp16 compression hook, counted: Lightning's DDPStrategy registers it on GPUs only."""
+    HOOK_CALLS.append(bucket.index())
+    return default_hooks.fp16_compress_hook(state, bucket)
+
+
+def trainer(strategy, manual: bool = False, callbacks=()) -> L.Trainer:
     return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False,
                      accumulate_grad_batches=1 if manual else ACCUMULATE, callbacks=list(callbacks),
                      enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False)
@@ -127,7 +140,11 @@ def trainer_run(strategy: str, out: Path) -> dict:
     trainer(strategy).fit(resumed, loader, ckpt_path=out / f"trainer-{strategy}.ckpt")  # saved at step HALF
     manual = Regression(manual=True)
     trainer(strategy, manual=True).fit(manual, loader)
+    hooked = Regression()
+    with_hook = {"ddp": DDPStrategy, "phalanx_ddp": PhalanxDDPStrategy}[strategy](ddp_comm_hook=counted_fp16_hook)
+    trainer(with_hook).fit(hooked, loader)
     return {"uninterrupted": flat(whole.net), "resumed": flat(resumed.net), "manual": flat(manual.net),
+            "fp16_hook": flat(hooked.net), "hook_calls": len(HOOK_CALLS),
             "manual_equal": manual.counts["equal"], "manual_apart": manual.counts["apart"], "wrapper": whole.wrapper,
             **whole.counts}
 

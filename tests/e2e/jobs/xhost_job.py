@@ -4,10 +4,12 @@ Every rank trains the same model with phalanx DDP and with torch DDP on the same
 prints one JSON line: the exchange phalanx chose, its parameters' digest (bitwise equality across
 ranks), the largest difference to torch DDP's, and the shared-memory segments this process maps
 (from /proc/self/maps). `--kill-rank R` makes rank R kill itself (SIGKILL) at step 2; `--shard L` shards
-phalanx DDP at level L ("optimizer", "gradients").
+phalanx DDP at level L ("optimizer", "gradients"); `--uneven` gives the last rank one batch fewer, under
+join() in both DDPs.
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +39,7 @@ def main():
     parser.add_argument("--kill-rank", type=int, default=None)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--shard", default="none")
+    parser.add_argument("--uneven", action="store_true", help="the last rank has one batch fewer: join()")
     args = parser.parse_args()
     torch.set_num_threads(1)
     phalanx.init()
@@ -46,16 +49,18 @@ def main():
     opts = [ours.shard_optimizer(torch.optim.SGD(ours.parameters(), lr=0.1)),
             torch.optim.SGD(theirs.parameters(), lr=0.1)]
     segments = mapped_segments()
-    for step in range(args.steps):
-        if step == 2 and rank == args.kill_rank:
-            print(json.dumps({"rank": rank, "killing": os.getpid()}), flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        generator = torch.Generator().manual_seed(1000 * step + rank)
-        x, y = torch.randn(16, 32, generator=generator), torch.randn(16, 8, generator=generator)
-        for model, opt in zip((ours, theirs), opts):
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
+    steps = args.steps - (1 if args.uneven and rank == dist.get_world_size() - 1 else 0)
+    for model, opt in zip((ours, theirs), opts):
+        with model.join() if args.uneven else contextlib.nullcontext():
+            for step in range(steps):
+                if step == 2 and rank == args.kill_rank:
+                    print(json.dumps({"rank": rank, "killing": os.getpid()}), flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                generator = torch.Generator().manual_seed(1000 * step + rank)
+                x, y = torch.randn(16, 32, generator=generator), torch.randn(16, 8, generator=generator)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
     reference = torch.cat([p.detach().reshape(-1) for p in theirs.parameters()])
     print(json.dumps({"rank": rank, "exchange": type(ours._reducer.exchange).__name__,
