@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", default="1", metavar="N|auto",
         help="workers on this node; auto = one per GPU, else one per CPU core (at most 8). Default 1")
     add("--nnodes", default=None, metavar="N|MIN:MAX",
-        help="number of nodes, or an elastic range MIN:MAX. Default 1, or the srun step's node count")
+        help="number of nodes, or an elastic range MIN:MAX (nodes may leave and join; the same command on each, "
+             "no --node-rank). Default 1, or the srun step's node count")
     add("--node-rank", "--node_rank", dest="node_rank", type=int, default=None, metavar="R",
         help="this node's index in 0..nnodes-1 (fixed --nnodes only). Default 0, or SLURM_NODEID under srun")
     add("--master-addr", "--master_addr", dest="master_addr", default=None, metavar="A",
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"port of the rendezvous store on node 0. Default: a free port (one node), "
              f"{DEFAULT_MULTI_NODE_PORT} (several nodes), one per SLURM_JOB_ID under srun")
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0, metavar="K",
-        help="restart the whole worker group up to K times when a worker fails. Default 0")
+        help="restart the whole worker group up to K times when a worker fails (a node lost or joining under "
+             "--nnodes MIN:MAX is not a failure). Default 0")
     add("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="D",
         help="also keep each worker's stdout/stderr/error.json under D/<run>/attempt_<n>/<local rank>/")
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=0.1, metavar="S",

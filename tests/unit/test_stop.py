@@ -217,3 +217,15 @@ class TestRunSummary:
         assert job["total"]["invocations"] == 2 and 0 < job["total"]["goodput"] <= 1
         assert (tmp_path / "logs" / "run-summary.json").exists()
         assert "the whole job, 2 runs" in capsys.readouterr().err
+
+
+def test_the_run_summary_lists_each_node_lost_or_joined():
+    """An elastic run's summary: one line per membership change, with the world sizes, the step and the time."""
+    from phalanx.launch.goodput import Invocation, summary_lines
+
+    now = Invocation(outcome="finished", attempts=3, first_step=0, last_step=36, changes=[
+        {"change": "node 1 (10.0.0.2) left", "world": [2, 1], "step": 6, "seconds": 5.04},
+        {"change": "node 1 (10.0.0.2) joined", "world": [1, 2], "step": 16, "seconds": None}])
+    lines = summary_lines(now, [{}], None)
+    assert "  node 1 (10.0.0.2) left: world size 2 -> 1, resumed from step 6, 5.0 s to the first step there" in lines
+    assert "  node 1 (10.0.0.2) joined: world size 1 -> 2, resumed from step 16" in lines
