@@ -45,8 +45,11 @@ def start(host: dict | None, master: str, port: int, run_dir: Path, *job_args, n
     command = [*where, sys.executable, "-m", "phalanx", "run", "--nnodes", nnodes, *rank, "--nproc-per-node",
                str(nproc), "--master-addr", master, "--master-port", str(port), *flags, str(JOB), str(run_dir),
                *job_args]
-    return subprocess.Popen(command, env={**job_env(), **(env or {})}, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    # The launchers' temporary folders under the test's: a SIGKILLed launcher cannot remove its own.
+    temp = run_dir.parent / "tmp"
+    temp.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(command, env={**job_env(), "TMPDIR": str(temp), **(env or {})}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def fixed_run(hosts, run_dir: Path, port: int, nproc: int = 1, env=None) -> list[str]:
