@@ -51,7 +51,9 @@ def make_hosts(tag: str) -> list[dict]:
 
 def start(host, master, port, run_dir, args, nnodes="1:2", node_rank=None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
+    temp = Path(run_dir) / "tmp"  # a SIGKILLed launcher's temporary folders go with the run's
+    temp.mkdir(parents=True, exist_ok=True)
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT), TMPDIR=str(temp))
     rank = ("--node-rank", str(node_rank)) if node_rank is not None else ()
     command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", nnodes, *rank,
                "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port), "--rdzv-timeout", "60",

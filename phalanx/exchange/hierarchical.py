@@ -157,6 +157,8 @@ class HierarchicalExchange(AllReduceExchange):
             with self.timer("wait", bucket.index):
                 self.guard.wait_work(work, f"the network phase of {what}")
             recorder.done(entry)
+        # Posting again rewrites this rank's stamp: a peer still in its reduce-scatter checks it there.
+        self.comm.claim(bucket.storage)
         ticket = self.comm.post(span)
         entry = recorder.begin(recorder.HOST_PHASE, bucket.index, span.numel(), span.dtype)
         with self.timer("copy_out", bucket.index):
