@@ -1,12 +1,12 @@
 """One rank of benchmarks/xhost_bench.py, started by `phalanx run` inside a host's network namespace.
 
-Times torch DDP, phalanx flat (PHALANX_XHOST=flat) and phalanx hierarchical (PHALANX_XHOST=hier) on the
-same models and batches, in interleaved blocks, plus compute-only (no DDP); for the phalanx variants it
-records when each gradient is ready in backward (the cost model's input). Local rank 0 of every host
-reads its interface's byte counters around each block. Before the models, the cost model's
-microbenchmarks: the shared-memory all-reduce on this host's ranks and the network all-reduce of every
-local index at once, at a few sizes. Rank 0 writes one JSON file.
-"""
+Times torch DDP, phalanx flat (PHALANX_XHOST=flat), phalanx hierarchical (PHALANX_XHOST=hier) and, when
+asked for, `auto` (unset: each bucket's path by its size) on the same models and batches, in interleaved
+blocks, plus compute-only (no DDP); for flat and hier it records when each gradient is ready in backward
+(the cost model's input). Local rank 0 of every host reads its interface's byte counters around each
+block. Before the models, the cost model's microbenchmarks: the shared-memory all-reduce on this host's
+ranks and the network all-reduce of every local index at once, at a few sizes. Rank 0 writes one JSON
+file."""
 
 from __future__ import annotations
 
@@ -72,11 +72,12 @@ def build_variant(name: str, bench_model, bucket_cap_mb: float):
     module = bench_model.build()
     if name == "torch":
         model = TorchDDP(module, bucket_cap_mb=bucket_cap_mb)
-    elif name in ("flat", "hier"):
-        os.environ["PHALANX_XHOST"] = name  # read when the model picks its exchange, alike on every rank
+    elif name in ("flat", "hier", "auto"):
+        if name != "auto":  # auto: unset, each bucket flat or in two levels by its size
+            os.environ["PHALANX_XHOST"] = name  # read when the model picks its exchange, alike on every rank
         model = phalanx.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
-        os.environ.pop("PHALANX_XHOST")
-        expected = "HierarchicalExchange" if name == "hier" else "AllReduceExchange"
+        os.environ.pop("PHALANX_XHOST", None)
+        expected = "AllReduceExchange" if name == "flat" else "HierarchicalExchange"
         assert type(model._reducer.exchange).__name__ == expected, type(model._reducer.exchange)
     else:
         model = module

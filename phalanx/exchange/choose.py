@@ -98,4 +98,5 @@ def _hierarchical(hosts, group, guard: StepGuard, owner: object, shard: str) -> 
     weakref.finalize(owner, comm.close)
     if shard != "none":
         return HierShardedExchange(comm, groups.network, group, guard, shard, hosts.topology.hosts)
-    return HierarchicalExchange(comm, groups.network, group, guard)
+    # PHALANX_XHOST=hier: every bucket in two levels; unset: each bucket by its size (hierarchical.two_level).
+    return HierarchicalExchange(comm, groups.network, group, guard, per_bucket=hosts.topology.xhost != "hier")

@@ -11,10 +11,17 @@ Each host's link carries 2(N-1)/N * S per step where a flat ring over all N*L ra
 2(NL-1)/NL * S. Buckets pipeline: bucket b's network phase runs while autograd computes bucket b+1
 and it is reduce-scattered. Every rank gets the same bits (same sums, same order; Gloo's ring
 copies each reduced chunk). The recorder names the phase a rank waits in (host or network).
+
+Per bucket: a small bucket costs the shared-memory phases' fixed latency for few bytes saved, so each
+bucket whose flat all-reduce over the whole world is predicted cheaper (`two_level`, the alpha-beta
+formulas below, which tools/cost_model.py uses too) takes that path instead. The choice depends only on
+the bucket's size, the topology and fixed constants: the same on every rank. `PHALANX_XHOST=hier` sends
+every bucket through the two levels.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -31,17 +38,62 @@ from .all_reduce import AllReduceExchange
 NETWORK_BUCKET_BYTES = 4 * 2**20
 
 
+# -- the cost of each path (alpha + bytes / beta per phase; docs/hosts.md) --------------------------------
+
+@dataclass(frozen=True)
+class Calibration:
+    net_alpha: float  # seconds per ring step (one message across a link)
+    link_bytes_per_s: float  # one host's link
+    shm_alpha: float  # seconds per shared-memory all-reduce, whatever its size
+    shm_bytes_per_s: float  # bytes of a bucket per second through the host's shared memory
+
+
+# What the per-bucket choice assumes: the calibration of benchmarks/results/xhost-n2-100mbit.json (this 2-core
+# machine, 2 hosts x 2 ranks on 100 Mbit/s links: no measurable ring latency, 98 Mbit/s, 0.42 ms + 7.74 GB/s).
+# With them a bucket goes flat below ~10 KB at 2 x 2 ranks (~20 KB at 4 x 2, ~6 KB at 2 x 8).
+MEASURED = Calibration(net_alpha=0.0, link_bytes_per_s=12.26e6, shm_alpha=0.42e-3, shm_bytes_per_s=7.74e9)
+
+
+def shm_seconds(nbytes: float, cal: Calibration) -> float:
+    """Both shared-memory phases of a bucket of `nbytes` (reduce-scatter and all-gather, half each)."""
+    return cal.shm_alpha + nbytes / cal.shm_bytes_per_s
+
+
+def ring_seconds(nbytes: float, members: int, cal: Calibration) -> float:
+    """A ring all-reduce of `nbytes` over `members`, each host's link carrying 2(n-1)/n of them."""
+    if members <= 1:
+        return 0.0
+    return 2 * (members - 1) * (cal.net_alpha + nbytes / members / cal.link_bytes_per_s)
+
+
+def path_seconds(nbytes: float, hosts: int, local: int, cal: Calibration) -> dict[str, float]:
+    """Seconds of one all-reduce of `nbytes` (no overlap): flat ring, and hierarchical."""
+    return {"flat": ring_seconds(nbytes, hosts * local, cal),
+            "hier": shm_seconds(nbytes, cal) + ring_seconds(nbytes, hosts, cal)}
+
+
+def two_level(nbytes: float, hosts: int, local: int, cal: Calibration = MEASURED) -> bool:
+    """Whether a bucket of `nbytes` on `hosts` x `local` ranks goes through the two levels (else flat).
+
+    >>> two_level(4 * 2**20, 2, 2), two_level(4096, 2, 2)
+    (True, False)
+    """
+    cost = path_seconds(nbytes, hosts, local, cal)
+    return cost["hier"] <= cost["flat"]
+
+
 class HierarchicalExchange(AllReduceExchange):
     """Buckets averaged over every rank of every host: shared memory (`comm`, this host's ranks) around
     an all-reduce on `network` (this local index on every host). `group` is the whole world: a sparse
-    bucket goes through its plain all-reduce."""
+    bucket, and with `per_bucket` a dense one that `two_level` sends flat, go through its plain all-reduce."""
 
-    def __init__(self, comm: ShmCommunicator, network, group, guard: StepGuard):
+    def __init__(self, comm: ShmCommunicator, network, group, guard: StepGuard, per_bucket: bool = True):
         super().__init__(group, guard)
         self.comm = comm
         self.network = network
         self.hosts = dist.get_world_size(network)
-        self._plans: dict[int, tuple] = {}  # bucket index -> (own lo, own hi, fetched pieces)
+        self.per_bucket = per_bucket
+        self._plans: dict[int, tuple] = {}  # bucket index -> (own lo, own hi, fetched pieces): two-level buckets
         self._networks: dict[int, object] = {}  # bucket index -> the Gloo work of its network phase
 
     # -- storage and plan -------------------------------------------------------------------------
@@ -57,7 +109,16 @@ class HierarchicalExchange(AllReduceExchange):
         return min(cap_bytes, NETWORK_BUCKET_BYTES), first_cap_bytes
 
     def prepare(self, buckets: list[Bucket]) -> None:
-        self._plans = {b.index: self._plan(b) for b in buckets if not b.sparse}
+        self._plans = {b.index: self._plan(b) for b in buckets if not b.sparse and self._two_level(b)}
+
+    def _two_level(self, bucket: Bucket) -> bool:
+        """From the bucket's size and the topology only: every rank decides alike."""
+        span = _span(bucket)
+        return not self.per_bucket or two_level(span.numel() * span.element_size(), self.hosts, self.comm.world_size)
+
+    def _flat(self, bucket: Bucket) -> bool:
+        """Sparse, or sent flat: the whole world's all-reduce (AllReduceExchange) carries it."""
+        return bucket.index not in self._plans
 
     def _plan(self, bucket: Bucket) -> tuple:
         """This rank's chunk of the bucket (gradients and step tag), and the others' chunks to fetch."""
@@ -70,7 +131,7 @@ class HierarchicalExchange(AllReduceExchange):
 
     def settle(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:  # peers may still fetch from our slots
-            if not bucket.sparse:
+            if not self._flat(bucket):
                 self.comm.claim(bucket.storage)
 
     # -- the three phases -------------------------------------------------------------------------
@@ -108,7 +169,7 @@ class HierarchicalExchange(AllReduceExchange):
     # -- one backward ----------------------------------------------------------------------------
 
     def launch(self, bucket: Bucket) -> None:
-        if bucket.sparse:
+        if self._flat(bucket):
             super().launch(bucket)
             return
         with self.timer("wait", bucket.index):
@@ -119,7 +180,7 @@ class HierarchicalExchange(AllReduceExchange):
         self._host_reduce(bucket, f"the gradient exchange of bucket {bucket.index}")
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
-        if bucket.sparse:
+        if self._flat(bucket):
             super().deliver(bucket, used)
             return
         what = f"the gradient exchange of bucket {bucket.index}"
@@ -129,14 +190,14 @@ class HierarchicalExchange(AllReduceExchange):
         self._write_back(bucket, used, None)
 
     def discard(self, bucket: Bucket) -> None:
-        if bucket.sparse:
+        if self._flat(bucket):
             super().discard(bucket)
             return
         self._host_gather(bucket, f"the gradient exchange of bucket {bucket.index}")  # the peers need our chunk
 
     def shadow(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
-            if bucket.sparse:
+            if self._flat(bucket):
                 self._launch_shadow(bucket)
                 continue
             bucket.detach_gradient_views()
@@ -144,7 +205,7 @@ class HierarchicalExchange(AllReduceExchange):
             bucket.storage.zero_()
             self._host_reduce(bucket, f"the shadow exchange of bucket {bucket.index}")
         for bucket in buckets:
-            if bucket.sparse:
+            if self._flat(bucket):
                 self._finish(bucket, "the shadow all-reduce")
             else:
                 self._host_gather(bucket, f"the shadow exchange of bucket {bucket.index}")

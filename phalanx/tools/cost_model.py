@@ -13,12 +13,14 @@ one after the other and overlapping backward:
     step   = compute-only step + (gather - backward)
 
 Calibrated by microbenchmarks (`calibrate`): the shared-memory all-reduce of this host's ranks and the
-network all-reduce of every local index at once, each at a few sizes, fitted to a line.
+network all-reduce of every local index at once, each at a few sizes, fitted to a line. The per-phase
+formulas live in exchange/hierarchical.py, which picks each bucket's path with them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from ..exchange.hierarchical import Calibration, ring_seconds, shm_seconds
+from ..exchange.hierarchical import path_seconds as plan  # noqa: F401 - one all-reduce, flat and hierarchical
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -38,14 +40,6 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return intercept, slope
 
 
-@dataclass(frozen=True)
-class Calibration:
-    net_alpha: float  # seconds per ring step (one message across a link)
-    link_bytes_per_s: float  # one host's link
-    shm_alpha: float  # seconds per shared-memory all-reduce, whatever its size
-    shm_bytes_per_s: float  # bytes of a bucket per second through the host's shared memory
-
-
 def calibrate(measured: dict, hosts: int) -> Calibration:
     """From the microbenchmarks: {"shm": [(S, seconds)], "network": [(S, seconds)]}, where "network" timed
     every local index's all-reduce of S/L at once across `hosts` hosts (S bytes in all)."""
@@ -54,13 +48,6 @@ def calibrate(measured: dict, hosts: int) -> Calibration:
     steps = 2 * (hosts - 1)
     return Calibration(net_alpha=net_a / steps, link_bytes_per_s=steps / hosts / net_b, shm_alpha=shm_a,
                        shm_bytes_per_s=1.0 / shm_b)
-
-
-def ring_seconds(nbytes: float, members: int, cal: Calibration) -> float:
-    """A ring all-reduce of `nbytes` over `members`, each host's link carrying 2(n-1)/n of them."""
-    if members <= 1:
-        return 0.0
-    return 2 * (members - 1) * (cal.net_alpha + nbytes / members / cal.link_bytes_per_s)
 
 
 def predict_step(buckets: list[tuple[float, float]], backward: float, compute: float, hosts: int, local: int,
@@ -80,7 +67,7 @@ def predict_step(buckets: list[tuple[float, float]], backward: float, compute: f
     gathers = 0.0
     for nbytes, ready in buckets:
         if kind == "hier":
-            shm = cal.shm_alpha + nbytes / cal.shm_bytes_per_s
+            shm = shm_seconds(nbytes, cal)
             host_end = max(ready, host_end) + shm / 2
             net_end = max(host_end, net_end) + ring_seconds(nbytes, hosts, cal)
             gathers += shm / 2
@@ -88,9 +75,3 @@ def predict_step(buckets: list[tuple[float, float]], backward: float, compute: f
             net_end = max(ready, net_end) + ring_seconds(nbytes, hosts * local, cal)
     end = max(backward, net_end) + gathers
     return compute + end - backward
-
-
-def plan(nbytes: float, hosts: int, local: int, cal: Calibration) -> dict[str, float]:
-    """Seconds of one all-reduce of `nbytes` (no overlap): flat ring, and hierarchical."""
-    shm = cal.shm_alpha + nbytes / cal.shm_bytes_per_s
-    return {"flat": ring_seconds(nbytes, hosts * local, cal), "hier": shm + ring_seconds(nbytes, hosts, cal)}

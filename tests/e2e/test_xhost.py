@@ -42,14 +42,20 @@ class TestTwoHostsTwoRanks:
     """World size 4: 2 hosts x 2 ranks, each host a network namespace."""
 
     def test_hierarchical_matches_torch_and_keeps_segments_per_host(self, two_hosts):  # noqa: F811
-        """World size 4: the hierarchical exchange is chosen; every rank ends bitwise equal, allclose to
-        torch DDP; no shared-memory segment is mapped by ranks of two hosts, and each names its host."""
+        """World size 4: the hierarchical exchange is chosen; its tiny buckets (a bias and an 8-wide layer,
+        under 10 KB) go flat and its large ones (32-256 KB) in two levels, alike on every rank; every rank
+        ends bitwise equal, allclose to torch DDP; no shared-memory segment is mapped by ranks of two hosts,
+        and each names its host."""
         nodes, outputs = _run(two_hosts, (2, 2))
         for node, (_, stderr) in zip(nodes, outputs):
             assert node.returncode == 0, stderr
         results = _results(outputs)
         assert sorted(results) == [0, 1, 2, 3]
         assert {r["exchange"] for r in results.values()} == {"HierarchicalExchange"}
+        assert len({json.dumps(r["paths"]) for r in results.values()}) == 1
+        paths = results[0]["paths"]
+        assert paths["flat"] and paths["two_level"], paths  # a mixed model: both paths taken
+        assert max(paths["flat"]) < min(paths["two_level"]), paths
         assert len({r["digest"] for r in results.values()}) == 1
         assert max(r["max_diff"] for r in results.values()) < 1e-5
         by_host = {}
@@ -75,12 +81,14 @@ class TestTwoHostsTwoRanks:
 
     def test_uneven_inputs_under_join(self, two_hosts):  # noqa: F811
         """World size 4: rank 3 has one batch fewer; under join() the hierarchical exchange shadows its
-        collectives, and the result still equals torch DDP's under join(), bitwise equal on every rank."""
+        collectives (flat and two-level buckets), and the result still equals torch DDP's under join(),
+        bitwise equal on every rank."""
         nodes, outputs = _run(two_hosts, (2, 2), "--uneven")
         for node, (_, stderr) in zip(nodes, outputs):
             assert node.returncode == 0, stderr
         results = _results(outputs)
         assert {r["exchange"] for r in results.values()} == {"HierarchicalExchange"}
+        assert all(results[0]["paths"].values()), results[0]["paths"]
         assert len({r["digest"] for r in results.values()}) == 1
         assert max(r["max_diff"] for r in results.values()) < 1e-5
 
@@ -95,9 +103,21 @@ class TestTwoHostsTwoRanks:
         assert max(r["max_diff"] for r in results.values()) < 1e-5
         assert all(not r["segments"] for r in results.values())  # no shared memory across hosts
 
+    def test_hier_when_forced_sends_every_bucket_in_two_levels(self, two_hosts):  # noqa: F811
+        """World size 4: PHALANX_XHOST=hier sends the tiny buckets in two levels too; still equal to torch DDP."""
+        nodes, outputs = _run(two_hosts, (2, 2), env={"PHALANX_XHOST": "hier"})
+        for node, (_, stderr) in zip(nodes, outputs):
+            assert node.returncode == 0, stderr
+        results = _results(outputs)
+        assert {r["exchange"] for r in results.values()} == {"HierarchicalExchange"}
+        assert all(not r["paths"]["flat"] and r["paths"]["two_level"] for r in results.values())
+        assert len({r["digest"] for r in results.values()}) == 1
+        assert max(r["max_diff"] for r in results.values()) < 1e-5
+
     def test_a_killed_rank_is_named_on_the_other_host(self, two_hosts):  # noqa: F811
-        """World size 4: rank 3 (host 1) is killed in step 2; the ranks of host 0 name it."""
-        nodes, outputs = _run(two_hosts, (2, 2), "--kill-rank", "3")
+        """World size 4: rank 3 (host 1) is killed in step 2; the ranks of host 0 name it, and the phase they
+        waited in. PHALANX_XHOST=hier: bucket 0 (tiny) would otherwise go flat and be waited for first."""
+        nodes, outputs = _run(two_hosts, (2, 2), "--kill-rank", "3", env={"PHALANX_XHOST": "hier"})
         assert all(node.returncode != 0 for node in nodes)
         host0 = outputs[0][0] + outputs[0][1]
         assert re.search(r"ranks \[[^\]]*\b3\b[^\]]*\] did not take part", host0), host0[-3000:]

@@ -1,11 +1,11 @@
 """A training job for tests/e2e/test_xhost.py: phalanx DDP beside torch DDP across hosts (namespaces).
 
 Every rank trains the same model with phalanx DDP and with torch DDP on the same batches, then
-prints one JSON line: the exchange phalanx chose, its parameters' digest (bitwise equality across
-ranks), the largest difference to torch DDP's, and the shared-memory segments this process maps
-(from /proc/self/maps). `--kill-rank R` makes rank R kill itself (SIGKILL) at step 2; `--shard L` shards
-phalanx DDP at level L ("optimizer", "gradients"); `--uneven` gives the last rank one batch fewer, under
-join() in both DDPs.
+prints one JSON line: the exchange phalanx chose, the sizes of the buckets the hierarchical exchange
+sends flat and in two levels, its parameters' digest (bitwise equality across ranks), the largest
+difference to torch DDP's, and the shared-memory segments this process maps (from /proc/self/maps).
+`--kill-rank R` makes rank R kill itself (SIGKILL) at step 2; `--shard L` shards phalanx DDP at level L
+("optimizer", "gradients"); `--uneven` gives the last rank one batch fewer, under join() in both DDPs.
 """
 
 import argparse
@@ -63,7 +63,13 @@ def main():
                 opt.step()
     flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
     reference = torch.cat([p.detach().reshape(-1) for p in theirs.parameters()])
-    print(json.dumps({"rank": rank, "exchange": type(ours._reducer.exchange).__name__,
+    exchange = ours._reducer.exchange
+    paths = {"flat": [], "two_level": []}
+    if hasattr(exchange, "_plans"):  # HierarchicalExchange: bytes of each dense bucket, by path
+        for bucket in ours._reducer.buckets:
+            nbytes = bucket.numel * bucket.storage.element_size()
+            paths["flat" if exchange._flat(bucket) else "two_level"].append(nbytes)
+    print(json.dumps({"rank": rank, "exchange": type(exchange).__name__, "paths": paths,
                       "digest": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
                       "max_diff": (flat - reference).abs().max().item(), "segments": segments,
                       "host": os.environ.get("GROUP_RANK")}), flush=True)
