@@ -27,26 +27,10 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.helpers.namespaces import veth_hosts
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "e2e" / "jobs" / "elastic_job.py"
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
-def make_hosts(tag: str) -> list[dict]:
-    hosts = [{"ns": f"pxb{tag}{i}", "dev": f"pxb{tag}v{i}", "addr": f"10.215.{int(tag[:2], 16)}.{i + 1}"}
-             for i in (0, 1)]
-    for host in hosts:
-        _ip("netns", "add", host["ns"])
-    _ip("link", "add", hosts[0]["dev"], "type", "veth", "peer", "name", hosts[1]["dev"])
-    for host in hosts:
-        _ip("link", "set", host["dev"], "netns", host["ns"])
-        _ip("-n", host["ns"], "addr", "add", f"{host['addr']}/24", "dev", host["dev"])
-        _ip("-n", host["ns"], "link", "set", host["dev"], "up")
-        _ip("-n", host["ns"], "link", "set", "lo", "up")
-    return hosts
 
 
 def start(host, master, port, run_dir, args, nnodes="1:2", node_rank=None) -> subprocess.Popen:
@@ -150,34 +134,29 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--epochs", type=int, default=20)
     args = parser.parse_args()
-    tag = uuid.uuid4().hex[:6]
-    port = 29700 + int(tag[:2], 16) % 200
+    port = 29700 + uuid.uuid4().int % 200
     print(f"load before: {os.getloadavg()}")
-    hosts = []
     try:
-        hosts = make_hosts(tag)
-        results = []
-        for i in range(args.rounds):
-            reference = uninterrupted(hosts, port, args)
-            result = one_round(hosts, port, args)
-            result["reference"] = reference
-            results.append(result)
-            print(f"round {i}: death -> first step at world 1 {result['death_to_step']:.1f} s; start of the joining "
-                  f"node -> first step at world 2 {result['grow']:.1f} s; goodput {result['goodput']:.1f} % "
-                  f"(uninterrupted {reference:.1f} %); host A said {result['said']} s from the change it saw to the "
-                  f"first step (lost, grown)", flush=True)
-        for key, label in (("death_to_step", "death -> first step at the smaller world"),
-                           ("grow", "joining launcher's start -> first step at the larger world")):
-            values = [r[key] for r in results]
-            print(f"{label}: median {statistics.median(values):.1f} s (min {min(values):.1f}, max {max(values):.1f})")
-        print(f"goodput of the node-loss run (host A): median {statistics.median(r['goodput'] for r in results):.1f} %"
-              f"; uninterrupted: median {statistics.median(r['reference'] for r in results):.1f} %")
-        print("host A's last lines (last round):\n  " + "\n  ".join(results[-1]["summary"]))
+        with veth_hosts("pxb", 215) as hosts:
+            results = []
+            for i in range(args.rounds):
+                reference = uninterrupted(hosts, port, args)
+                result = one_round(hosts, port, args)
+                result["reference"] = reference
+                results.append(result)
+                print(f"round {i}: death -> first step at world 1 {result['death_to_step']:.1f} s; start of the "
+                      f"joining node -> first step at world 2 {result['grow']:.1f} s; goodput "
+                      f"{result['goodput']:.1f} % (uninterrupted {reference:.1f} %); host A said {result['said']} s "
+                      f"from the change it saw to the first step (lost, grown)", flush=True)
     finally:
-        for host in hosts:
-            _ip("netns", "del", host["ns"], check=False)
         print(f"load after: {os.getloadavg()}")
-
+    for key, label in (("death_to_step", "death -> first step at the smaller world"),
+                       ("grow", "joining launcher's start -> first step at the larger world")):
+        values = [r[key] for r in results]
+        print(f"{label}: median {statistics.median(values):.1f} s (min {min(values):.1f}, max {max(values):.1f})")
+    print(f"goodput of the node-loss run (host A): median {statistics.median(r['goodput'] for r in results):.1f} %"
+          f"; uninterrupted: median {statistics.median(r['reference'] for r in results):.1f} %")
+    print("host A's last lines (last round):\n  " + "\n  ".join(results[-1]["summary"]))
 
 if __name__ == "__main__":
     main()

@@ -107,6 +107,20 @@ def checkout_on_pythonpath(*first: str | Path) -> str:
     return os.pathsep.join(filter(None, [*map(str, first), str(ROOT), os.environ.get("PYTHONPATH")]))
 
 
+def run_in_session(command: list, cwd: Path, env: dict, timeout: float) -> tuple[int, str]:
+    """Run `command` in a session of its own (so that a timeout stops a launcher and every worker it started,
+    by the process group): (exit code, stdout+stderr); fail with the output on a timeout."""
+    process = subprocess.Popen([str(c) for c in command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"{command} did not finish within {timeout}s; output:\n{output}")
+    return process.returncode, output
+
+
 def run_command(command: list, cwd: Path, *, env: dict | None = None, timeout: float = 60) -> str:
     """Run `command`; return stdout+stderr; fail with the output on a non-zero exit or a timeout.
 
@@ -115,14 +129,6 @@ def run_command(command: list, cwd: Path, *, env: dict | None = None, timeout: f
     """
     environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
                    "PYTHONPATH": checkout_on_pythonpath(), **(env or {})}
-    # A session of its own, so that a timeout stops the launcher and every worker it started.
-    process = subprocess.Popen([str(c) for c in command], cwd=cwd, env=environment, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{command} did not finish within {timeout}s; output:\n{output}")
-    assert process.returncode == 0, f"{command} exited with {process.returncode}; output:\n{output}"
+    returncode, output = run_in_session(command, cwd, environment, timeout)
+    assert returncode == 0, f"{command} exited with {returncode}; output:\n{output}"
     return output

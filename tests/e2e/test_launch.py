@@ -11,12 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT, checkout_on_pythonpath
+from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
 
 WORKER = str(Path(__file__).resolve().parent / "jobs" / "launch_worker.py")
 HANG_GUARD = 240  # seconds; a run that needs this long is stuck
@@ -174,35 +174,16 @@ def _on_each_host(hosts, python_args, env=None) -> tuple[list, list]:
                 node.wait()
 
 
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
-
-
 @pytest.fixture
 def two_hosts():
     """Two network namespaces joined by a veth pair: ({"ns", "addr", "dev"} for host 0, for host 1)."""
     if shutil.which("ip") is None:
         pytest.skip("multi-node test skipped: the `ip` command (iproute2) is not installed")
-    tag = uuid.uuid4().hex[:6]
-    hosts = [{"ns": f"phx{tag}{i}", "dev": f"phx{tag}v{i}", "addr": f"10.213.{int(tag[:2], 16)}.{i + 1}"}
-             for i in (0, 1)]
-    created = []
     try:
-        for host in hosts:
-            made = _ip("netns", "add", host["ns"], check=False)
-            if made.returncode != 0:
-                pytest.skip(f"multi-node test skipped: cannot create a network namespace ({made.stderr.strip()})")
-            created.append(host["ns"])
-        _ip("link", "add", hosts[0]["dev"], "type", "veth", "peer", "name", hosts[1]["dev"])
-        for host in hosts:
-            _ip("link", "set", host["dev"], "netns", host["ns"])
-            _ip("-n", host["ns"], "addr", "add", f"{host['addr']}/24", "dev", host["dev"])
-            _ip("-n", host["ns"], "link", "set", host["dev"], "up")
-            _ip("-n", host["ns"], "link", "set", "lo", "up")
-        yield hosts
-    finally:
-        for name in created:  # deleting a namespace also deletes its end of the veth pair
-            _ip("netns", "del", name, check=False)
+        with veth_hosts("phx", 213) as hosts:
+            yield hosts
+    except NamespaceUnavailable as exc:
+        pytest.skip(f"multi-node test skipped: {exc}")
 
 
 class TestTwoNodes:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import ROOT, checkout_on_pythonpath
+from tests.conftest import ROOT, checkout_on_pythonpath, run_in_session
 
 
 def require(module: str):
@@ -34,12 +32,4 @@ def torchrun(args: list, *, env: dict | None = None, timeout: float = 180) -> tu
                    "PYTHONPATH": checkout_on_pythonpath(), **(env or {})}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                *map(str, args)]
-    process = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{command} did not finish within {timeout}s; output:\n{output}")
-    return process.returncode, output
+    return run_in_session(command, ROOT, environment, timeout)
