@@ -143,13 +143,16 @@ class TestBench:
     """World size 4: benchmarks/xhost_bench.py, 2 namespaces x 2 ranks on a shaped bridge, one short block."""
 
     def test_bench_counts_the_bytes_each_exchange_should_move(self, tmp_path):
-        """World size 4: per host and step, hierarchical moves 2(N-1)/N * S and flat 2(P-1)/P * S (within 5 %)."""
+        """World size 4: per host and step, hierarchical moves 2(N-1)/N * S and flat 2(P-1)/P * S (within 5 %).
+
+        At 100 Mbit/s, a rate where the network dominates (the issue's figures): at 1 Gbit/s tbf's 64 KB burst
+        drops packets of the 4 flows and the retransmits added 2-7 % to the counters (measured)."""
         if shutil.which("ip") is None or shutil.which("tc") is None:
             pytest.skip("the bench needs iproute2 (ip, tc)")
         out = tmp_path / "bench.json"
         result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "xhost_bench.py"), "--hosts", "2",
                                  "--models", "gpt", "--variants", "flat,hier,compute", "--blocks", "1", "--steps", "2",
-                                 "--link", "1gbit", "--json", str(out)], capture_output=True, text=True,
+                                 "--link", "100mbit", "--json", str(out)], capture_output=True, text=True,
                                 timeout=HANG_GUARD, cwd=ROOT)
         if result.returncode and "Operation not permitted" in result.stderr:
             pytest.skip(f"cannot create network namespaces here: {result.stderr[-300:]}")
