@@ -26,7 +26,7 @@ from ..bucket.shard_plan import chunk_size
 from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
 from ..shm import ShmCommunicator
-from .sharded import ShardedExchange
+from .sharded import ShardedExchange, all_gather, reduce_scatter
 
 
 class HierShardedExchange(ShardedExchange):
@@ -90,7 +90,7 @@ class HierShardedExchange(ShardedExchange):
                 self.comm.reduce_scatter(span, ticket, owner * chunk, row[k * chunk:(k + 1) * chunk])
         recorder.done(entry)
         self._reduced[index] = target
-        self._reduces[index] = dist.reduce_scatter_single(target, row, group=self.network, async_op=True)
+        self._reduces[index] = reduce_scatter(target, row, group=self.network, async_op=True)
 
     def _finish_reduce(self, index: int) -> None:
         shard = self.shards[index]
@@ -103,7 +103,7 @@ class HierShardedExchange(ShardedExchange):
     def _start_gather(self, index: int, staging: torch.Tensor, own: torch.Tensor) -> None:
         row = self._scratch[index]
         self.comm.claim(row)  # no peer still copies from this row
-        self._gathers[index] = dist.all_gather_single(row, own, group=self.network, async_op=True)
+        self._gathers[index] = all_gather(row, own, group=self.network, async_op=True)
 
     @torch.no_grad()
     def _finish_gather(self, index: int) -> None:

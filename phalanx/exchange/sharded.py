@@ -30,6 +30,12 @@ from ..diagnose import recorder
 from ..errors import ShardingError, explain
 from .base import BucketExchange
 
+# torch 2.13 renamed the flat collectives (`reduce_scatter_tensor` -> `reduce_scatter_single`,
+# `all_gather_into_tensor` -> `all_gather_single`) and deprecated the old names; earlier releases have
+# only the old ones. Every flat reduce-scatter and all-gather in phalanx goes through these two.
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 STAGING_BUFFERS = 2  # per dtype and device: two buckets in flight, the rest of the gradients freed
 
 
@@ -155,8 +161,8 @@ class ShardedExchange(BucketExchange):
     def _start_reduce(self, bucket: Bucket, target: torch.Tensor) -> None:
         shard = self.shards[bucket.index]
         self._reduced[bucket.index] = target
-        self._reduces[bucket.index] = dist.reduce_scatter_single(target, bucket.storage[:shard.padded],
-                                                                  group=self.group, async_op=True)
+        self._reduces[bucket.index] = reduce_scatter(target, bucket.storage[:shard.padded],
+                                                      group=self.group, async_op=True)
 
     def _finish_reduce(self, index: int) -> None:
         self._wait_reduce(index, f"the gradient reduce-scatter of bucket {index}")
@@ -214,7 +220,7 @@ class ShardedExchange(BucketExchange):
             self.wait_gathered()
 
     def _start_gather(self, index: int, staging: torch.Tensor, own: torch.Tensor) -> None:
-        self._gathers[index] = dist.all_gather_single(staging, own, group=self.group, async_op=True)
+        self._gathers[index] = all_gather(staging, own, group=self.group, async_op=True)
 
     @torch.no_grad()
     def _finish_gather(self, index: int) -> None:

@@ -10,6 +10,7 @@ attempt starts and ends.
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import sys
@@ -27,6 +28,10 @@ from .failures import describe_failure, root_cause, sweep_process_groups
 from .goodput import RunSummary
 from .regroup import Regroup
 from .stop import StopRequest
+
+# LocalElasticAgent._shutdown takes a `timeout` in torch 2.13 and not in 2.11 (whose agent closes its
+# workers with a default of 30 s): the installed torch is asked once, so that both work.
+_SHUTDOWN_TAKES_TIMEOUT = "timeout" in inspect.signature(LocalElasticAgent._shutdown).parameters
 
 
 def _say(text: str) -> None:
@@ -100,7 +105,10 @@ class Agent(LocalElasticAgent):
         self.stop.workers_stopped()
         if self.stop.kill_now:  # the grace period is over, or a second Ctrl-C: no more waiting
             death_sig = signal.SIGKILL
-        super()._shutdown(death_sig, timeout)
+        if _SHUTDOWN_TAKES_TIMEOUT:
+            super()._shutdown(death_sig, timeout)
+        else:
+            super()._shutdown(death_sig)
 
     def end_attempt(self, outcome: str) -> None:
         """The attempt's workers are done: its time goes into the run summary (once per attempt)."""

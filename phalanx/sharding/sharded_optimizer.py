@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..bucket.shard_plan import Piece
 from ..errors import ShardingError, explain
-from ..exchange.sharded import ShardedExchange
+from ..exchange.sharded import ShardedExchange, all_gather
 from .optimizer_view import OptimizerView
 
 # Optimizers that read whole tensors (norms, factored moments, line searches): their update of a piece
@@ -152,7 +152,7 @@ class ShardedOptimizer(OptimizerView):
                     if value is not None and _per_element(value, piece):
                         own[piece.offset:piece.offset + piece.numel].copy_(value.reshape(-1))
                 full = torch.empty(shard.padded, dtype=dtype, device=bucket.storage.device)
-                dist.all_gather_single(full, own, group=group)
+                all_gather(full, own, group=group)
                 if wanted:
                     gathered[key] = full
             if not wanted:
