@@ -8,6 +8,7 @@ set on either are seen by both. Subclasses decide what step() and the state dict
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -75,13 +76,17 @@ class OptimizerView(torch.optim.Optimizer):
         """Refuse a step of the wrapped optimizer called directly: only this view's step() does what comes
         before and after it (the parameters' all-gather), so a direct one would leave ranks apart, silently."""
         self._stepping = False
+        # The hook lives in the wrapped optimizer: it holds this view weakly (no cycle keeps either alive
+        # after the user drops them), and a view that is gone makes any direct step a stray one.
+        view, rank, name = weakref.ref(self), self.rank, type(self).__name__
 
         def refuse(optimizer, args, kwargs):
-            if not self._stepping:
+            me = view()
+            if me is None or not me._stepping:
                 raise StrayOptimizerError(explain(
                     f"{type(optimizer).__name__}.step() was called on the optimizer given to shard_optimizer(), "
-                    "which only updates this rank's chunk", rank=self.rank, seen="optimizer.step()",
-                    expected=f"the step of the {type(self).__name__} that shard_optimizer() returned",
+                    "which only updates this rank's chunk", rank=rank, seen="optimizer.step()",
+                    expected=f"the step of the {name} that shard_optimizer() returned",
                     fix="Step what shard_optimizer() returns: optimizer = model.shard_optimizer(optimizer)."))
 
         self.optimizer.register_step_pre_hook(refuse)
