@@ -52,13 +52,13 @@ def start(host: dict | None, master: str, port: int, run_dir: Path, *job_args, n
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def fixed_run(hosts, run_dir: Path, port: int, nproc: int = 1, env=None) -> list[str]:
-    """An uninterrupted run on a fixed set of nodes (`--nnodes 2` on two hosts, or one process here)."""
+def fixed_run(hosts, run_dir: Path, port: int, *job_args, nproc: int = 1, flags=(), env=None) -> list[str]:
+    """A run on a fixed set of nodes (`--nnodes 2` on two hosts, or one process here) that must succeed."""
     if hosts is None:
-        nodes = [start(None, "127.0.0.1", port, run_dir, nnodes="1", nproc=nproc)]
+        nodes = [start(None, "127.0.0.1", port, run_dir, *job_args, nnodes="1", nproc=nproc, flags=flags)]
     else:
-        nodes = [start(host, hosts[0]["addr"], port, run_dir, nnodes=str(len(hosts)), node_rank=i, nproc=nproc,
-                       flags=("--rdzv-timeout", "60"), env=env) for i, host in enumerate(hosts)]
+        nodes = [start(host, hosts[0]["addr"], port, run_dir, *job_args, nnodes=str(len(hosts)), node_rank=i,
+                       nproc=nproc, flags=("--rdzv-timeout", "60", *flags), env=env) for i, host in enumerate(hosts)]
     try:
         outputs = finish(nodes)
     finally:
@@ -215,6 +215,22 @@ def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
     assert f"resumed from step {last_alone} at world size 2" in resumed[1]
     assert "attempt 2 of" not in out_a  # not counted as a failure
     assert "global batch 8 = 1 rank x 4 micro-batches x 2" in resumed[0]  # the micro-batches per rank, said
+    assert_same_params(run_dir, reference)
+
+
+def test_a_failing_worker_restarts_every_node(tmp_path, two_hosts):  # noqa: F811
+    """World size 2 (2 hosts x 1) on a fixed set of nodes, `--nnodes 2 --max-restarts 1`: host B's worker raises
+    once, mid-epoch. Every node's workers restart together (a node's restarted workers must not wait for peers
+    that never restart), from the newest checkpoint, and the run ends at the uninterrupted run's parameters."""
+    reference = tmp_path / "uninterrupted"
+    fixed_run(two_hosts, reference, 29576)
+    run_dir = tmp_path / "run"
+    outputs = fixed_run(two_hosts, run_dir, 29577, "--fail-once-at", "5", flags=("--max-restarts", "1"))
+    assert (run_dir / "failed-once").exists()
+    assert "a planned failure before step 6" in outputs[1]
+    assert "restarting the worker group (attempt 2 of 2)" in outputs[1], outputs[1]
+    check_every_sample_once(steps(run_dir))
+    assert {row[2] for row in steps(run_dir)} == {2}
     assert_same_params(run_dir, reference)
 
 

@@ -8,7 +8,8 @@ appends one line per applied optimizer step to RUN_DIR/samples.log: `epoch step 
 (the ids of every sample that step averaged, from every rank; padding left out); a step lost with a crash
 and redone appears twice, the later line is the lineage's. With `--wait-alone K`, a world of one rank,
 after K steps, waits (up to 60 s) for the request to save that a node joining brings, so the node that
-comes back finds the run unfinished. Rank 0 writes the final parameters to RUN_DIR/final.pt.
+comes back finds the run unfinished. With `--fail-once-at K` the last rank raises before step K+1, once in
+the whole run. Rank 0 writes the final parameters to RUN_DIR/final.pt.
 """
 
 import argparse
@@ -30,6 +31,8 @@ def main():
     parser.add_argument("--step-seconds", type=float, default=0.05, help="a pause per step: steps take time")
     parser.add_argument("--wait-alone", type=int, default=0, metavar="K")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--fail-once-at", type=int, default=0, metavar="K",
+                        help="the last rank raises before step K+1, once in the whole run (RUN_DIR/failed-once)")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
     px.init()
@@ -55,6 +58,11 @@ def main():
                 while not px.stop_requested() and time.monotonic() < deadline:
                     time.sleep(0.05)
             alone += world == 1
+            failed_once = args.run_dir / "failed-once"
+            if args.fail_once_at and args.fail_once_at == state["step"] and px.rank() == world - 1 \
+                    and not failed_once.exists():
+                failed_once.touch()
+                raise RuntimeError(f"a planned failure before step {state['step'] + 1}")
             time.sleep(args.step_seconds)
             optimizer.zero_grad()
             ids = []
