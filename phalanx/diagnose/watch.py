@@ -19,6 +19,9 @@ from .verdict import Verdict, judge
 
 DEFAULT_STALL_TIMEOUT = 300.0
 CHECKPOINT_GRACE = 4.0
+# A rank that has not reached init() yet has no ring; while its process uses the CPU (importing torch on a
+# busy machine, preparing data) it is starting, not stuck, for up to this long after the attempt began.
+STARTUP_CPU_WINDOW = 600.0
 ON_STALL = ("restart", "stop", "wait")
 
 
@@ -33,10 +36,11 @@ def stall_timeout(value: float | str | None = None) -> float:
 class StallWatch:
     """Polls the rings of ranks `expected` in `directory`; `poll()` is True once per stall."""
 
-    def __init__(self, directory: str, timeout: float, expected: list[int]):
+    def __init__(self, directory: str, timeout: float, expected: list[int], pids: dict[int, int] | None = None):
         self.directory, self.timeout, self.expected = directory, timeout, list(expected)
+        self.starting_pids = dict(pids or {})  # rank -> pid, where the launcher knows it before the ring exists
         self._progress: tuple | None = None
-        self._changed = time.monotonic()
+        self._changed = self._began = time.monotonic()
         self.fired = False
 
     def silent_for(self, now: float | None = None) -> float:
@@ -45,7 +49,9 @@ class StallWatch:
     def poll(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         heads = [read_header(ring_path(self.directory, rank)) for rank in self.expected]
-        progress = tuple(h[H_PROGRESS] if h else -1 for h in heads)
+        starting = now - self._began < STARTUP_CPU_WINDOW
+        progress = tuple(h[H_PROGRESS] if h else (_cpu_ticks(self.starting_pids.get(rank)) if starting else -1)
+                         for rank, h in zip(self.expected, heads))
         if progress != self._progress:
             self._progress, self._changed, self.fired = progress, now, False
             return False
@@ -69,6 +75,18 @@ class StallWatch:
             if head is not None:
                 found[rank] = head[H_PID]
         return found
+
+
+def _cpu_ticks(pid: int | None) -> int:
+    """CPU time the process has used so far (user + system, in clock ticks); -1 when unknown."""
+    if pid is None:
+        return -1
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 def collect(directory: str, expected: list[int], *, pids: dict[int, int] | None = None,

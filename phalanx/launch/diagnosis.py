@@ -58,7 +58,7 @@ class RunDiagnosis:
         self.directory = os.path.join(self.root, f"attempt-{attempt}")
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
         self.pids = dict(pids)
-        self.watch = StallWatch(self.directory, self.timeout, sorted(pids))
+        self.watch = StallWatch(self.directory, self.timeout, sorted(pids), pids=pids)
         self.stalled = False
         self._next_summary, self._summary_seq = self.straggler_every, 0
 

@@ -5,10 +5,12 @@ in tests/e2e/test_stall_report.py.
 
 import os
 import threading
+import time
 
 import pytest
 
 from phalanx.diagnose import recorder, stacks, straggler
+from phalanx.diagnose import watch as watch_module
 from phalanx.diagnose.callsite import CallSites
 from phalanx.diagnose.record import CAPACITY, H_EXITED, H_PID, KIND, PHASE, STARTED, Entry, Ring, Snapshot, read_ring
 from phalanx.diagnose.verdict import find_desync, judge
@@ -162,6 +164,30 @@ class TestStallWatch:
         watch = StallWatch(str(tmp_path), timeout=1.0, expected=[0, 1])
         watch.poll(now=0.0)
         assert watch.poll(now=1.5)
+
+    def test_a_rank_starting_on_the_cpu_is_not_stalled_until_the_startup_window_ends(self, tmp_path, monkeypatch):
+        """Rank 1 has no ring yet (it has not reached init()) but its process uses the CPU (importing torch on
+        a busy machine): no stall; a rank without a ring whose process is idle (asleep before init()) is one."""
+        ticks = iter(range(1000))
+        monkeypatch.setattr(watch_module, "_cpu_ticks", lambda pid: next(ticks) if pid == 11 else 7)
+        Ring(str(tmp_path / "rank-0.ring"), rank=0, world_size=2, local_rank=0)
+        busy = StallWatch(str(tmp_path), timeout=1.0, expected=[0, 1], pids={0: 10, 1: 11})
+        began = busy._began
+        assert not any(busy.poll(now=began + t) for t in (0.0, 1.5, 3.0, 4.5))
+        past = began + watch_module.STARTUP_CPU_WINDOW
+        busy.poll(now=past)
+        assert busy.poll(now=past + 1.5)  # past the window, CPU use alone is no progress
+        idle = StallWatch(str(tmp_path), timeout=1.0, expected=[0, 1], pids={0: 10, 1: 12})
+        idle.poll(now=idle._began)
+        assert idle.poll(now=idle._began + 1.5)
+
+    def test_cpu_ticks_read_the_process_own_counters(self):
+        before = watch_module._cpu_ticks(os.getpid())
+        deadline = time.process_time() + 0.05
+        while time.process_time() < deadline:
+            pass
+        assert 0 <= before < watch_module._cpu_ticks(os.getpid())
+        assert watch_module._cpu_ticks(None) == -1
 
     def test_the_timeout_setting_is_checked(self, monkeypatch):
         monkeypatch.setenv("PHALANX_STALL_TIMEOUT", "soon")
