@@ -217,3 +217,16 @@ class TestTwoNodes:
         host = two_hosts[0]  # rank 0 logs it
         assert f"GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME={host['dev']} ({host['addr']}), the interface of the " \
                f"route to the master {master}" in outputs[0][1]
+
+
+def test_a_script_written_for_torch_ddp_runs_unmodified_with_phalanx_ddp_in_its_place():
+    """World size 2: `phalanx run -m phalanx.integrations.with_phalanx_ddp script.py ARGS` builds phalanx's class where
+    the script names torch's; the ranks end with the same parameters and the script sees its own arguments."""
+    job = Path(__file__).resolve().parent / "jobs" / "torch_ddp_by_name.py"
+    result = phalanx_run("--nproc-per-node", "2", "-m", "phalanx.integrations.with_phalanx_ddp", str(job), "--lr", "1")
+    assert result.returncode == 0, result.stderr
+    lines = re.findall(r"rank=(\d) class=(\S+) torch_name_is_it=(\w+) checksum=(\S+) argv=(.*)", result.stdout)
+    assert sorted(line[0] for line in lines) == ["0", "1"], result.stdout
+    assert {line[1:3] for line in lines} == {("phalanx.engine.ddp.DistributedDataParallel", "True")}
+    assert len({line[3] for line in lines}) == 1  # replicas agree
+    assert {line[4] for line in lines} == {"['--lr', '1']"}
