@@ -241,6 +241,13 @@ def all_gone(run_dir: Path) -> list[int]:
     return [pid for pid in pids if is_running(pid)]
 
 
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler of its own for `sig` (the SigCgt mask of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as handle:
+        mask = next(line.split()[1] for line in handle if line.startswith("SigCgt:"))
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
 def is_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -259,7 +266,13 @@ class TestLauncherEdges:
         launcher = start_launcher(tmp_path, flags=("--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
                                                    "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                                                    "--rdzv-timeout", "60"))
-        time.sleep(3)
+        # Past its imports (seconds on a busy machine, when a SIGTERM still ends it as any process): the
+        # launcher has taken SIGTERM over just before it dials node 0; then a moment into that wait.
+        deadline = time.monotonic() + HANG_GUARD
+        while not catches(launcher.pid, signal.SIGTERM):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
+            time.sleep(0.05)
+        time.sleep(1)
         asked = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         code, output, ended = finish(launcher)
