@@ -14,6 +14,7 @@ import threading
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from . import stacks
 from .callsite import CallSites
 from .record import (
     ENQUEUED,
@@ -165,8 +166,5 @@ def dead_peers(ranks) -> dict[int, int]:
 
 def pid_alive(pid: int) -> bool:
     """True while `pid` runs (a zombie awaiting its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    fields = stacks.stat_fields(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")

@@ -105,16 +105,27 @@ def _new_text(path: str, offset: int) -> str:
         return ""
 
 
-def fallback(pid: int, why: str) -> str:
-    """What /proc says about a process that gave no Python stack."""
-    state = wchan = "?"
+def stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first, as field 3 of proc(5)), or None
+    when there is no such process. The name, in parentheses, may itself hold spaces or ')'."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
-            state = handle.read().rsplit(")", 1)[1].split()[0]
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def fallback(pid: int, why: str) -> str:
+    """What /proc says about a process that gave no Python stack."""
+    fields = stat_fields(pid)
+    try:
         with open(f"/proc/{pid}/wchan") as handle:
             wchan = handle.read().strip() or "0"
-    except (OSError, IndexError):
+    except OSError:
+        wchan = None
+    if not fields or wchan is None:
         return f"(no Python stack: {why}; the process has ended)"
+    state = fields[0]
     meaning = {"R": "running (spinning?)", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped",
                "Z": "a zombie"}.get(state, state)
     return f"(no Python stack: {why}; /proc says: state {state} = {meaning}, kernel wait channel {wchan})"

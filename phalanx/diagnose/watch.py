@@ -79,14 +79,10 @@ class StallWatch:
 
 def _cpu_ticks(pid: int | None) -> int:
     """CPU time the process has used so far (user + system, in clock ticks); -1 when unknown."""
-    if pid is None:
+    fields = stacks.stat_fields(pid) if pid is not None else None
+    if not fields or len(fields) < 13:
         return -1
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
-    except (OSError, IndexError, ValueError):
-        return -1
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
 
 
 def collect(directory: str, expected: list[int], *, pids: dict[int, int] | None = None,

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phalanx.diagnose import stacks
 from tests.conftest import ROOT
 from tests.e2e.test_launch import clean_env, two_hosts  # noqa: F401 - two_hosts is a fixture
 
@@ -241,13 +242,6 @@ def all_gone(run_dir: Path) -> list[int]:
     return [pid for pid in pids if is_running(pid)]
 
 
-def catches(pid: int, sig: signal.Signals) -> bool:
-    """Whether process `pid` has a handler of its own for `sig` (the SigCgt mask of /proc/PID/status)."""
-    with open(f"/proc/{pid}/status") as handle:
-        mask = next(line.split()[1] for line in handle if line.startswith("SigCgt:"))
-    return bool(int(mask, 16) >> (sig - 1) & 1)
-
-
 def is_running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -269,7 +263,7 @@ class TestLauncherEdges:
         # Past its imports (seconds on a busy machine, when a SIGTERM still ends it as any process): the
         # launcher has taken SIGTERM over just before it dials node 0; then a moment into that wait.
         deadline = time.monotonic() + HANG_GUARD
-        while not catches(launcher.pid, signal.SIGTERM):
+        while not stacks.catches(launcher.pid, signal.SIGTERM):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
             time.sleep(0.05)
         time.sleep(1)
