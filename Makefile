@@ -5,13 +5,19 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: demo test lint install bench clean
+.PHONY: demo test test-quick lint install bench clean
 
 demo: $(STAMP)
 	$(VENV)/bin/phalanx demo
 
+# The whole suite in stages run side by side (tests/suite.py), then its slowest tests and the total.
+# Which tier to run when, and each tier's time budget: CONTRIBUTING.md.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m tests.suite
+
+# The unit tier and one smoke test per capability: at most 2 minutes.
+test-quick: $(STAMP)
+	$(PY) -m tests.suite --quick
 
 # The rule set and why it was chosen: [tool.ruff] in pyproject.toml.
 lint: $(STAMP)

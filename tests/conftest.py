@@ -16,10 +16,13 @@ One folder per tier; every test is marked with its folder's tier (pytest_collect
     pytest tests/unit            # the unit tier alone
     pytest -m "not e2e"          # unit and ranks
     pytest -m "not trainers"     # all but phalanx inside Accelerate and Lightning (the trainers extra)
-    pytest                       # everything, as `make test` runs it
+    pytest                       # everything, one test after another
+    python -m tests.suite        # everything, as `make test` runs it: stages side by side (tests/suite.py)
 
 Across the tiers, a test file may carry a marker of its own: `trainers` (tests/e2e/test_accelerate.py,
-test_lightning.py; they skip without the trainers extra, except under CI), `torch_suite`.
+test_lightning.py; they skip without the trainers extra, except under CI), `torch_suite`; and a test may be
+marked `waiting` (its time is heartbeats, timeouts, links or daemons: tests/suite.py runs these apart) or
+`smoke` (the one test of its capability that `make test-quick` runs). CONTRIBUTING.md says which to run when.
 
 tests/helpers/ holds modules that test files of several tiers import, tests/e2e/jobs/ the scripts the
 e2e tests start. `tests` is a package: test modules import `tests.conftest` and `tests.helpers.*` by

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import CheckpointWriteError, explain
 from ..log import logger
+from ..sharding.dtensor import from_local_like, is_dtensor, local_region
 from ..world import group as world
 from . import atomic_files
 
@@ -37,10 +36,10 @@ def split(state):
     local: dict[str, dict] = {}
 
     def walk(value):
-        if isinstance(value, DTensor):
-            _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        if is_dtensor(value):
+            _, offset = local_region(value)
             key = str(len(local))
-            local[key] = {"offset": [int(o) for o in offset], "tensor": value.to_local().detach().cpu()}
+            local[key] = {"offset": offset, "tensor": value.to_local().detach().cpu()}
             return {PLACEHOLDER: key, "shape": list(value.shape), "dtype": str(value.dtype).split(".")[-1]}
         if isinstance(value, dict):
             return type(value)((k, walk(v)) for k, v in value.items())
@@ -60,12 +59,10 @@ def assemble(skeleton, parts: list[dict], like=None):
     def fill(value, target):
         if isinstance(value, dict) and PLACEHOLDER in value:
             dtype, pieces = getattr(torch, value["dtype"]), [part[value[PLACEHOLDER]] for part in parts]
-            if isinstance(target, DTensor) and list(target.shape) == value["shape"]:
-                shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh,
-                                                                      target.placements)
-                local = _read_region(pieces, list(offset), torch.empty(shape, dtype=dtype))
-                return DTensor.from_local(local.to(target.device), target.device_mesh, target.placements,
-                                          run_check=False, shape=target.shape, stride=target.stride())
+            if is_dtensor(target) and list(target.shape) == value["shape"]:
+                shape, offset = local_region(target)
+                local = _read_region(pieces, offset, torch.empty(shape, dtype=dtype))
+                return from_local_like(local.to(target.device), target)
             return _read_region(pieces, [0] * len(value["shape"]), torch.empty(value["shape"], dtype=dtype))
         if isinstance(value, dict):
             return type(value)((k, fill(v, target.get(k) if isinstance(target, dict) else None))
@@ -172,9 +169,9 @@ def is_optimizer_view(value) -> bool:
 def dtensor_state(value, unwrap) -> dict | None:
     """The state dict of a model whose parameters are FSDP2 shards, or of its optimizer (DTensors in it);
     None for anything else."""
-    if is_optimizer_view(value) and any(isinstance(p, DTensor) for g in value.param_groups for p in g["params"]):
+    if is_optimizer_view(value) and any(is_dtensor(p) for g in value.param_groups for p in g["params"]):
         return value.optimizer.state_dict()
-    if isinstance(value, torch.nn.Module) and any(isinstance(p, DTensor) for p in unwrap(value).parameters()):
+    if isinstance(value, torch.nn.Module) and any(is_dtensor(p) for p in unwrap(value).parameters()):
         return unwrap(value).state_dict()
     return None
 
@@ -186,7 +183,7 @@ def restored(value, skeleton, parts: list[dict], unwrap):
 
 def load_model_state(module: torch.nn.Module, saved: dict) -> None:
     """`module.load_state_dict(saved)`; into FSDP2 shards (shard="parameters") each rank keeps its part."""
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+    if any(is_dtensor(p) for p in module.parameters()):
         from ..sharding.full_state import load_full_model_state  # the engine is needed only here
         load_full_model_state(module, saved)
     else:

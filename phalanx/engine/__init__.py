@@ -16,8 +16,6 @@ from __future__ import annotations
 import sys
 from types import ModuleType
 
-from . import fully_sharded  # registers shard="parameters" (torch's FSDP2) with the DDP front
-
 
 def _keep_old_paths() -> None:
     """`phalanx.engine.<module>` for the modules that moved out of engine/ (issue 23) still imports, and

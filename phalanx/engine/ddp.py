@@ -13,6 +13,7 @@ boundaries and backward still overlaps communication.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import weakref
 from contextlib import contextmanager
@@ -48,8 +49,10 @@ from .torch_surface import TorchSurfaceMixin, check_device_ids, ignored_names, m
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
 # Shard levels that another front implements, registered by that subclass itself (so this module
-# imports none of them: engine/__init__.py imports fully_sharded.py, which registers "parameters").
+# imports none of them), and the module of each: imported when a model first asks for its level, since
+# FSDP2 and DTensor cost about 1 s of CPU to import in every process (sharding/dtensor.py).
 _LEVELS: dict[str, type] = {}
+_LEVEL_MODULES = {"parameters": "phalanx.engine.fully_sharded"}
 
 
 class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSurfaceMixin, torch.nn.Module,
@@ -71,8 +74,9 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
             _LEVELS[level] = cls
 
     def __new__(cls, *args, shard: str = "none", **kwargs):
-        if cls is DistributedDataParallel:  # a level with a front of its own: "parameters" (fully_sharded.py)
-            cls = next((front for level, front in _LEVELS.items() if shard == level), cls)
+        if cls is DistributedDataParallel and shard in _LEVEL_MODULES:  # a level with a front of its own
+            importlib.import_module(_LEVEL_MODULES[shard])  # its class registers itself (__init_subclass__)
+            cls = _LEVELS[shard]
         return super().__new__(cls)
 
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, dim: int = 0,

@@ -11,12 +11,13 @@ so no rank ever holds more than its shards, one whole tensor and what it keeps o
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from .dtensor import is_dtensor
 
 
 def whole(value, keep: bool):
     """A DTensor's whole tensor (collective), on the CPU where `keep`, else None; other values as they are."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         full = value.full_tensor()
         return full.cpu() if keep else None
     return value
@@ -34,8 +35,10 @@ def full_model_state(module: torch.nn.Module, to: int | None, rank: int) -> dict
     return result if keep else None
 
 
-def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's shard of `full`, cut as `like` is cut (no communication)."""
+def local_part(full: torch.Tensor, like) -> torch.Tensor:
+    """This rank's shard of `full`, cut as the DTensor `like` is cut (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
     part = distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
     return part.to_local()
 
@@ -49,8 +52,8 @@ def load_full_model_state(module: torch.nn.Module, saved: dict) -> None:
         if key not in saved:  # the caller checked strictness
             continue
         value = saved[key]
-        if isinstance(target, DTensor):  # a DTensor from a checkpoint's parts is already this rank's shard
-            target.to_local().copy_(value.to_local() if isinstance(value, DTensor) else local_part(value, target))
+        if is_dtensor(target):  # a DTensor from a checkpoint's parts is already this rank's shard
+            target.to_local().copy_(value.to_local() if is_dtensor(value) else local_part(value, target))
         else:
             plain[key] = value
     if plain:

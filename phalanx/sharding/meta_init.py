@@ -18,11 +18,9 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..errors import ShardingError, explain
+from .dtensor import is_dtensor, local_region
 
 
 def has_meta_tensors(module: torch.nn.Module) -> bool:
@@ -98,7 +96,7 @@ def materialize(module: torch.nn.Module, device: torch.device, fill, group, sync
             whole = stand_ins[name].to(device)
             if sync:
                 dist.broadcast(whole, source, group=group)
-            if isinstance(tensor, DTensor):
+            if is_dtensor(tensor):
                 tensor.to_local().copy_(own_rows(whole, tensor))
             else:
                 tensor.copy_(whole)
@@ -107,6 +105,8 @@ def materialize(module: torch.nn.Module, device: torch.device, fill, group, sync
 def _retie(module: torch.nn.Module) -> None:
     """`to_empty` allocates a parameter tied between modules once per module; FSDP2 tracks the first owner's:
     point the other owners at it again, as the meta model had them."""
+    from torch.distributed.fsdp import FSDPModule
+
     for sub in module.modules():
         state = sub._get_fsdp_state() if isinstance(sub, FSDPModule) else None
         for group in getattr(state, "_fsdp_param_groups", None) or []:
@@ -116,9 +116,9 @@ def _retie(module: torch.nn.Module) -> None:
                     other._parameters[name] = param.sharded_param
 
 
-def own_rows(whole: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's slice of `whole`, cut as `like` is (a view: nothing else of `whole` is read)."""
-    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+def own_rows(whole: torch.Tensor, like) -> torch.Tensor:
+    """This rank's slice of `whole`, cut as the DTensor `like` is (a view: nothing else of `whole` is read)."""
+    shape, offset = local_region(like)
     index = tuple(slice(start, start + length) for start, length in zip(offset, shape))
     return whole[index]
 
@@ -171,7 +171,7 @@ class StateDictSource:
                 continue
             done.add(id(tensor))
             source = self.tensor(prefix + name, tensor)
-            if isinstance(tensor, DTensor):
+            if is_dtensor(tensor):
                 tensor.to_local().copy_(own_rows(source, tensor))
             else:
                 tensor.copy_(source)

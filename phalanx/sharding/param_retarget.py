@@ -10,9 +10,9 @@ the same way, so the optimizer steps exactly what an optimizer built after wrapp
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from ..errors import StrayOptimizerError, explain
+from .dtensor import from_local_like, is_dtensor
 from .meta_init import own_rows
 
 
@@ -41,9 +41,10 @@ def retarget(optimizer: torch.optim.Optimizer, replaced, module: torch.nn.Module
         group["params"] = targets
 
 
-def _cut(value, target: DTensor, name: str, rank: int):
-    """A state value for the original parameter, as one for its shard: per-element tensors are cut alike."""
-    if not isinstance(value, torch.Tensor) or value.shape != target.shape or isinstance(value, DTensor):
+def _cut(value, target, name: str, rank: int):
+    """A state value for the original parameter, as one for its shard (the DTensor `target`): per-element
+    tensors are cut alike."""
+    if not isinstance(value, torch.Tensor) or value.shape != target.shape or is_dtensor(value):
         return value
     if value.is_meta:
         raise StrayOptimizerError(explain(
@@ -53,10 +54,9 @@ def _cut(value, target: DTensor, name: str, rank: int):
             parameter=name)
     local = torch.empty_like(target.to_local(), dtype=value.dtype)
     local.copy_(own_rows(value.to(target.device), target))
-    return DTensor.from_local(local, target.device_mesh, target.placements, shape=target.shape,
-                              stride=target.stride(), run_check=False)
+    return from_local_like(local, target)
 
 
 def _describe(tensor: torch.Tensor) -> str:
-    kind = "DTensor" if isinstance(tensor, DTensor) else "tensor"
+    kind = "DTensor" if is_dtensor(tensor) else "tensor"
     return f"{kind} of shape {tuple(tensor.shape)} on {tensor.device}"

@@ -27,6 +27,9 @@ from phalanx.world.membership import ElasticRendezvous
 from tests.conftest import ROOT
 from tests.e2e.test_launch import clean_env, two_hosts  # noqa: F401 - two_hosts is a fixture
 
+# tests/suite.py: the time goes to heartbeats, and to noticing a lost node
+pytestmark = pytest.mark.waiting
+
 JOB = Path(__file__).resolve().parent / "jobs" / "elastic_job.py"
 HANG_GUARD = 180
 SAMPLES = 96

@@ -59,6 +59,7 @@ def is_gone(pid: int) -> bool:
 class TestAllReduceUnderEachLauncher:
     """World size 2 (and 1): the same script gets the right sum under every way of starting it."""
 
+    @pytest.mark.smoke
     def test_phalanx_run_two_workers(self):
         """World size 2 under `phalanx run`."""
         result = phalanx_run("--nproc-per-node", "2", WORKER)
@@ -189,6 +190,7 @@ def two_hosts():
 class TestTwoNodes:
     """2 nodes x 1 worker, each node its own network namespace: a real rendezvous over a network link."""
 
+    @pytest.mark.smoke
     def test_all_reduce_across_two_nodes(self, two_hosts):
         """World size 2: 2 nodes x 1 worker, each node a network namespace."""
         master = two_hosts[0]["addr"]

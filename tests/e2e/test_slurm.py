@@ -26,6 +26,9 @@ from tests.e2e.test_launch import clean_env, is_gone
 from tests.e2e.test_stop import final, resumed_step, steps_log
 from tests.helpers.slurm_cluster import ClusterUnavailable, SlurmCluster
 
+# tests/suite.py: the time goes to SLURM's daemons (registering nodes, scheduling, requeues)
+pytestmark = pytest.mark.waiting
+
 SLURM_EXAMPLES = ROOT / "examples" / "slurm"
 JOBS = ROOT / "tests" / "e2e" / "jobs"
 WINE = 'examples/wine.py --out "runs/wine-${SLURM_JOB_ID}"'  # what the tests swap for another script

@@ -250,6 +250,8 @@ def is_running(pid: int) -> bool:
         return False
 
 
+# tests/suite.py: these check that a stop ends within seconds
+@pytest.mark.waiting
 class TestLauncherEdges:
     """World size 2 (and a lone node 1): the stops that cannot wait for an agreed step."""
 

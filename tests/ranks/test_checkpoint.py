@@ -62,6 +62,7 @@ def restore_and_draw(rank, directory):
             "saved_world_size": ckpt.saved_world_size}
 
 
+@pytest.mark.smoke
 def test_each_rank_resumes_its_own_random_streams_and_world_size_may_change(tmp_path):
     """World size 2 saves; 1 rank (this process, no process group), then 3 ranks restore."""
     after_save = run_ranks(save_with_distinct_streams, 2, args=(str(tmp_path),))

@@ -95,6 +95,7 @@ def joined():
     return run_ranks(_join_cases, WORLD, timeout=120)
 
 
+@pytest.mark.smoke
 def test_join_averaging_over_active_ranks_equals_single_process(joined):
     """World size 3: the ranks hold 3, 4 and 5 batches."""
     for rank, outcome in enumerate(joined):

@@ -9,11 +9,17 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from phalanx.testing import free_port
 from phalanx.world.group import SHUTDOWN_WAIT
 from tests.conftest import ROOT, checkout_on_pythonpath
 
+# tests/suite.py: a dead peer must be noticed within a bound
+pytestmark = pytest.mark.waiting
 
+
+@pytest.mark.smoke
 def test_shutdown_does_not_wait_for_a_dead_peer(tmp_path):
     """World size 2: rank 1 dies by SIGKILL; rank 0's shutdown() takes seconds, not SHUTDOWN_WAIT."""
     port = free_port()

@@ -8,6 +8,7 @@ Data and loop: tests/helpers/global_batch_cases.py (80 samples, B = 26, micro-ba
 splits at 3 and 4 ranks, padding micro-batches in each epoch's last step of 2 samples).
 """
 
+import pytest
 import torch
 
 import phalanx as px
@@ -104,6 +105,7 @@ def test_same_global_batch_at_2_ranks_every_shard_level_and_torch_ddp():
         assert "seen a model over 2 ranks, DistributedSampler(num_replicas=1)" in results["mismatch"]
 
 
+@pytest.mark.smoke
 def test_same_global_batch_at_3_ranks_with_a_count_weighted_split_and_padding():
     """World size 3 (8 or 9 samples per rank and step; in each epoch's last step one rank has only padding)."""
     engines = ["none", "parameters", "torch"]

@@ -39,6 +39,7 @@ def test_resume_contract_holds_for_loader_variants(options):
         assert_resume_contract(rank, 3, **options)
 
 
+@pytest.mark.smoke
 def test_prefetched_batches_do_not_count_as_consumed():
     """World size 1 (ranks simulated), 2 DataLoader workers."""
     loader = make_loader(0, 2, num_workers=2, batch_size=2, prefetch_factor=2)

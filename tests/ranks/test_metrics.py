@@ -55,6 +55,7 @@ def per_rank():
 
 class TestThreeRanks:
 
+    @pytest.mark.smoke
     def test_means_on_uneven_shards_equal_the_single_process_mean(self, per_rank):
         """World size 3."""
         for results in per_rank:

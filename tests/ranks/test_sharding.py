@@ -77,7 +77,7 @@ def _against_torch(rank, world, optimizer):
     return out
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("optimizer", [pytest.param("adamw", marks=pytest.mark.smoke), "sgd", "rmsprop", "adagrad"])
 def test_gloo_sharding_matches_torch_ddp(optimizer):
     """World size 2 over Gloo (shared memory off): close to torch DDP, replicas bitwise equal."""
     results = run_ranks(_against_torch, 2, (2, optimizer), env={"PHALANX_SHM": "0"}, timeout=240)

@@ -30,6 +30,7 @@ def _against_torch(rank, world):
     return out
 
 
+@pytest.mark.smoke
 def test_fsdp2_level_matches_torch_ddp():
     """World size 2: 20 AdamW steps plain, clipped at 0.5, and with no_sync accumulation."""
     for rank, per_rank in enumerate(run_ranks(_against_torch, 2, (2,), timeout=240)):

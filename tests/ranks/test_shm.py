@@ -161,7 +161,7 @@ def _split_exchanges(rank: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(2, marks=pytest.mark.smoke), 3])
 def test_split_exchange_gives_the_rank_order_sum_bitwise_on_every_rank(world_size):
     """World sizes 2 and 3."""
     per_rank = run_ranks(_split_exchanges, world_size)

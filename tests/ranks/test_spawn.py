@@ -26,6 +26,7 @@ def _rank_1_raises(rank):
     dist.barrier()  # rank 0 waits for a peer that is gone: spawn must stop it
 
 
+@pytest.mark.smoke
 def test_results_come_back_in_rank_order():
     """World size 2 (phalanx.spawn)."""
     assert phalanx.spawn(_sum_of_ranks, 2, args=(10,), env=ENV, timeout=120) == [(10, 1), (11, 1)]

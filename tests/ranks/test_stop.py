@@ -3,6 +3,7 @@ same step after one save; a rank that left the loop is named in bounded time, ne
 
 import time
 
+import pytest
 import torch
 
 import phalanx as px
@@ -32,6 +33,7 @@ def _stop_asked_of_one_rank(rank, directory, asked_at):
     return None
 
 
+@pytest.mark.smoke
 def test_a_request_to_one_rank_stops_both_at_the_same_step(tmp_path):
     """World size 2: rank 1 alone is asked at step 30; agreements every ~50 ms."""
     results = run_ranks(_stop_asked_of_one_rank, 2, (str(tmp_path), 30), env={"PHALANX_STOP_INTERVAL": "0.05"})

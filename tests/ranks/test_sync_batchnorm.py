@@ -201,6 +201,7 @@ def _torch_sync_batchnorm_under_phalanx_ddp(rank: int) -> dict:
             "grads": [p.grad.clone() for p in model.parameters()], "running_mean": net[1].running_mean.clone()}
 
 
+@pytest.mark.smoke
 def test_phalanx_ddp_runs_torchs_sync_batchnorm_on_cpu_as_the_whole_batch():
     """World size 2: torch's nn.SyncBatchNorm (which refuses CPU input) is swapped for ours by DDP."""
     per_rank = run_ranks(_torch_sync_batchnorm_under_phalanx_ddp, 2)

@@ -3,6 +3,7 @@ ranks run out of data at different steps, trained under `with model.join(...)`, 
 that averages, at each step, the losses of the ranks still holding a batch.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -75,6 +76,7 @@ def _check(world: int, samples: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(params, results[0][1])), "replicas differ"
 
 
+@pytest.mark.smoke
 def test_two_ranks_with_three_and_two_batches_equal_one_process():
     """World size 2."""
     _check(world=2, samples=21)  # shards 11 / 10 -> 3 / 2 batches of 5

@@ -1,0 +1,115 @@
+"""The suite as `make test` and `make test-quick` run it: stages of tests that run side by side, grouped
+by what their tests wait on, then one report of the slowest tests and the total.
+
+    python -m tests.suite                 # everything (make test)
+    python -m tests.suite --quick         # the unit tier and one smoke test per capability (make test-quick)
+    python -m tests.suite -- -x -k shm    # anything after -- goes to every pytest call
+
+A stage is one pytest call with pytest-xdist: its test files are dealt to workers (a file stays on one
+worker, so a module fixture that launches once serves all of the file's checks).
+    compute   tests whose time is CPU work (imports, training steps): one worker per core, so that
+              they do not slow each other down more than running one after another would.
+    waiting   tests marked `waiting` (tests/conftest.py): their time is heartbeats, grace periods,
+              shaped links and SLURM's daemons, and some assert that something happened within a
+              bound. They run side by side with each other, never beside the compute stage, so a
+              busy machine does not stretch the times they check.
+The report comes from each stage's JUnit XML: pytest's own --durations sees one stage only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOWEST = 15
+
+
+@dataclass
+class Stage:
+    name: str
+    marks: str  # pytest -m expression
+    workers: int
+    paths: list[str]  # where to collect: each worker imports every test module there (~17 s of CPU for all)
+
+
+def files_marking(marker: str) -> list[str]:
+    """The test files that mark a test or the module with `marker`: the only ones a stage of it collects."""
+    pattern = re.compile(rf"pytest\.mark\.{marker}\b")
+    return sorted(str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("test_*.py")
+                  if pattern.search(path.read_text()))
+
+
+def stages(quick: bool, cores: int) -> list[Stage]:
+    if quick:
+        return [Stage("quick", "(unit or smoke) and not waiting", cores, ["tests/unit", *files_marking("smoke")]),
+                Stage("quick, waiting", "smoke and waiting", cores,
+                      sorted(set(files_marking("smoke")) & set(files_marking("waiting"))))]
+    # the waiting stage's tests spend most of their time asleep: three per core keep the CPU busy
+    return [Stage("compute", "not waiting", cores, ["tests"]),
+            Stage("waiting", "waiting", 3 * cores, files_marking("waiting"))]
+
+
+def run_stage(stage: Stage, extra: list[str], report: Path) -> tuple[int, float]:
+    command = [sys.executable, "-m", "pytest", "-q", "-m", stage.marks, "-n", str(stage.workers),
+               "--dist", "loadfile", f"--junitxml={report}", *extra, *stage.paths]
+    print(f"\n== stage {stage.name}: {' '.join(command[1:])}", flush=True)
+    started = time.monotonic()
+    code = subprocess.call(command, cwd=ROOT)
+    return code, time.monotonic() - started
+
+
+def read_report(path: Path) -> list[tuple[float, str, str]]:
+    """(seconds, test id, outcome) of every test case in a JUnit XML file."""
+    if not path.exists():
+        return []
+    cases = []
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
+        cases.append((float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}", outcome))
+    return cases
+
+
+def summarize(results: list[tuple[Stage, int, float, list]], total: float) -> str:
+    lines = [f"\n== the slowest {SLOWEST} tests of all stages"]
+    cases = sorted((case for *_, stage_cases in results for case in stage_cases), reverse=True)
+    lines += [f"{seconds:8.1f}s  {name}" for seconds, name, _ in cases[:SLOWEST]]
+    lines.append("== stages")
+    for stage, code, seconds, stage_cases in results:
+        counts = {outcome: sum(1 for *_, o in stage_cases if o == outcome) for outcome in ("passed", "failure",
+                                                                                           "error", "skipped")}
+        lines.append(f"{stage.name:>16}: {seconds:6.0f}s wall, {stage.workers} workers, exit {code}, "
+                     + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n))
+    lines.append(f"== total: {total:.0f}s wall for {sum(len(c) for *_, c in results)} tests "
+                 f"({sum(s for s, _, _ in cases):.0f}s of test time)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.suite", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the unit tier and one smoke test per capability")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="workers of the compute stage")
+    parser.add_argument("pytest_args", nargs="*", help="after --: passed to every pytest call")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="phalanx-suite-") as folder:
+        for number, stage in enumerate(stages(args.quick, args.cores)):
+            report = Path(folder, f"stage-{number}.xml")
+            code, seconds = run_stage(stage, args.pytest_args, report)
+            results.append((stage, code, seconds, read_report(report)))
+    print(summarize(results, time.monotonic() - started), flush=True)
+    # 5: pytest found no test to run in a stage (a -k that selects only the other stage's tests)
+    return 0 if all(code in (0, 5) for _, code, _, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
