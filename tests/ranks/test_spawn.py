@@ -1,5 +1,8 @@
 """`phalanx.spawn`: the mp.spawn style (multi-process: world size 2, Gloo on CPU)."""
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -8,6 +11,7 @@ import torch.distributed as dist
 
 import phalanx
 from phalanx.errors import RankFailedError
+from tests.conftest import ROOT, checkout_on_pythonpath
 
 ENV = {"PHALANX_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
@@ -40,3 +44,52 @@ def test_child_exception_reaches_the_parent_with_its_traceback():
     assert "_rank_1_raises" in error.value.traceback_text
     assert "KeyError: 'missing key seen by rank 1'" in error.value.traceback_text
     assert "missing key seen by rank 1" in str(error.value)
+
+
+def _what_the_rank_sees(rank):
+    import sys
+
+    return (os.environ.get("PHALANX_TEST_SET"), os.environ.get("PHALANX_TEST_UNSET"), os.environ.get("LD_PRELOAD"),
+            torch.get_num_threads(), os.getppid(), "torch" in sys.modules)
+
+
+def test_forked_ranks_get_the_callers_environment_at_the_call(monkeypatch):
+    """World size 2 (spawn(start_method="forkserver")), twice: what the caller set or removed between the calls is
+    what the ranks see, although the fork server started with the first call's environment."""
+    monkeypatch.setenv("PHALANX_TEST_UNSET", "before")
+    first = phalanx.spawn(_what_the_rank_sees, 2, env=ENV, timeout=120, start_method="forkserver")
+    monkeypatch.delenv("PHALANX_TEST_UNSET")
+    monkeypatch.setenv("PHALANX_TEST_SET", "after")
+    second = phalanx.spawn(_what_the_rank_sees, 2, env=ENV, timeout=120, start_method="forkserver")
+    assert [seen[:2] for seen in first] == [(None, "before")] * 2
+    assert [seen[:2] for seen in second] == [("after", None)] * 2
+    assert all(seen[3] == 1 for seen in first + second)  # OMP_NUM_THREADS=1 applied after the fork
+    parents = {seen[4] for seen in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents  # forked by one server, not by this process
+
+
+def test_a_rank_that_needs_another_allocator_than_the_fork_servers_is_spawned(monkeypatch):
+    """World size 1 (spawn(start_method="forkserver")) with PHALANX_ALLOCATOR=system, after a call that may have
+    started the server with tcmalloc: the rank runs on the system's malloc all the same."""
+    phalanx.spawn(_what_the_rank_sees, 1, env=ENV, timeout=120, start_method="forkserver")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    [seen] = phalanx.spawn(_what_the_rank_sees, 1, env={**ENV, "PHALANX_ALLOCATOR": "system"}, timeout=120,
+                           start_method="forkserver")
+    assert seen[2] is None, seen
+
+
+def test_an_unknown_start_method_is_a_typed_error():
+    """World size 2 asked for, none started."""
+    with pytest.raises(ValueError, match="start_method='fork'"):
+        phalanx.spawn(_sum_of_ranks, 2, args=(0,), start_method="fork")
+
+
+def test_import_phalanx_leaves_dtensor_and_fsdp2_unimported():
+    """No world: one `python -c "import phalanx"` (DTensor and FSDP2 cost ~1 s of CPU in every worker that imports
+    phalanx; sharding/dtensor.py)."""
+    code = ("import sys, phalanx, phalanx.engine, phalanx.checkpoint, phalanx.sharding.full_state; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch.distributed.tensor', "
+            "'torch.distributed.fsdp'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": checkout_on_pythonpath()})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
