@@ -1,8 +1,9 @@
 """The exchange across hosts, end to end: `phalanx run --nnodes 2` in two network namespaces on one machine.
 
 Each namespace is a host (the launcher's node), although both share the machine's name and /dev/shm.
-World sizes: 4 (2 hosts x 2 ranks) and 3 (2 + 1). Every test starts tests/e2e/jobs/xhost_job.py,
-which trains phalanx DDP beside torch DDP and prints a JSON line per rank.
+World sizes: 4 (2 hosts x 2 ranks) and 3 (2 + 1). The tests start tests/e2e/jobs/xhost_job.py, which
+trains phalanx DDP beside torch DDP in each case it is given and prints a JSON line per rank and case;
+one launch serves the cases of TestTwoHostsTwoRanks, each test reading its own.
 """
 
 import json
@@ -16,6 +17,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e.test_launch import HANG_GUARD, _on_each_host, two_hosts  # noqa: F401 - a fixture, used by name
+from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "xhost_job.py")
 
@@ -28,29 +30,57 @@ def _run(hosts, nprocs, *job_args, env=None):
 
 
 def _results(outputs) -> dict[int, dict]:
-    found = {}
+    """{rank: record} of the job's JSON lines (of one case)."""
+    return {record["rank"]: record for record in _records(outputs)}
+
+
+def _records(outputs) -> list[dict]:
+    found = []
     for stdout, _ in outputs:
         for line in stdout.splitlines():
-            match = re.search(r"(\{\"rank\".*\})\s*$", line)
+            match = re.search(r"(\{\"case\".*\})\s*$", line)
             if match:
-                record = json.loads(match.group(1))
-                found[record["rank"]] = record
+                found.append(json.loads(match.group(1)))
     return found
 
 
-class TestTwoHostsTwoRanks:
-    """World size 4: 2 hosts x 2 ranks, each host a network namespace."""
+# Every case of TestTwoHostsTwoRanks in one launch, each in turn in the same processes; "flat" first, so that
+# no shared-memory segment of an earlier case is mapped when it checks that it maps none.
+CASES = ("flat", "auto", "optimizer", "gradients", "uneven", "hier")
 
-    def test_hierarchical_matches_torch_and_keeps_segments_per_host(self, two_hosts):  # noqa: F811
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    """World size 4: 2 hosts x 2 ranks (network namespaces), one launch of every case: {case: (exit codes, stderr
+    of each host, {rank: record})}."""
+    if shutil.which("ip") is None:
+        pytest.skip("multi-node test skipped: the `ip` command (iproute2) is not installed")
+    try:
+        with veth_hosts("phx", 214) as hosts:
+            nodes, outputs = _run(hosts, (2, 2), "--cases", ",".join(CASES))
+    except NamespaceUnavailable as exc:
+        pytest.skip(f"multi-node test skipped: {exc}")
+    codes, errors, records = [node.returncode for node in nodes], [stderr for _, stderr in outputs], _records(outputs)
+    return {case: (codes, errors, {r["rank"]: r for r in records if r["case"] == case}) for case in CASES}
+
+
+def _case(four_ranks, case: str) -> dict[int, dict]:
+    codes, errors, results = four_ranks[case]
+    for code, stderr in zip(codes, errors):
+        assert code == 0, stderr
+    assert sorted(results) == [0, 1, 2, 3], f"case {case}: records of ranks {sorted(results)}"
+    return results
+
+
+class TestTwoHostsTwoRanks:
+    """World size 4: 2 hosts x 2 ranks, each host a network namespace; one launch serves the cases."""
+
+    def test_hierarchical_matches_torch_and_keeps_segments_per_host(self, four_ranks):
         """World size 4: the hierarchical exchange is chosen; its tiny buckets (a bias and an 8-wide layer,
         under 10 KB) go flat and its large ones (32-256 KB) in two levels, alike on every rank; every rank
         ends bitwise equal, allclose to torch DDP; no shared-memory segment is mapped by ranks of two hosts,
         and each names its host."""
-        nodes, outputs = _run(two_hosts, (2, 2))
-        for node, (_, stderr) in zip(nodes, outputs):
-            assert node.returncode == 0, stderr
-        results = _results(outputs)
-        assert sorted(results) == [0, 1, 2, 3]
+        results = _case(four_ranks, "auto")
         assert {r["exchange"] for r in results.values()} == {"HierarchicalExchange"}
         assert len({json.dumps(r["paths"]) for r in results.values()}) == 1
         paths = results[0]["paths"]
@@ -67,48 +97,35 @@ class TestTwoHostsTwoRanks:
         assert not by_host["0"] & by_host["1"]
 
     @pytest.mark.parametrize("shard", ["optimizer", "gradients"])
-    def test_sharded_levels_reduce_scatter_in_two_levels(self, two_hosts, shard):  # noqa: F811
+    def test_sharded_levels_reduce_scatter_in_two_levels(self, four_ranks, shard):
         """World size 4: shard="optimizer" / "gradients" across hosts reduce-scatter and all-gather in two
         levels; every rank ends bitwise equal, allclose to torch DDP."""
-        nodes, outputs = _run(two_hosts, (2, 2), "--shard", shard)
-        for node, (_, stderr) in zip(nodes, outputs):
-            assert node.returncode == 0, stderr
-        results = _results(outputs)
-        assert sorted(results) == [0, 1, 2, 3]
+        results = _case(four_ranks, shard)
         assert {r["exchange"] for r in results.values()} == {"HierShardedExchange"}
         assert len({r["digest"] for r in results.values()}) == 1
         assert max(r["max_diff"] for r in results.values()) < 1e-5
 
-    def test_uneven_inputs_under_join(self, two_hosts):  # noqa: F811
+    def test_uneven_inputs_under_join(self, four_ranks):
         """World size 4: rank 3 has one batch fewer; under join() the hierarchical exchange shadows its
         collectives (flat and two-level buckets), and the result still equals torch DDP's under join(),
         bitwise equal on every rank."""
-        nodes, outputs = _run(two_hosts, (2, 2), "--uneven")
-        for node, (_, stderr) in zip(nodes, outputs):
-            assert node.returncode == 0, stderr
-        results = _results(outputs)
+        results = _case(four_ranks, "uneven")
         assert {r["exchange"] for r in results.values()} == {"HierarchicalExchange"}
         assert all(results[0]["paths"].values()), results[0]["paths"]
         assert len({r["digest"] for r in results.values()}) == 1
         assert max(r["max_diff"] for r in results.values()) < 1e-5
 
-    def test_flat_when_forced(self, two_hosts):  # noqa: F811
+    def test_flat_when_forced(self, four_ranks):
         """World size 4: PHALANX_XHOST=flat gives the process group's all-reduce, still equal to torch DDP."""
-        nodes, outputs = _run(two_hosts, (2, 2), env={"PHALANX_XHOST": "flat"})
-        for node, (_, stderr) in zip(nodes, outputs):
-            assert node.returncode == 0, stderr
-        results = _results(outputs)
+        results = _case(four_ranks, "flat")
         assert {r["exchange"] for r in results.values()} == {"AllReduceExchange"}
         assert len({r["digest"] for r in results.values()}) == 1
         assert max(r["max_diff"] for r in results.values()) < 1e-5
         assert all(not r["segments"] for r in results.values())  # no shared memory across hosts
 
-    def test_hier_when_forced_sends_every_bucket_in_two_levels(self, two_hosts):  # noqa: F811
+    def test_hier_when_forced_sends_every_bucket_in_two_levels(self, four_ranks):
         """World size 4: PHALANX_XHOST=hier sends the tiny buckets in two levels too; still equal to torch DDP."""
-        nodes, outputs = _run(two_hosts, (2, 2), env={"PHALANX_XHOST": "hier"})
-        for node, (_, stderr) in zip(nodes, outputs):
-            assert node.returncode == 0, stderr
-        results = _results(outputs)
+        results = _case(four_ranks, "hier")
         assert {r["exchange"] for r in results.values()} == {"HierarchicalExchange"}
         assert all(not r["paths"]["flat"] and r["paths"]["two_level"] for r in results.values())
         assert len({r["digest"] for r in results.values()}) == 1
@@ -117,7 +134,7 @@ class TestTwoHostsTwoRanks:
     def test_a_killed_rank_is_named_on_the_other_host(self, two_hosts):  # noqa: F811
         """World size 4: rank 3 (host 1) is killed in step 2; the ranks of host 0 name it, and the phase they
         waited in. PHALANX_XHOST=hier: bucket 0 (tiny) would otherwise go flat and be waited for first."""
-        nodes, outputs = _run(two_hosts, (2, 2), "--kill-rank", "3", env={"PHALANX_XHOST": "hier"})
+        nodes, outputs = _run(two_hosts, (2, 2), "--cases", "hier", "--kill-rank", "3")
         assert all(node.returncode != 0 for node in nodes)
         host0 = outputs[0][0] + outputs[0][1]
         assert re.search(r"ranks \[[^\]]*\b3\b[^\]]*\] did not take part", host0), host0[-3000:]
