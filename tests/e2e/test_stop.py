@@ -132,6 +132,7 @@ def twenty_moments() -> list[str]:
     return moments
 
 
+@pytest.mark.timeout(600)  # 21 launches, each guarded by HANG_GUARD: ~3 min alone, more beside another test
 def test_twenty_stops_resume_bitwise(tmp_path, uninterrupted):
     """World size 2 under `phalanx run`: 20 stops at random moments, then the run finishes."""
     stops = chain(tmp_path / "run", twenty_moments())
