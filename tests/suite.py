@@ -2,7 +2,8 @@
 by what their tests wait on, then one report of the slowest tests and the total.
 
     python -m tests.suite                 # everything (make test)
-    python -m tests.suite --quick         # the unit tier and one smoke test per capability (make test-quick)
+    python -m tests.suite --quick         # the unit tier and one smoke test per capability, in one stage
+                                          # (make test-quick)
     python -m tests.suite -- -x -k shm    # anything after -- goes to every pytest call
 
 A stage is one pytest call with pytest-xdist: its test files are dealt to workers (a file stays on one
@@ -49,10 +50,8 @@ def files_marking(marker: str) -> list[str]:
 
 
 def stages(quick: bool, cores: int) -> list[Stage]:
-    if quick:
-        return [Stage("quick", "(unit or smoke) and not waiting", cores, ["tests/unit", *files_marking("smoke")]),
-                Stage("quick, waiting", "smoke and waiting", cores,
-                      sorted(set(files_marking("smoke")) & set(files_marking("waiting"))))]
+    if quick:  # one stage: a smoke test is never a waiting one (CONTRIBUTING.md)
+        return [Stage("quick", "unit or smoke", cores, ["tests/unit", *files_marking("smoke")])]
     # the waiting stage's tests spend most of their time asleep: three per core keep the CPU busy
     return [Stage("compute", "not waiting", cores, ["tests"]),
             Stage("waiting", "waiting", 3 * cores, files_marking("waiting"))]

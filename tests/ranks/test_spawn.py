@@ -30,7 +30,6 @@ def _rank_1_raises(rank):
     dist.barrier()  # rank 0 waits for a peer that is gone: spawn must stop it
 
 
-@pytest.mark.smoke
 def test_results_come_back_in_rank_order():
     """World size 2 (phalanx.spawn)."""
     assert phalanx.spawn(_sum_of_ranks, 2, args=(10,), env=ENV, timeout=120) == [(10, 1), (11, 1)]
@@ -53,6 +52,7 @@ def _what_the_rank_sees(rank):
             torch.get_num_threads(), os.getppid(), "torch" in sys.modules)
 
 
+@pytest.mark.smoke
 def test_forked_ranks_get_the_callers_environment_at_the_call(monkeypatch):
     """World size 2 (spawn(start_method="forkserver")), twice: what the caller set or removed between the calls is
     what the ranks see, although the fork server started with the first call's environment."""
