@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny step counts, for smoke tests")
     parser.add_argument("--memory", action="store_true", help="instead: what sharding saves and costs (model-state "
                         "bytes, peak RSS beside torch DDP / ZeRO / FSDP2, step times); see --memory --help")
+    parser.add_argument("--overhead", action="store_true", help="instead: the host time per step phalanx DDP and "
+                        "torch DDP add to a model of many tiny tensors, at world size 1; see --overhead --help")
     parser.add_argument("--profile", action="store_true", help="then one more phalanx block with its exchange "
                         "timed by phase: copy in, reduce, wait, copy out, rest (per rank and bucket)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
@@ -333,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_memory import main as memory_main
 
         return memory_main(argv)
+    if "--overhead" in argv:  # the host work each DDP adds, at world size 1: a benchmark of its own
+        from .bench_overhead import main as overhead_main
+
+        return overhead_main(argv)
     try:
         config = parse_config(argv)
     except SystemExit as exc:  # argparse: --help, or a malformed flag (its message is already printed)
