@@ -204,12 +204,11 @@ class Reducer:
         """Collective: per parameter, the number of ranks where it got a gradient this backward. None when
         every parameter got one here: each was then used somewhere, and the map is not read back, which on
         a GPU would wait for the whole backward (torch's reducer reads it at every step)."""
-        flags = torch.frombuffer(self._ready, dtype=torch.uint8)
-        if self._used.is_cuda:  # a copy from pageable memory would wait for the GPU; a pinned one is queued
-            flags = flags.pin_memory()
-        self._used[:-1].copy_(flags, non_blocking=True)
+        # To a GPU: a blocking copy would wait for the stream; a non-blocking one from pageable memory is
+        # staged at once (CUDA's cudaMemcpyAsync), so the flags may change right after, and nothing waits.
+        self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8), non_blocking=True)
         own_tag = self.guard.tag(2 ** 20)
-        self._used[-1] = own_tag
+        self._used[-1:].fill_(own_tag)  # a kernel argument: no copy from the host
         entry = recorder.begin(recorder.USED_MAP, -1, self._used.numel(), self._used.dtype)
         future = dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
         self.guard.wait(future, "the all-reduce of the used-parameter map")

@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import platform
-import socket
 import sys
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -30,6 +27,7 @@ from .bench_profile import format_profile, maybe_profile, write_profile_chart
 from .bench_report import (
     SCHEMA,
     VARIANT_LABELS,
+    environment,
     format_table,
     paired_ratios,
     ratios,
@@ -243,28 +241,6 @@ def _allreduce_section(config: BenchConfig) -> dict:
     return {"status": "ok", "sizes_mb": list(config.allreduce_sizes_mb), "rows": rows}
 
 
-def _environment(device: torch.device) -> dict:
-    info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": socket.gethostname(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads_per_process": torch.get_num_threads(),
-            # Other work on the host inflates every variant; a high load says to take the run with salt.
-            "load_average_1min_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def run_rank(rank: int, config: BenchConfig) -> dict | None:
     """The whole benchmark on one rank of an initialized world; rank 0 returns the results."""
     device = world.device()
@@ -283,7 +259,7 @@ def run_rank(rank: int, config: BenchConfig) -> dict | None:
     if rank != 0:
         return None
     summary = {**asdict(config), "nproc": dist.get_world_size(), "backend": dist.get_backend()}
-    return {"schema": SCHEMA, "environment": _environment(device), "config": summary, "models": models,
+    return {"schema": SCHEMA, "environment": environment(device), "config": summary, "models": models,
             "allreduce": allreduce}
 
 

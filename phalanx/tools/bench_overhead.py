@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import BenchConfigError, PhalanxError, explain
 from ..launch.spawn import spawn
-from .bench_report import write_json
+from .bench_report import environment, write_json
 
 VARIANTS = ("plain", "torch", "phalanx")
 SCHEMA = "phalanx-bench-overhead/1"
@@ -155,7 +155,6 @@ def _block(module, optimizer, batch, warmup: int, steps: int, sync) -> list[floa
 def run(rank: int, config: OverheadConfig) -> dict:
     """The whole benchmark in this process (a world of one)."""
     from ..world import group as world
-    from .bench import _environment
 
     device = world.device()
     torch.set_num_threads(1)
@@ -168,7 +167,7 @@ def run(rank: int, config: OverheadConfig) -> dict:
         shift = round_ % len(VARIANTS)
         for variant in VARIANTS[shift:] + VARIANTS[:shift]:
             blocks[variant].append(_block(*built[variant], batch, config.warmup, config.steps, sync))
-    results = {"schema": SCHEMA, "environment": _environment(device), "config": asdict(config),
+    results = {"schema": SCHEMA, "environment": environment(device), "config": asdict(config),
                "tensors": 2 * config.layers, "summary": added_host_time(blocks), "blocks_ms": blocks}
     if config.profile_steps:
         results["profile"] = profile_added(built, batch, config.profile_steps, sync)
