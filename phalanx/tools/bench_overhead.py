@@ -223,7 +223,8 @@ def profile_added(built: dict, batch, steps: int, sync) -> dict:
         parts[label] = cumulative / steps * 1e3
     areas = {label: sum(value[2] for key, value in stats.items() if fragment in key[0].replace("\\", "/")) / steps
              * 1e3 for label, fragment in PROFILE_AREAS}
-    top = sorted(((value[2], key) for key, value in stats.items() if "phalanx" in key[0]), reverse=True)[:12]
+    top = sorted(((value[2], key) for key, value in stats.items()
+                  if "phalanx" in key[0] and "tools" not in key[0]), reverse=True)[:12]  # the engine, not this harness
     return {"steps": steps, "step_ms": per_step, "parts_ms": parts, "own_time_by_area_ms": areas,
             "top_own_time_ms": [{"function": f"{_short(key[0])}:{key[1]}({key[2]})", "ms_per_step": tt / steps * 1e3}
                                 for tt, key in top]}
