@@ -54,6 +54,12 @@ class StepGuard:
     def end(self) -> None:
         self.open = False
 
+    def reads_back(self, device: torch.device) -> bool:
+        """Whether a check may read a tag of `device` back on the host: free on the CPU; on a GPU the read
+        would wait for every kernel queued before it, so a step there checks no tag and keeps running ahead
+        (tests/ranks/test_ddp_host_sync.py)."""
+        return device.type == "cpu"
+
     def tag(self, modulus: int) -> int:
         """This step as a non-zero integer below `modulus` (0 means 'no tag', e.g. inside join)."""
         return self.step % (modulus - 1) + 1 if self.enabled and modulus > 1 else 0

@@ -229,8 +229,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._guard.begin()
         if src is None:
             src = find_common_rank(self, dist.get_rank(), True) if joining else self._group_rank0
-        # The tag check reads a value back: free on CPU, a stream sync on GPU, so only on CPU.
-        tagged = not joining and self._control_device.type == "cpu"
+        tagged = not joining and self._guard.reads_back(self._control_device)
         tags = broadcast_coalesced(buffers, src, self.process_group, tag=self._guard.step if tagged else None,
                                    wait=self._guard.wait_work)
         if tags is not None:

@@ -200,16 +200,25 @@ class Reducer:
         self._reset()
         self.guard.end()
 
-    def _used_anywhere(self) -> list[int]:
-        """Collective: per parameter, the number of ranks where it got a gradient this backward."""
-        self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8))
-        self._used[-1] = self.guard.tag(2 ** 20)
+    def _used_anywhere(self) -> list[int] | None:
+        """Collective: per parameter, the number of ranks where it got a gradient this backward. None when
+        every parameter got one here: each was then used somewhere, and the map is not read back, which on
+        a GPU would wait for the whole backward (torch's reducer reads it at every step)."""
+        # To a GPU: a blocking copy would wait for the stream; a non-blocking one from pageable memory is
+        # staged at once (CUDA's cudaMemcpyAsync), so the flags may change right after, and nothing waits.
+        self._used[:-1].copy_(torch.frombuffer(self._ready, dtype=torch.uint8), non_blocking=True)
+        own_tag = self.guard.tag(2 ** 20)
+        self._used[-1:].fill_(own_tag)  # a kernel argument: no copy from the host
         entry = recorder.begin(recorder.USED_MAP, -1, self._used.numel(), self._used.dtype)
         future = dist.all_reduce(self._used, group=self.group, async_op=True).get_future()
         self.guard.wait(future, "the all-reduce of the used-parameter map")
         recorder.done(entry)
-        self.guard.check_sum(int(self._used[-1]), self.guard.tag(2 ** 20), "the used-parameter map")
-        return self._used[:-1].tolist()
+        every_one_here = 0 not in self._ready
+        if every_one_here and not self.guard.reads_back(self._used.device):
+            return None
+        counts = self._used.tolist()
+        self.guard.check_sum(counts[-1], own_tag, "the used-parameter map")
+        return None if every_one_here else counts[:-1]
 
     def _reset(self) -> None:
         for bucket in self.buckets:
@@ -256,15 +265,16 @@ class Reducer:
         order = self._order + [i for bucket in self.plan() for i in bucket if i not in seen]
         self.rebuilt = True
         self._order = []
-        message = torch.tensor(order + [self.guard.tag(2 ** 30)], dtype=torch.int64, device=self.control_device)
+        order_tag = self.guard.tag(2 ** 30)
+        message = torch.tensor(order + [order_tag], dtype=torch.int64, device=self.control_device)
         sender = dist.get_global_rank(self.group, 0)
-        own_tag = int(message[-1])
         entry = recorder.begin(recorder.BROADCAST, -1, message.numel(), message.dtype)
         work = dist.broadcast(message, sender, group=self.group, async_op=True)
         self.guard.wait_work(work, "the broadcast of the bucket order")
         recorder.done(entry)
-        self.guard.check_equal(int(message[-1]), own_tag, "the broadcast of the bucket order")
-        self.rebuild_with_order(message[:-1].tolist())
+        received = message.tolist()  # the one read of this step on the host: the rebuild happens once
+        self.guard.check_equal(received[-1], order_tag, "the broadcast of the bucket order")
+        self.rebuild_with_order(received[:-1])
 
     def rebuild_with_order(self, order: list[int]) -> None:
         plan = self._plan(order)

@@ -75,7 +75,6 @@ class AllReduceExchange(BucketExchange):
         if bucket.sparse:
             return self.guard.wait(handle, what)[0]  # a sparse sum is a new tensor, not written in place
         self._wait(handle, what)
-        # The check reads the tag back: free on the CPU, a stream synchronization on a GPU.
-        if bucket.storage.device.type == "cpu":
+        if self.guard.reads_back(bucket.storage.device):
             self.guard.check_tag_sum(bucket.tag_slot.item(), bucket.storage.dtype, what)
         return None

@@ -178,7 +178,7 @@ class ShardedExchange(BucketExchange):
         target = self._reduced.pop(index)
         shard = self.shards[index]
         tag_at = bucket.numel - shard.start
-        if 0 <= tag_at < shard.chunk and bucket.storage.device.type == "cpu":  # this rank owns the step tag
+        if 0 <= tag_at < shard.chunk and self.guard.reads_back(bucket.storage.device):  # this rank holds the tag
             self.guard.check_tag_sum(target[tag_at].item(), bucket.storage.dtype,
                                      f"the gradient reduce-scatter of bucket {index}")
         owned = target if self.mode == OPTIMIZER else self.owned[index]

@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import platform
-import socket
 import sys
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -30,6 +27,7 @@ from .bench_profile import format_profile, maybe_profile, write_profile_chart
 from .bench_report import (
     SCHEMA,
     VARIANT_LABELS,
+    environment,
     format_table,
     paired_ratios,
     ratios,
@@ -90,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny step counts, for smoke tests")
     parser.add_argument("--memory", action="store_true", help="instead: what sharding saves and costs (model-state "
                         "bytes, peak RSS beside torch DDP / ZeRO / FSDP2, step times); see --memory --help")
+    parser.add_argument("--overhead", action="store_true", help="instead: the host time per step phalanx DDP and "
+                        "torch DDP add to a model of many tiny tensors, at world size 1; see --overhead --help")
     parser.add_argument("--profile", action="store_true", help="then one more phalanx block with its exchange "
                         "timed by phase: copy in, reduce, wait, copy out, rest (per rank and bucket)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
@@ -241,28 +241,6 @@ def _allreduce_section(config: BenchConfig) -> dict:
     return {"status": "ok", "sizes_mb": list(config.allreduce_sizes_mb), "rows": rows}
 
 
-def _environment(device: torch.device) -> dict:
-    info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": socket.gethostname(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads_per_process": torch.get_num_threads(),
-            # Other work on the host inflates every variant; a high load says to take the run with salt.
-            "load_average_1min_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def run_rank(rank: int, config: BenchConfig) -> dict | None:
     """The whole benchmark on one rank of an initialized world; rank 0 returns the results."""
     device = world.device()
@@ -281,7 +259,7 @@ def run_rank(rank: int, config: BenchConfig) -> dict | None:
     if rank != 0:
         return None
     summary = {**asdict(config), "nproc": dist.get_world_size(), "backend": dist.get_backend()}
-    return {"schema": SCHEMA, "environment": _environment(device), "config": summary, "models": models,
+    return {"schema": SCHEMA, "environment": environment(device), "config": summary, "models": models,
             "allreduce": allreduce}
 
 
@@ -333,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_memory import main as memory_main
 
         return memory_main(argv)
+    if "--overhead" in argv:  # the host work each DDP adds, at world size 1: a benchmark of its own
+        from .bench_overhead import main as overhead_main
+
+        return overhead_main(argv)
     try:
         config = parse_config(argv)
     except SystemExit as exc:  # argparse: --help, or a malformed flag (its message is already printed)

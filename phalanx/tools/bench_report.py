@@ -7,8 +7,14 @@ report can be produced wherever the results end up (the launching parent, or ran
 from __future__ import annotations
 
 import json
+import os
+import platform
+import socket
 import statistics
+from datetime import datetime, timezone
 from pathlib import Path
+
+import torch
 
 SCHEMA = "phalanx-bench/1"
 VARIANT_LABELS = {"torch": "torch DDP", "phalanx": "phalanx DDP", "phalanx-gloo": "phalanx (Gloo)",
@@ -151,3 +157,26 @@ def write_chart(results: dict, path: Path) -> Path | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def environment(device: torch.device) -> dict:
+    """Where and when a benchmark ran: date, host, versions, CPU, threads, load (and the GPU on a GPU run)."""
+    info = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": socket.gethostname(),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "threads_per_process": torch.get_num_threads(),
+            # Other work on the host inflates every variant; a high load says to take the run with salt.
+            "load_average_1min_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

@@ -1,0 +1,85 @@
+"""`phalanx bench --overhead` in this process: its flags, its estimator, its profile and report (world of one,
+in-process); and benchmarks/gpu_bench.py's --smoke path, the logic of every GPU figure on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.tools import bench
+from phalanx.tools.bench_overhead import (
+    OverheadConfig,
+    _build,
+    added_host_time,
+    format_report,
+    parse_config,
+    profile_added,
+)
+from tests.conftest import ROOT
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_added_time_is_paired_by_round_and_robust_to_one_bad_round():
+    blocks = {"plain": [[5.0, 5.0], [6.0, 6.0], [5.0, 5.0]],
+              "torch": [[7.0, 7.0], [8.0, 8.0], [7.0, 7.0]],
+              # the third round was disturbed: a median over rounds does not move
+              "phalanx": [[6.0, 6.0], [7.0, 7.0], [50.0, 50.0]]}
+    summary = added_host_time(blocks)
+    assert summary["torch_added_ms"] == 2.0 and summary["phalanx_added_ms"] == 1.0
+    assert summary["ratio"] == 0.5 and summary["plain_ms"] == 5.0 and summary["rounds"] == 3
+
+
+def test_flags_are_checked_and_the_command_routes_here(capsys):
+    assert parse_config(["--overhead", "--quick"]).rounds == 3
+    assert parse_config(["--overhead"]).rounds == 600
+    assert bench.main(["--overhead", "--rounds", "0"]) == 2
+    assert "--rounds must be positive" in capsys.readouterr().err
+
+
+def test_profile_and_report_name_the_engine_parts(world_of_one):
+    config = OverheadConfig(layers=4, width=4, batch=2)
+    built = {name: _build(name, config, torch.device("cpu")) for name in ("plain", "phalanx")}
+    batch = (torch.randn(2, 4), torch.randn(2, 4))
+    profile = profile_added(built, batch, steps=3, sync=lambda: None)
+    assert profile["parts_ms"]["gradient hooks (the launches included)"] > 0
+    assert profile["parts_ms"]["end of backward: wait, copy out, used map"] > 0
+    assert any("reducer.py" in row["function"] for row in profile["top_own_time_ms"])
+    results = {"tensors": 8, "config": {"width": 4, "layers": 4, "batch": 2, "device": "cpu", "steps": 2},
+               "environment": {"torch": "x", "cpu": "cpu", "load_average_1min_at_end": 1.0},
+               "summary": added_host_time({"plain": [[1.0]], "torch": [[2.0]], "phalanx": [[1.5]]}),
+               "profile": profile}
+    report = format_report(results)
+    assert "phalanx/torch added    0.500" in report and "step guard (bucket/step_guard.py)" in report
+
+
+def test_gpu_bench_smoke_runs_every_section_on_the_cpu(world_of_one, tmp_path):
+    """The GPU benchmark's logic at toy sizes: every section gives its figures, the goals are evaluated,
+    the JSON and the markdown table are written."""
+    spec = importlib.util.spec_from_file_location("phalanx_gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
+    gpu_bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = gpu_bench
+    spec.loader.exec_module(gpu_bench)
+    results = gpu_bench.main(["--smoke", "--out", str(tmp_path)])
+    assert results["errors"] == {}
+    assert set(results["steps"]) == {"large", "small", "peak_mib"}
+    assert set(results["overlap"]["exposed_ms"]) == {"torch", "phalanx"}
+    assert set(results["shard"]["variants"]) == {"torch", "torch-fsdp2", "phalanx-none", "phalanx-optimizer",
+                                                 "phalanx-gradients", "phalanx-parameters"}
+    assert results["shard"]["errors"] == {}
+    assert [goal["goal"] for goal in results["goals"]] == ["phalanx/torch large", "phalanx/torch small",
+                                                           "phalanx/plain large", "exposed ms phalanx - torch"]
+    assert json.loads((tmp_path / "gpu_bench.json").read_text())["smoke"] is True
+    assert "| phalanx-parameters |" in (tmp_path / "gpu_bench.md").read_text()
