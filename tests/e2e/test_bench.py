@@ -15,7 +15,7 @@ import pytest
 
 from phalanx.testing import run_ranks
 from phalanx.tools import bench
-from tests.conftest import checkout_on_pythonpath
+from tests.conftest import ROOT, checkout_on_pythonpath
 
 QUICK = ["--quick", "--models", "deep"]
 
@@ -119,3 +119,23 @@ def test_bench_memory_counts_bytes_rss_and_step_times(tmp_path):
     assert set(results["time"]["deep"]) == levels | {"torch-zero"}
     for expected in ("model-state bytes per rank, 4 ranks", "peak RSS per rank, 2 ranks", "step time, deep"):
         assert expected in done.stdout
+
+
+def test_gpu_bench_smoke_runs_every_section_on_the_cpu(tmp_path):
+    """World size 1: benchmarks/gpu_bench.py --smoke, the GPU benchmark's logic at toy sizes on the CPU: every
+    section gives its figures, the goals are evaluated, the JSON and the markdown table are written."""
+    script = ROOT / "benchmarks" / "gpu_bench.py"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": checkout_on_pythonpath()})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert results["smoke"] is True and results["errors"] == {}
+    assert set(results["steps"]) == {"large", "small", "peak_mib"}
+    assert set(results["overlap"]["exposed_ms"]) == {"torch", "phalanx"}
+    assert set(results["shard"]["variants"]) == {"torch", "torch-fsdp2", "phalanx-none", "phalanx-optimizer",
+                                                 "phalanx-gradients", "phalanx-parameters"}
+    assert results["shard"]["errors"] == {}
+    assert [goal["goal"] for goal in results["goals"]] == ["phalanx/torch large", "phalanx/torch small",
+                                                           "phalanx/plain large", "exposed ms phalanx - torch"]
+    assert "| phalanx-parameters |" in (tmp_path / "gpu_bench.md").read_text()

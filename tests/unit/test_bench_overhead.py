@@ -1,11 +1,7 @@
 """`phalanx bench --overhead` in this process: its flags, its estimator, its profile and report (world of one,
-in-process); and benchmarks/gpu_bench.py's --smoke path, the logic of every GPU figure on the CPU."""
+in-process). benchmarks/gpu_bench.py's --smoke run is in tests/e2e/test_bench.py."""
 
 from __future__ import annotations
-
-import importlib.util
-import json
-import sys
 
 import pytest
 import torch
@@ -20,7 +16,6 @@ from phalanx.tools.bench_overhead import (
     parse_config,
     profile_added,
 )
-from tests.conftest import ROOT
 
 
 @pytest.fixture
@@ -63,23 +58,3 @@ def test_profile_and_report_name_the_engine_parts(world_of_one):
                "profile": profile}
     report = format_report(results)
     assert "phalanx/torch added    0.500" in report and "step guard (bucket/step_guard.py)" in report
-
-
-def test_gpu_bench_smoke_runs_every_section_on_the_cpu(world_of_one, tmp_path):
-    """The GPU benchmark's logic at toy sizes: every section gives its figures, the goals are evaluated,
-    the JSON and the markdown table are written."""
-    spec = importlib.util.spec_from_file_location("phalanx_gpu_bench", ROOT / "benchmarks" / "gpu_bench.py")
-    gpu_bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = gpu_bench
-    spec.loader.exec_module(gpu_bench)
-    results = gpu_bench.main(["--smoke", "--out", str(tmp_path)])
-    assert results["errors"] == {}
-    assert set(results["steps"]) == {"large", "small", "peak_mib"}
-    assert set(results["overlap"]["exposed_ms"]) == {"torch", "phalanx"}
-    assert set(results["shard"]["variants"]) == {"torch", "torch-fsdp2", "phalanx-none", "phalanx-optimizer",
-                                                 "phalanx-gradients", "phalanx-parameters"}
-    assert results["shard"]["errors"] == {}
-    assert [goal["goal"] for goal in results["goals"]] == ["phalanx/torch large", "phalanx/torch small",
-                                                           "phalanx/plain large", "exposed ms phalanx - torch"]
-    assert json.loads((tmp_path / "gpu_bench.json").read_text())["smoke"] is True
-    assert "| phalanx-parameters |" in (tmp_path / "gpu_bench.md").read_text()
