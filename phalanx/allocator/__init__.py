@@ -250,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m phalanx.allocator` (or `phalanx allocator`): print LD_PRELOAD=... for torchrun or srun."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: python -m phalanx.allocator (or: phalanx allocator)\n\nPrints LD_PRELOAD=<library>: the allocator `phalanx run` gives "
-              "its workers (PHALANX_ALLOCATOR), for torchrun or srun:\n"
+        print("usage: python -m phalanx.allocator (or: phalanx allocator)\n\n"
+              "Prints LD_PRELOAD=<library>: the allocator `phalanx run` gives its workers (PHALANX_ALLOCATOR), for "
+              "torchrun or srun:\n"
               "  export $(python -m phalanx.allocator); torchrun --nproc-per-node 2 train.py\n"
               "  srun --export=ALL,$(python -m phalanx.allocator) python train.py")
         return 0
