@@ -8,6 +8,8 @@ step time. It can only be chosen as a process starts: `phalanx run` and `phalanx
 under torchrun or srun, `python -m phalanx.allocator` prints the LD_PRELOAD to start with.
 PHALANX_ALLOCATOR: unset or auto (mimalloc, else the system's tcmalloc), mimalloc, tcmalloc, system
 (keep glibc), or the path of a library. Measured figures: docs/benchmarks.md.
+
+May import: errors, log.
 """
 
 from __future__ import annotations
