@@ -1,13 +1,12 @@
-"""The C allocator of phalanx's workers: mimalloc, which arrives with phalanx (the cmeel-mimalloc wheel).
+"""The C allocator of phalanx's workers: the system's tcmalloc, else mimalloc, which comes with phalanx.
 
 glibc's malloc keeps what sharded steps free: FSDP2 (`shard="parameters"`) allocates and frees each
-block's gathered parameters and gradients on every step, and glibc places them anew each time, so a
-rank's resident memory reached 3x its live bytes. An allocator that reuses freed blocks by size class
-(mimalloc, tcmalloc) keeps the saving; returning the memory to the system instead cost 25-100 % of
-step time. It can only be chosen as a process starts: `phalanx run` and `phalanx.spawn` preload it;
-under torchrun or srun, `python -m phalanx.allocator` prints the LD_PRELOAD to start with.
-PHALANX_ALLOCATOR: unset or auto (mimalloc, else the system's tcmalloc), mimalloc, tcmalloc, system
-(keep glibc), or the path of a library. Measured figures: docs/benchmarks.md.
+block's gathered parameters and gradients on every step, and glibc places them anew each time (measured:
+a peak of 0.92 x shard="none"'s). Allocators that reuse freed blocks by size class keep the saving:
+tcmalloc 0.54, mimalloc (the cmeel-mimalloc wheel, a dependency: on any Linux machine) 0.57, so the
+system's tcmalloc goes first where it is installed. An allocator is chosen as a process starts: `phalanx
+run` and `phalanx.spawn` preload it; under torchrun or srun, `python -m phalanx.allocator` prints the
+LD_PRELOAD. PHALANX_ALLOCATOR: auto (unset), tcmalloc, mimalloc, system (keep glibc), or a library's path.
 
 May import: errors, log.
 """
@@ -33,18 +32,16 @@ from ..log import logger
 SEARCH = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 WHEEL = "cmeel-mimalloc"  # pinned in pyproject.toml; Linux x86_64 and aarch64 wheels
-PREFERENCE = ("mimalloc", "tcmalloc")  # what `auto` tries, in order (docs/benchmarks.md: the A/B)
+PREFERENCE = ("tcmalloc", "mimalloc")  # what `auto` tries, in order: tcmalloc kept less (docs/benchmarks.md)
 KNOWN = ("mimalloc", "tcmalloc", "jemalloc")
 # Set by `phalanx run` and `phalanx.spawn` for their workers: the allocator they chose ("system" included).
 CHOSEN_BY_LAUNCHER = "PHALANX_WORKER_ALLOCATOR"
 
-# Peak RSS per rank / shard="none"'s, 2 ranks, the 50M-parameter MLP with AdamW (`phalanx bench --memory`),
-# on glibc's malloc and on the shipped mimalloc: what the glibc warning quotes.
-MEASURED_PEAK_VS_NONE = {
-    "optimizer": (0.70, 0.70),
-    "gradients": (0.61, 0.60),
-    "parameters": (0.90, 0.52),
-}
+# Peak RSS per rank / shard="none"'s, 2 ranks, the 50M-parameter MLP with AdamW (`phalanx bench --memory`,
+# 2026-11-26), on glibc's malloc and on the shipped mimalloc, for the levels that lose their saving on glibc:
+# what the warning quotes. "optimizer" and "gradients" measured no worse on glibc (0.70 and 0.63, against 0.75
+# and 0.66 on mimalloc, 0.71 and 0.61 on tcmalloc): their buckets are allocated once, and nothing is said.
+MEASURED_PEAK_VS_NONE = {"parameters": (0.92, 0.57)}
 
 
 class Allocator(NamedTuple):
@@ -118,7 +115,7 @@ def choose(environ=None) -> Allocator | None:
         raise WorldConfigError(explain("PHALANX_ALLOCATOR names the workers' C allocator",
                                        seen=f"PHALANX_ALLOCATOR={setting!r}",
                                        expected="auto, mimalloc, tcmalloc, system, or a library's path",
-                                       fix="Unset it for mimalloc (shipped with phalanx)."))
+                                       fix="Unset it: the system's tcmalloc, else mimalloc (shipped with phalanx)."))
     finders = {"mimalloc": shipped_mimalloc, "tcmalloc": lambda: system_tcmalloc(search_path(environ))}
     for name in PREFERENCE if choice in ("", "auto") else (choice,):
         found = finders[name]()
@@ -231,18 +228,18 @@ _warned: set[str] = set()  # warn once per process, not once per model wrapped
 
 
 def warn_if_glibc(level: str, rank: int, environ=None) -> str | None:
-    """At wrap time, rank 0 warns once when a sharded level runs on glibc's malloc: returns the warning."""
+    """At wrap time, rank 0 warns once when a level that loses its saving on glibc's malloc (MEASURED_PEAK_VS_NONE)
+    runs on it: returns the warning."""
     environ = os.environ if environ is None else environ
-    if rank != 0 or level == "none" or "glibc" in _warned or current() != "glibc":
+    if rank != 0 or level not in MEASURED_PEAK_VS_NONE or "glibc" in _warned or current() != "glibc":
         return None
     if environ.get("PHALANX_ALLOCATOR", "").strip().lower() == "system":
         return None  # chosen on purpose
     _warned.add("glibc")
-    on_glibc, shipped = MEASURED_PEAK_VS_NONE.get(level, (None, None))
-    measured = (f" (measured, 50M-parameter MLP on 2 ranks: peak memory {on_glibc:.2f} x shard='none' on glibc, "
-                f"{shipped:.2f} x with mimalloc)") if on_glibc else ""
-    text = (f"shard={level!r} runs on glibc's malloc, which keeps the blocks sharded steps free{measured}. Fix: "
-            "start the ranks with `phalanx run` or `phalanx.spawn`, which preload mimalloc, or under torchrun/srun "
+    on_glibc, shipped = MEASURED_PEAK_VS_NONE[level]
+    text = (f"shard={level!r} runs on glibc's malloc, which keeps the blocks each step frees (measured, 50M-parameter "
+            f"MLP on 2 ranks: peak memory {on_glibc:.2f} x shard='none' on glibc, {shipped:.2f} x with mimalloc). Fix: "
+            "start the ranks with `phalanx run` or `phalanx.spawn`, which preload a better one, or under torchrun/srun "
             "with the LD_PRELOAD that `python -m phalanx.allocator` prints (PHALANX_ALLOCATOR=system silences this)")
     logger.warning(text)
     return text

@@ -1,5 +1,5 @@
 """phalanx.spawn starts its ranks with the allocator phalanx chose (the shipped mimalloc on a machine without the
-system's tcmalloc), tells them so, and with PHALANX_ALLOCATOR=system keeps glibc's malloc, where a sharded level
+system's tcmalloc), tells them so, and with PHALANX_ALLOCATOR=system keeps glibc's malloc, where shard="parameters"
 is warned about once on rank 0. World size 2."""
 
 import logging
@@ -39,7 +39,7 @@ def _wrap_sharded_twice(rank):
     os.environ.pop("PHALANX_ALLOCATOR")  # not "system" on purpose any more: as a torchrun user's process
     for _ in range(2):
         model = px.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
-                                           shard="gradients")
+                                           shard="parameters")
         model(torch.randn(4, 8)).sum().backward()
     return allocator.current(), [r.getMessage() for r in records if "glibc" in r.getMessage()]
 
@@ -48,6 +48,6 @@ def test_a_sharded_level_on_glibc_is_warned_once_on_rank_0():
     """World size 2, started on glibc's malloc (PHALANX_ALLOCATOR=system): rank 0 warns once over two wraps."""
     (have0, warned0), (have1, warned1) = run_ranks(_wrap_sharded_twice, 2, env={"PHALANX_ALLOCATOR": "system"})
     assert have0 == have1 == "glibc"
-    assert len(warned0) == 1 and "shard='gradients' runs on glibc's malloc" in warned0[0], warned0
+    assert len(warned0) == 1 and "shard='parameters' runs on glibc's malloc" in warned0[0], warned0
     assert "python -m phalanx.allocator" in warned0[0], warned0
     assert warned1 == [], warned1

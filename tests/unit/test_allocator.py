@@ -45,12 +45,14 @@ def _no_wheel(monkeypatch):
 
 
 @needs_wheel
-def test_the_shipped_mimalloc_comes_first_and_loads():
+def test_auto_takes_the_systems_tcmalloc_else_the_shipped_mimalloc():
     assert SHIPPED.name == "mimalloc" and SHIPPED.path.endswith("libmimalloc.so.3"), SHIPPED
-    assert allocator.choose({}) == SHIPPED
-    assert allocator.choose({"PHALANX_ALLOCATOR": "auto"}) == SHIPPED
+    system = allocator.system_tcmalloc()
+    assert allocator.choose({}) == (system or SHIPPED)
+    assert allocator.choose({"PHALANX_ALLOCATOR": "auto", "PHALANX_ALLOCATOR_SEARCH": ""}) == SHIPPED
     assert allocator.choose({"PHALANX_ALLOCATOR": "MiMalloc"}) == SHIPPED
-    assert allocator.worker_preload({"LD_PRELOAD": "/opt/x/libhook.so"}) == f"{SHIPPED.path} /opt/x/libhook.so"
+    assert allocator.worker_preload({"LD_PRELOAD": "/opt/x/libhook.so", "PHALANX_ALLOCATOR_SEARCH": ""}) == \
+        f"{SHIPPED.path} /opt/x/libhook.so"
 
 
 def test_system_keeps_glibc_and_a_preloaded_allocator_is_left_alone():
@@ -79,6 +81,7 @@ def test_the_search_path_finds_and_hides_the_systems_tcmalloc(tmp_path):
     assert found == allocator.Allocator("tcmalloc", str(tmp_path / "libtcmalloc_minimal.so.4"), "the system")
     with pytest.raises(WorldConfigError, match="an empty search path"):
         allocator.choose({"PHALANX_ALLOCATOR": "tcmalloc", "PHALANX_ALLOCATOR_SEARCH": ""})
+    assert allocator.choose({"PHALANX_ALLOCATOR_SEARCH": str(tmp_path)}) == found  # where found, it goes first
     assert allocator.choose({"PHALANX_ALLOCATOR_SEARCH": ""}) == SHIPPED  # a fresh machine: the wheel's
 
 
@@ -132,17 +135,19 @@ def test_the_advice_under_torchrun_or_srun(monkeypatch, said):
 
 
 def test_the_warning_of_a_sharded_level_on_glibc(monkeypatch, said):
-    """Rank 0 warns once per process, with the measured figures and the fix; not on rank 1, not for "none",
-    not with PHALANX_ALLOCATOR=system (chosen on purpose), not on another allocator."""
+    """Rank 0 warns once per process, with the measured figures and the fix; not on rank 1, not for the levels
+    that measured as well on glibc, not with PHALANX_ALLOCATOR=system (chosen on purpose), not on another
+    allocator."""
     monkeypatch.setattr(allocator, "current", lambda: "glibc")
-    assert allocator.warn_if_glibc("none", 0, {}) is None
+    for level in ("none", "optimizer", "gradients"):
+        assert allocator.warn_if_glibc(level, 0, {}) is None
     assert allocator.warn_if_glibc("parameters", 1, {}) is None
     assert allocator.warn_if_glibc("parameters", 0, {"PHALANX_ALLOCATOR": "system"}) is None
     text = allocator.warn_if_glibc("parameters", 0, {})
     on_glibc, shipped = allocator.MEASURED_PEAK_VS_NONE["parameters"]
     assert f"peak memory {on_glibc:.2f} x shard='none' on glibc, {shipped:.2f} x with mimalloc" in text, text
     assert "python -m phalanx.allocator" in text and "phalanx run" in text, text
-    assert allocator.warn_if_glibc("gradients", 0, {}) is None  # once
+    assert allocator.warn_if_glibc("parameters", 0, {}) is None  # once
     assert [r.getMessage() for r in said if r.levelno == logging.WARNING] == [text]
     monkeypatch.setattr(allocator, "_warned", set())
     monkeypatch.setattr(allocator, "current", lambda: "mimalloc")
