@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from .. import allocator
 from ..bucket.buckets import FIRST_BUCKET_BYTES, sparse_indices
 from ..bucket.shard_levels import OPTIMIZER, check_shard, unsupported_with_sharding
 from ..bucket.step_guard import StepGuard
@@ -110,7 +109,6 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self.static_graph = static_graph
         self.shard = check_shard(shard, gradient_as_bucket_view, named)
         guard_level(named, self.shard)
-        allocator.warn_if_glibc(self.shard, dist.get_rank())  # a sharded level saves little on glibc's malloc
         # As torch: 25 MiB buckets, and a 1 MiB first bucket unless the user chose a cap.
         self.bucket_bytes_cap = int((DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb) * 2**20)
         first_cap = min(FIRST_BUCKET_BYTES, self.bucket_bytes_cap) if bucket_cap_mb is None else self.bucket_bytes_cap

@@ -252,7 +252,7 @@ def run(argv: list[str] | None = None) -> int:
     rings = tempfile.mkdtemp(prefix="phalanx-rings-")
     os.environ["PHALANX_RUN_DIR"] = rings
     os.environ["PHALANX_STALL_WATCHER"] = "launcher"
-    preload_for_workers()  # mimalloc, shipped: sharded steps fragment glibc's heap (phalanx/allocator/)
+    preload_for_workers()  # the system's tcmalloc, else the shipped mimalloc: glibc fragments (phalanx/allocator/)
     diagnosis = RunDiagnosis(rings, args.stall_timeout, args.on_stall, args.log_dir, args.straggler_every)
     stop = StopRequest(args.grace_period, args.node_rank)
     summary = RunSummary(args.log_dir, writes_job_file=args.node_rank == 0)
