@@ -1,12 +1,13 @@
-"""The workers' C allocator, glibc's malloc against tcmalloc (phalanx/launch/allocator.py): step times.
+"""The workers' C allocator, glibc's malloc against tcmalloc and mimalloc (phalanx/allocator/): step times.
 
     PYTHONPATH=. python benchmarks/allocator_ab.py [--models wide,gpt,mlp50] [--rounds 2] [--steps 10]
+        [--allocators system,tcmalloc,mimalloc]
 
-An allocator is chosen when a process starts, so the two cannot share a launch: launches alternate
-(system, tcmalloc, system, tcmalloc, ...), each training every shard level of `phalanx bench
---memory`'s step times in interleaved blocks. Per launch the levels are timed as ratios to phalanx
-"none"; across launches the allocator's effect is the median of tcmalloc / system per level, so
-drift between launches hits both settings alike. `mlp50` is bench --memory's 50M-parameter MLP.
+An allocator is chosen when a process starts, so they cannot share a launch: each round launches every
+allocator once (the order rotating from round to round), each launch training every shard level of
+`phalanx bench --memory`'s step times in interleaved blocks. The allocator's effect is each one's step over
+glibc's ("system") in the same round, per level, so drift between rounds hits every setting alike.
+`mlp50` is bench --memory's 50M-parameter MLP.
 """
 
 from __future__ import annotations
@@ -43,21 +44,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--allocators", default="system,tcmalloc,mimalloc", help="PHALANX_ALLOCATOR values; "
+                        "the first is the baseline")
     args = parser.parse_args()
     names = [n for n in args.models.split(",") if n]
-    runs: dict[str, list] = {"system": [], "tcmalloc": []}
+    allocators = [a for a in args.allocators.split(",") if a]
+    runs: dict[str, list] = {allocator: [] for allocator in allocators}
     for round_ in range(args.rounds):
-        for allocator in ("system", "tcmalloc"):
+        for allocator in allocators[round_ % len(allocators):] + allocators[:round_ % len(allocators)]:
             print(f"round {round_ + 1}/{args.rounds}: {allocator}", flush=True)
             runs[allocator].append(_launch(allocator, names, args.steps, args.blocks))
+    base, others = allocators[0], allocators[1:]
     for name in names:
-        print(f"\n{name}: median step ms (slowest rank), system / tcmalloc, and tcmalloc / system per round")
-        for variant in runs["system"][0][name]:
-            system = [run[name][variant] for run in runs["system"]]
-            tcmalloc = [run[name][variant] for run in runs["tcmalloc"]]
-            ratios = [t / s for s, t in zip(system, tcmalloc)]
-            print(f"  {variant:<20} {statistics.median(system):8.1f} {statistics.median(tcmalloc):8.1f}   "
-                  f"{' '.join(f'{r:.3f}' for r in ratios)}   median {statistics.median(ratios):.3f}")
+        print(f"\n{name}: median step ms (slowest rank) per allocator, and each / {base} per round")
+        for variant in runs[base][0][name]:
+            steps = {a: [run[name][variant] for run in runs[a]] for a in allocators}
+            medians = " ".join(f"{a} {statistics.median(steps[a]):8.1f}" for a in allocators)
+            ratios = "   ".join(f"{a}/{base} " + " ".join(f"{o / b:.3f}" for b, o in zip(steps[base], steps[a]))
+                               for a in others)
+            print(f"  {variant:<20} {medians}   {ratios}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The `phalanx` command: `run` launches training, `demo` and `bench` run the bundled jobs.
+"""The `phalanx` command: `run` launches training, `demo` and `bench` run the bundled jobs, `allocator` prints
+the LD_PRELOAD for torchrun or srun.
 
 Subcommands are dispatched by name, each to its own module's `main(argv)`, imported only when
 used so that `phalanx run` does not pay for the demo's or benchmarks' imports.
@@ -13,10 +14,11 @@ COMMANDS = {
     "run": ("phalanx.launch.run", "launch a script on N workers per node (like torchrun); `phalanx run --help`"),
     "demo": ("phalanx.tools.demo", "train the bundled demo model on 2 processes"),
     "bench": ("phalanx.tools.bench", "measure phalanx DDP against torch DDP and compute-only"),
+    "allocator": ("phalanx.allocator", "print the LD_PRELOAD that gives torchrun / srun ranks phalanx's allocator"),
 }
 
-USAGE = ("usage: phalanx {run,demo,bench} [options]\n\n"
-         + "\n".join(f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items())
+USAGE = (f"usage: phalanx {{{','.join(COMMANDS)}}} [options]\n\n"
+         + "\n".join(f"  {name:<9} {text}" for name, (_, text) in COMMANDS.items())
          + "\n\nexample: phalanx run --nproc-per-node 2 train.py\n")
 
 

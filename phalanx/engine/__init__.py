@@ -8,7 +8,7 @@ reach for: `device_ids`, `.reducer`, static graph, logging data), `dist_autograd
 `comm_hook_checks.py` serve the front. How a bucket is averaged is exchange/'s business, and the front only asks
 exchange/choose.py for an exchange.
 
-May import: bucket, exchange, sharding, world, nn, diagnose, errors, log.
+May import: bucket, exchange, sharding, world, nn, diagnose, allocator, errors, log.
 """
 
 from __future__ import annotations

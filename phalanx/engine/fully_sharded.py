@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import allocator
 from ..bucket.shard_levels import unsupported_with_sharding
 from ..errors import ShardingError, explain
 from ..sharding.full_state import full_model_state, load_full_model_state, whole
@@ -78,6 +79,7 @@ class ParameterShardedDDP(DistributedDataParallel, level=PARAMETERS):
         self.shard = shard
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         rank = dist.get_rank()
+        allocator.warn_if_glibc(shard, rank)  # FSDP2's transients fragment glibc's heap (allocator/)
         meta = has_meta_tensors(module)
         if meta:
             check_all_meta(module, rank)

@@ -1,6 +1,6 @@
 """Starting workers: `phalanx run` on torch's elastic agent (`run.py`, `agent.py`), the worker entry point,
-failure reports, stop requests passed on to the workers (`stop.py`), the run summary (`goodput.py`), the
-workers' allocator (`allocator.py`), and `phalanx.spawn` for the mp.spawn style.
+failure reports, stop requests passed on to the workers (`stop.py`), the run summary (`goodput.py`), and
+`phalanx.spawn` for the mp.spawn style. Both preload the workers' allocator (phalanx/allocator/).
 
-May import: world, diagnose, errors, log.
+May import: world, diagnose, allocator, errors, log.
 """

@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig
 
+from ..allocator import preload_for_workers
 from ..diagnose import progress
 from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ..errors import PhalanxError, explain
@@ -34,7 +35,6 @@ from ..world.rendezvous import LOOPBACK, StaticRendezvous
 from ..world.slurm import launcher_nodes
 from ..world.stop import STOP_EXIT_CODE
 from .agent import Agent
-from .allocator import preload_for_workers
 from .diagnosis import STALL_EXIT_CODE, RunDiagnosis
 from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
 from .goodput import RunSummary
@@ -252,7 +252,7 @@ def run(argv: list[str] | None = None) -> int:
     rings = tempfile.mkdtemp(prefix="phalanx-rings-")
     os.environ["PHALANX_RUN_DIR"] = rings
     os.environ["PHALANX_STALL_WATCHER"] = "launcher"
-    preload_for_workers()  # tcmalloc where found: sharded steps fragment glibc's heap (allocator.py)
+    preload_for_workers()  # the system's tcmalloc, else the shipped mimalloc: glibc fragments (phalanx/allocator/)
     diagnosis = RunDiagnosis(rings, args.stall_timeout, args.on_stall, args.log_dir, args.straggler_every)
     stop = StopRequest(args.grace_period, args.node_rank)
     summary = RunSummary(args.log_dir, writes_job_file=args.node_rank == 0)

@@ -16,9 +16,9 @@ import time
 import traceback
 from contextlib import contextmanager
 
+from ..allocator import CHOSEN_BY_LAUNCHER, worker_preload
 from ..errors import RankFailedError, RanksTimedOutError, explain
 from ..world.rendezvous import LOOPBACK, host_store
-from .allocator import worker_preload
 
 _GRACE_SECONDS = 3.0
 START_METHODS = ("spawn", "forkserver")
@@ -89,7 +89,8 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
     base = {"WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(server.port), "PHALANX_STORE_HOSTED": "1", **(env or {})}
     processes = []
-    with _preloaded(base):  # the allocator is chosen as a process starts: the children inherit it
+    with _preloaded(base) as preload:  # the allocator is chosen as a process starts: the children inherit it
+        base[CHOSEN_BY_LAUNCHER] = preload or "system"  # so that init() gives no torchrun advice (allocator.py)
         context = _context(start_method)
         results = context.Queue()
         if context.get_start_method() == "forkserver":
@@ -122,16 +123,17 @@ def _context(start_method: str):
 
 @contextmanager
 def _preloaded(env: dict):
-    """This process's LD_PRELOAD set to the workers' allocator (allocator.py) while children start, then back."""
+    """This process's LD_PRELOAD set to the workers' allocator (allocator.py) while children start, then back;
+    yields the LD_PRELOAD they start with."""
     settings = {**os.environ, **env}
     preload = worker_preload(settings)
     if preload is None:
-        yield
+        yield settings.get("LD_PRELOAD", "")
         return
     before = os.environ.get("LD_PRELOAD")
     os.environ["LD_PRELOAD"] = preload
     try:
-        yield
+        yield preload
     finally:
         if before is None:
             os.environ.pop("LD_PRELOAD", None)

@@ -1,4 +1,5 @@
 """The bundled jobs: `phalanx bench` and `phalanx demo`. The library never imports this package.
 
-May import: phalanx, engine, exchange, checkpoint, data, launch, testing, hooks, nn, shm, world, diagnose, errors, log.
+May import: phalanx, engine, exchange, checkpoint, data, launch, testing, hooks, nn, shm, world, diagnose, allocator,
+errors, log.
 """

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..allocator import worker_preload
 from ..engine.ddp import DistributedDataParallel
 from ..errors import BenchConfigError, PhalanxError, explain
-from ..launch.allocator import worker_preload
 from ..launch.spawn import spawn
 from .bench_block import run_block
 from .bench_models import MODELS, make_batches

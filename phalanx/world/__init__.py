@@ -4,7 +4,7 @@ requests that reach the process (stop.py).
 
 `group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports.
 
-May import: diagnose, errors, log.
+May import: diagnose, allocator, errors, log.
 """
 
 from .group import (

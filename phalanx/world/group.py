@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import log
+from .. import allocator, log
 from ..diagnose import progress, recorder, stacks
 from ..diagnose.watch import stall_timeout
 from ..diagnose.watchdog import Watchdog
@@ -178,6 +178,7 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     log.configure(spec.rank)
     if network is not None:
         getattr(log.logger, network.level)(network.sentence)
+    allocator.say_at_init(spec.rank, spec.world_size)  # under torchrun/srun: the allocator, and the LD_PRELOAD
     if _owns_group:
         # Gloo finishes connecting on some ranks before others; a rank that returned from init()
         # and exited at once would break its peers' half-made connections. Leave init() together.

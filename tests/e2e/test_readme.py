@@ -219,13 +219,22 @@ class TestPythonBlocks:
         assert "resumed from" in again and not epoch_losses(again), again
 
     def test_torch_ddp_with_the_shared_memory_hook(self, tmp_path):
-        """World size 2, under `phalanx run`, then under torchrun with PHALANX_SHM=0."""
+        """World size 2, under `phalanx run`, then under torchrun with PHALANX_SHM=0. Under torchrun (only), rank 0
+        says in one line which allocator the ranks have and the LD_PRELOAD that gives them phalanx's."""
+        from phalanx import allocator
+
         (tmp_path / "torch_ddp_shm.py").write_text(python_block("torch_ddp_shm.py"))
         output = run([*PHALANX, "run", "--nproc-per-node", "2", "torch_ddp_shm.py"], tmp_path)
         assert f"[rank 0] shared memory: {shm_possible()}" in output, output
+        assert "allocator:" not in output, f"phalanx run chose the allocator: nothing to advise\n{output}"
         # PHALANX_SHM=0 turns it off; and torchrun starts the same script.
         output = run([*TORCHRUN, "--nproc-per-node", "2", "torch_ddp_shm.py"], tmp_path, env={"PHALANX_SHM": "0"})
         assert "shared memory: False" in output, output
+        advice = [line for line in output.splitlines() if "allocator:" in line]
+        assert len(advice) == 1 and advice[0].startswith("[rank 0] INFO allocator: "), output
+        chosen = allocator.choose()
+        if allocator.current() == "glibc" and chosen is not None:  # torchrun's ranks inherit this process's malloc
+            assert f"LD_PRELOAD={chosen.path} ({chosen.name}" in advice[0], advice
 
 
 # -- the commands ------------------------------------------------------------------------------------

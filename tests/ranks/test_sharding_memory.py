@@ -6,7 +6,8 @@ one; else the rank's anonymous resident memory, sampled in each step, is compare
 The model, 12 x Linear(1448, 1448), has 25.2M parameters: replicated fp32 AdamW state is 16 bytes
 each, 384 MiB, over the 288 MiB limit on what a rank allocates once started. Built on the meta
 device and sharded, it trains; the same model replicated (shard="none") under the same limit is
-killed, which proves the limit bites.
+killed, which proves the limit bites. The ranks start as on a machine without the system's tcmalloc
+(PHALANX_ALLOCATOR_SEARCH empty): with the allocator that comes with phalanx, the shipped mimalloc.
 """
 
 import os
@@ -18,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import phalanx as px
+from phalanx import allocator
 from phalanx.errors import RankFailedError
 from phalanx.testing import run_ranks
 
@@ -25,6 +27,7 @@ WIDTH, DEPTH = 1448, 12
 PARAMS = DEPTH * (WIDTH * WIDTH + WIDTH)
 LIMIT = 288 * 2**20
 MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")
+FRESH_MACHINE = {"PHALANX_ALLOCATOR_SEARCH": ""}  # hide the system's tcmalloc: what `make install` alone brings
 
 
 def _cgroups_usable() -> bool:
@@ -91,13 +94,16 @@ def _train_under_limit(rank, world, shard, groups):
                 for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
     used = peak - start
     charged = int(Path(groups[rank], "memory.max_usage_in_bytes").read_text()) if groups else None
-    return used, charged, state
+    return used, charged, state, allocator.current()
 
 
 def test_a_model_whose_replicated_state_does_not_fit_trains_sharded(cgroups):
     """World size 2: 16 bytes/parameter would be 384 MiB; sharded, each rank stays under 288 MiB."""
     assert 16 * PARAMS > 1.3 * LIMIT
-    for used, charged, state in run_ranks(_train_under_limit, 2, (2, "parameters", cgroups), timeout=240):
+    shipped = allocator.shipped_mimalloc()
+    for used, charged, state, have in run_ranks(_train_under_limit, 2, (2, "parameters", cgroups), timeout=240,
+                                                env=FRESH_MACHINE):
+        assert have == ("mimalloc" if shipped else "glibc"), have
         assert state == pytest.approx(8 * PARAMS / 2, rel=0.01)  # exp_avg + exp_avg_sq, this rank's half
         if charged is not None:  # what the cgroup counted at its highest (had it passed the limit: killed)
             assert charged <= LIMIT
@@ -109,11 +115,11 @@ def test_the_limit_bites_the_same_model_replicated(cgroups):
     """World size 2: the control. Replicated, the model does not train under the limit (killed by the cgroup,
     or, without cgroups, its anonymous memory passes the limit)."""
     if cgroups is None:
-        used, _, _ = run_ranks(_train_under_limit, 2, (2, "none", None), timeout=240)[0]
+        used, _, _, _ = run_ranks(_train_under_limit, 2, (2, "none", None), timeout=240, env=FRESH_MACHINE)[0]
         assert used > LIMIT
         return
     with pytest.raises(RankFailedError):
-        run_ranks(_train_under_limit, 2, (2, "none", cgroups), timeout=240)
+        run_ranks(_train_under_limit, 2, (2, "none", cgroups), timeout=240, env=FRESH_MACHINE)
     oom_kills = [int(line.split()[1]) for group in cgroups for line in Path(group, "memory.oom_control").read_text()
                  .splitlines() if line.startswith("oom_kill ")]
     assert sum(oom_kills) >= 1, oom_kills

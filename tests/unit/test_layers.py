@@ -11,15 +11,17 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 
 # The parts of phalanx from the bottom layer up; a part imports only from layers below its own.
 # errors and log know nobody; diagnose (the record of collectives) only them, so every layer above
-# can record into it; shm, world and nn know only those. The DDP engine is three layers: bucket/
-# (the bucket, its per-rank cut and the step guard: what the exchange and the engine share), then
+# can record into it; allocator too (the workers' C allocator: the launchers preload it, init() and
+# the sharded fronts tell what a process has); shm, world and nn know only those. The DDP engine is
+# three layers: bucket/ (the bucket, its per-rank cut and the step guard: what the exchange and the
+# engine share), then
 # exchange/ (how a bucket becomes its average), then sharding/ (optimizers on the owned chunks), then
 # engine/ (the front and the reducer, which use all three). The launcher, data and checkpoints build
 # on the world (checkpoints on the engine too), the trainers' integrations on the engine; the public
 # face on everything the library holds; the bundled tools on the face; the command on the tools.
 LAYERS = [
     {"errors", "log", "hooks"},
-    {"diagnose"},
+    {"diagnose", "allocator"},
     {"shm", "world", "nn"},
     {"bucket"},
     {"exchange"},
@@ -40,22 +42,23 @@ ALLOWED = {
     "log": set(),
     "hooks": set(),
     "diagnose": {"errors", "log"},
+    "allocator": {"errors", "log"},
     "shm": {"errors", "log"},
-    "world": {"errors", "log", "diagnose"},
+    "world": {"errors", "log", "diagnose", "allocator"},
     "nn": {"errors"},
     "bucket": {"errors", "world"},
     "exchange": {"errors", "log", "diagnose", "shm", "bucket"},
     "sharding": {"errors", "bucket", "exchange"},
-    "engine": {"errors", "log", "world", "nn", "diagnose", "bucket", "exchange", "sharding"},
+    "engine": {"errors", "log", "world", "nn", "diagnose", "allocator", "bucket", "exchange", "sharding"},
     "data": {"errors", "log", "world", "diagnose"},
     "checkpoint": {"errors", "log", "world", "engine", "sharding", "diagnose"},
-    "launch": {"errors", "log", "world", "diagnose"},
+    "launch": {"errors", "log", "world", "diagnose", "allocator"},
     "integrations": {"errors", "log", "engine"},
     "testing": {"launch"},
     "__init__": {"errors", "log", "hooks", "diagnose", "shm", "world", "nn", "engine", "data", "checkpoint", "launch",
                  "integrations"},
     "tools": {"errors", "log", "world", "shm", "engine", "exchange", "data", "checkpoint", "launch", "hooks", "nn",
-              "testing", "diagnose", "__init__"},
+              "testing", "diagnose", "allocator", "__init__"},
     "cli": {"errors", "__init__"},  # `phalanx --version` reads phalanx.__version__; commands are found by name
     "__main__": {"cli"},
 }
