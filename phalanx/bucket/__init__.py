@@ -7,5 +7,5 @@ into per-rank chunks when sharding. `shard_levels.py`: the `shard` argument's le
 It lies below exchange/, sharding/ and engine/, which all hand buckets around, so none of them
 has to import another sideways.
 
-May import: errors, world.
+May import: errors, world, diagnose (its wait clock).
 """
