@@ -1,4 +1,4 @@
-"""The `phalanx` command: `run` launches training, `demo` and `bench` run the bundled jobs.
+"""The `phalanx` command: `run` launches training, `demo` and `bench` run the bundled jobs, `report` draws a run.
 
 Subcommands are dispatched by name, each to its own module's `main(argv)`, imported only when
 used so that `phalanx run` does not pay for the demo's or benchmarks' imports.
@@ -13,9 +13,10 @@ COMMANDS = {
     "run": ("phalanx.launch.run", "launch a script on N workers per node (like torchrun); `phalanx run --help`"),
     "demo": ("phalanx.tools.demo", "train the bundled demo model on 2 processes"),
     "bench": ("phalanx.tools.bench", "measure phalanx DDP against torch DDP and compute-only"),
+    "report": ("phalanx.observe.report", "draw a StepLog's steps.jsonl (loss, throughput, step time) into a PNG"),
 }
 
-USAGE = ("usage: phalanx {run,demo,bench} [options]\n\n"
+USAGE = ("usage: phalanx {run,demo,bench,report} [options]\n\n"
          + "\n".join(f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items())
          + "\n\nexample: phalanx run --nproc-per-node 2 train.py\n")
 

@@ -97,6 +97,9 @@ def warn_no_tensorboard() -> None:
                        "(steps.jsonl and the terminal line are). To have them: %s", INSTALL_HINT)
 
 
+_writers = 0  # TensorBoard writers this process opened
+
+
 class TensorBoardFile:
     """A tensorboardX writer opened at the first write, purging from the first step this process writes."""
 
@@ -108,9 +111,12 @@ class TensorBoardFile:
         if self.writer is None:
             # flush_secs is moot (flush() below after each write); purge_step hides the events of steps from
             # first_step on that an earlier attempt wrote: TensorBoard drops them when it reads this file.
-            # The suffix: tensorboardX names a file by the second it was made, and opens it with "wb".
+            # The suffix: tensorboardX names a file by the second it was made, and opens it with "wb" (a second
+            # writer of the same second would empty the first's file); TensorBoard reads files in name order.
+            global _writers
+            _writers += 1
             self.writer = self.writer_class(logdir=str(self.directory), purge_step=first_step, flush_secs=3600,
-                                            filename_suffix=f".{os.getpid()}")
+                                            filename_suffix=f".{os.getpid()}.{_writers:04d}")
         for record in records:
             for field, tag in SCALARS.items():
                 value = record.get(field)

@@ -48,7 +48,7 @@ class StepLog:
     >>> for x, y in loader:
     ...     loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
     ...     log.step(loss=loss, samples=len(x))
-    step 10 | loss 0.5321 | 1,204 samples/s | step 41.2 ms, busy 38.0/38.9/40.1 ms min/median/max (slowest rank 1) | ...
+    step 10 | loss 0.5321 | 1,204 samples/s | 41.2 ms/step | busy 38.0/38.9/40.1 ms, slowest rank 1 | ...
     """
 
     def __init__(self, log_dir, every: int = 10, *, optimizer=None, flops_per_sample: float | None = None,

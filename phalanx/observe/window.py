@@ -79,24 +79,23 @@ def _finite(value: float) -> float | None:
 
 
 def line(record: dict) -> str:
-    """The one line rank 0 prints: 'step 40 | loss 0.5321 | 1,204 samples/s | step 41.2 ms (...)'."""
+    """The one line rank 0 prints: 'step 40 | loss 0.5321 | 1,204 samples/s | 41.2 ms/step | busy ...'."""
     parts = [f"step {record['step']}"]
-    parts.append(f"loss {record['loss']:.4f}" if record["loss"] is not None else "loss nan")
+    parts.append(f"loss {record['loss']:.4g}" if record["loss"] is not None else "loss nan")
     if record["samples_per_s"] is not None:
         parts.append(f"{record['samples_per_s']:,.0f} samples/s")
     if record["tokens_per_s"] is not None:
         parts.append(f"{record['tokens_per_s']:,.0f} tokens/s")
     ms = 1e3
-    spread = (f"step {record['step_time'] * ms:.1f} ms, busy {record['step_time_min'] * ms:.1f}/"
-              f"{record['step_time_median'] * ms:.1f}/{record['step_time_max'] * ms:.1f} ms min/median/max")
+    parts.append(f"{record['step_time'] * ms:.1f} ms/step")
     if record["world_size"] > 1:
-        spread += f" (slowest rank {record['slowest_rank']})"
-    parts.append(spread)
+        parts.append(f"busy {record['step_time_min'] * ms:.1f}/{record['step_time_median'] * ms:.1f}/"
+                     f"{record['step_time_max'] * ms:.1f} ms, slowest rank {record['slowest_rank']}")
     parts.append(f"exchange {record['exchange_exposed']:.0%}")
     parts.append(f"data {record['data_wait'] * ms:.1f} ms")
     memory = f"{'mem' if record['memory_kind'] == 'rss' else 'cuda'} {record['peak_memory'] / 2 ** 30:.2f} GiB"
     if record["world_size"] > 1:
-        memory += f" (rank {record['peak_memory_rank']})"
+        memory += f" on rank {record['peak_memory_rank']}"
     parts.append(memory)
     if record["lr"] is not None:
         parts.append(f"lr {record['lr']:.3g}")
