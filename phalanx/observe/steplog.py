@@ -74,17 +74,17 @@ class StepLog:
         self._records_written = 0
         self._jsonl = self._tensorboard = None
         self._closed = False
-        writer_class = None
+        protos = None
         if self.main:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._jsonl = outputs.JsonlFile(self.directory)
             if tensorboard is not False:
-                writer_class = outputs.tensorboard_module(required=tensorboard is True)
-                if writer_class is None:
+                protos = outputs.tensorboard_module(required=tensorboard is True)
+                if protos is None:
                     outputs.warn_no_tensorboard()
         elif tensorboard is True:
             outputs.tensorboard_module(required=True)  # the same error on every rank
-        self._tensorboard = outputs.TensorBoardFile(self.directory, writer_class) if writer_class else None
+        self._tensorboard = outputs.TensorBoardFile(self.directory, protos) if protos else None
         self._gather = RowGather(len(FIELDS), self.timeout) if self.world_size > 1 else None
         self._new_window()
         self._mark()

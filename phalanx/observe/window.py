@@ -30,7 +30,8 @@ def make_record(rows: list, *, lr: float | None = None, memory_kind: str = "rss"
     >>> r["loss"], r["samples_per_s"], r["step_time_median"], r["slowest_rank"], r["peak_memory_rank"]
     (1.3333333333333333, 40.0, 0.125, 1, 1)
     """
-    col = {name: [float(row[i]) for row in rows] for name, i in INDEX.items()}
+    col = dict(zip(FIELDS, zip(*rows)))  # a column per field, in rank order
+    world = len(rows)
     steps = max(col["steps"]) or 1.0
     samples = sum(col["samples"])
     wall = max(col["wall_s"])  # every rank's window ends together, give or take a step's skew
@@ -40,7 +41,6 @@ def make_record(rows: list, *, lr: float | None = None, memory_kind: str = "rss"
     samples_per_s = samples / wall if wall > 0 else None
     tokens_per_s = sum(col["tokens"]) / wall if tokens_known and wall > 0 else None
     peak_rank = max(range(len(rows)), key=col["peak_memory"].__getitem__)
-    world = len(rows)
     denominator = peak_flops * world if peak_flops else None
     achieved = None
     if flops_per_token and tokens_per_s is not None:
@@ -60,8 +60,8 @@ def make_record(rows: list, *, lr: float | None = None, memory_kind: str = "rss"
         "step_time_median": statistics.median(busy),
         "step_time_max": busy[slowest],
         "slowest_rank": slowest,
-        "exchange_exposed": statistics.fmean(w / t if t > 0 else 0.0 for w, t in zip(col["wait_s"], col["wall_s"])),
-        "data_wait": statistics.fmean(d / max(n, 1.0) for d, n in zip(col["data_s"], col["steps"])),
+        "exchange_exposed": sum(w / t if t > 0 else 0.0 for w, t in zip(col["wait_s"], col["wall_s"])) / world,
+        "data_wait": sum(d / max(n, 1.0) for d, n in zip(col["data_s"], col["steps"])) / world,
         "peak_memory": int(col["peak_memory"][peak_rank]),
         "peak_memory_rank": peak_rank,
         "memory_kind": memory_kind,

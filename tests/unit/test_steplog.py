@@ -36,7 +36,7 @@ class TestRecord:
     def test_fields_over_ranks(self):
         rows = [row(steps=4, end_step=8, loss_sum=4.0, samples=8, busy_s=0.4, wall_s=1.0, wait_s=0.6, data_s=0.04,
                     peak_memory=3e9),
-                row(steps=4, end_step=8, loss_sum=30.0, samples=12, busy_s=1.0, wall_s=1.0, wait_s=0.0, peak_memory=1e9),
+                row(steps=4, end_step=8, loss_sum=30.0, samples=12, busy_s=1.0, wall_s=1.0, peak_memory=1e9),
                 row(steps=4, end_step=8, loss_sum=6.0, samples=20, busy_s=0.5, wall_s=1.0, wait_s=0.5, peak_memory=2e9)]
         r = make_record(rows, lr=0.1, now=5.0)
         assert r["step"] == 8 and r["steps"] == 4 and r["samples"] == 40
@@ -51,7 +51,7 @@ class TestRecord:
         assert "slowest rank 1" in line(r) and "lr 0.1" in line(r)
 
     def test_mfu_only_with_model_flops_and_device_peak(self):
-        rows = [row(steps=1, end_step=1, loss_sum=1.0, samples=2, tokens=100, tokens_given=1, busy_s=1.0, wall_s=1.0)] * 2
+        rows = [row(steps=1, end_step=1, loss_sum=1.0, samples=2, tokens=100, tokens_given=1, wall_s=1.0)] * 2
         assert make_record(rows, flops_per_token=6e6)["mfu"] is None  # no peak: no guess
         assert make_record(rows, peak_flops=1e9)["mfu"] is None  # no model FLOPs
         assert make_record(rows, peak_flops=1e9)["peak_flops"] == 2e9  # the denominator, logged when known
@@ -166,22 +166,29 @@ class TestWorldOfOne:
             log.step(loss="high", samples=1)
 
 
+def without_tensorboardx(monkeypatch):
+    """Every tensorboardX module unimportable, as on an install without the log extra."""
+    for name in [n for n in sys.modules if n.startswith("tensorboardX")] + ["tensorboardX"]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
 class TestTensorBoardIsOptional:
 
     def test_import_phalanx_does_not_import_tensorboardx(self):
         for path in (ROOT / "phalanx").rglob("*.py"):
             tree = ast.parse(path.read_text())
             top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-            names = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+            names = [a.name for n in top for a in n.names]
+            names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
             assert not any(name.startswith("tensorboard") for name in names), path
 
     def test_asked_for_without_it_is_a_typed_error(self, tmp_path, monkeypatch):
-        monkeypatch.setitem(sys.modules, "tensorboardX", None)  # import fails
+        without_tensorboardx(monkeypatch)
         with pytest.raises(px.TensorBoardUnavailableError, match="pip install"):
             px.StepLog(tmp_path, every=1, tensorboard=True)
 
     def test_by_default_without_it_a_warning_once_and_the_rest_works(self, tmp_path, monkeypatch, caplog):
-        monkeypatch.setitem(sys.modules, "tensorboardX", None)
+        without_tensorboardx(monkeypatch)
         monkeypatch.setattr(outputs, "_warned", False)
         px.logger.propagate = True  # caplog listens at the root
         try:
