@@ -40,7 +40,8 @@ class StepLog:
     Options: `optimizer` (its first group's lr is logged), `flops_per_sample` or `flops_per_token`
     with `peak_flops` (one device's peak, FLOP/s: `mfu` is logged only with both), `total_steps` (the
     loop's length, for `phalanx run`'s ETA), `tensorboard` (None: when tensorboardX is installed;
-    True: required; False: off), `print_every` (records between two printed lines, 0: none),
+    True: required; False: off), `print_every` (records between two printed lines, 0: none), `print_fn`
+    (what prints a line, default print: e.g. a progress bar's write),
     `timeout` (seconds a rank waits for the others; default PHALANX_TIMEOUT or 600).
 
     >>> import phalanx as px                                        # doctest: +SKIP
@@ -54,14 +55,14 @@ class StepLog:
     def __init__(self, log_dir, every: int = 10, *, optimizer=None, flops_per_sample: float | None = None,
                  flops_per_token: float | None = None, peak_flops: float | None = None,
                  total_steps: int | None = None, tensorboard: bool | None = None, print_every: int = 1,
-                 timeout: float | None = None):
+                 print_fn=print, timeout: float | None = None):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise StepLogError(explain("StepLog every must be a positive number of steps", seen=f"every={every!r}",
                                        expected="an int >= 1", fix="Pass every=10, say: a record every 10 steps."))
         self.directory = Path(log_dir)
         self.every, self.optimizer, self.total_steps = every, optimizer, total_steps
         self.flops_per_sample, self.flops_per_token, self.peak_flops = flops_per_sample, flops_per_token, peak_flops
-        self.print_every = print_every
+        self.print_every, self.print_fn = print_every, print_fn
         self.timeout = float(timeout if timeout is not None else os.environ.get("PHALANX_TIMEOUT", 600))
         self.steps = 0  # steps counted, from the restored value on
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -179,7 +180,8 @@ class StepLog:
 
     def _emit_gathered(self) -> None:
         per_rank = self._gather.result(f"the records up to step {self.steps}")
-        windows = [[per_rank[r][k].tolist() for r in range(self.world_size)] for k in range(per_rank[0].shape[0])]
+        by_rank = [rows.tolist() for rows in per_rank]
+        windows = [[by_rank[r][k] for r in range(self.world_size)] for k in range(len(by_rank[0]))]
         # The next cadence from what every rank saw, so every rank adopts the same: a gather about every
         # GATHER_SECONDS; records slower than that are gathered (and shown) at once.
         slowest = max(row[INDEX["wall_s"]] for row in windows[-1])
@@ -201,7 +203,7 @@ class StepLog:
         for record in records:
             self._records_written += 1
             if self.print_every and (self._records_written - 1) % self.print_every == 0:
-                print(line(record), flush=True)
+                self.print_fn(line(record))
 
     def flush(self) -> None:
         """Collective: record the steps since the last record (a shorter window) and write everything pending.
