@@ -65,6 +65,11 @@ class StepLog:
         self.print_every, self.print_fn = print_every, print_fn
         self.timeout = float(timeout if timeout is not None else os.environ.get("PHALANX_TIMEOUT", 600))
         self.steps = 0  # steps counted, from the restored value on
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise StepLogError(explain("StepLog was made before this process joined its world",
+                                       seen=f"WORLD_SIZE={os.environ['WORLD_SIZE']}, no process group",
+                                       expected="px.init() (or init_process_group) first",
+                                       fix="Make the StepLog after px.init(): every rank would write as rank 0."))
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.main = self.rank == 0
@@ -89,8 +94,7 @@ class StepLog:
         self._gather = RowGather(len(FIELDS), self.timeout) if self.world_size > 1 else None
         self._new_window()
         self._mark()
-        if world.is_initialized():
-            world.before_shutdown(self._at_shutdown)  # the agreed stop and the end of a run write what is left
+        world.before_shutdown(self._at_shutdown)  # the agreed stop and the end of a run write what is left
 
     # -- the loop ---------------------------------------------------------------------------------
 

@@ -228,7 +228,7 @@ def shutdown() -> None:
     (torch DDP), 3 of 25 with a wait before the teardown only (phalanx DDP), 0 of 25 with both.
     """
     global _spec, _device, _store, _owns_group, _watchdog
-    _run_before_shutdown()
+    run_before_shutdown()
     recorder.phase(recorder.SHUTDOWN)
     stop.stop_listening()  # nobody reads the flag any more: a signal ends the process again
     if _owns_group and dist.is_initialized():
@@ -259,7 +259,9 @@ def before_shutdown(callback) -> None:
     _before_shutdown.append(weakref.WeakMethod(callback) if inspect.ismethod(callback) else weakref.ref(callback))
 
 
-def _run_before_shutdown() -> None:
+def run_before_shutdown() -> None:
+    """Run (once) what before_shutdown() registered: shutdown() does; so does an agreed stop in a process whose
+    group phalanx did not make (torchrun with the user's init_process_group)."""
     callbacks = [ref() for ref in _before_shutdown]
     _before_shutdown.clear()
     for callback in callbacks:
