@@ -61,15 +61,23 @@ def trim(path, keep_through: int) -> int:
 
 
 class JsonlFile:
-    """Appends records to steps.jsonl; each append is flushed to the OS before it returns (a killed process
-    loses nothing written; an fsync per record would cost milliseconds on a real disk)."""
+    """Appends records to steps.jsonl through one open handle; each append is flushed to the OS before it
+    returns (a killed process loses nothing written; an fsync per record would cost milliseconds on a disk)."""
 
     def __init__(self, directory: Path):
         self.path = directory / JSONL_NAME
+        self.handle = None
 
     def write(self, records: list[dict]) -> None:
-        with open(self.path, "a") as handle:
-            handle.writelines(json.dumps(r) + "\n" for r in records)
+        if self.handle is None:
+            self.handle = open(self.path, "a")
+        self.handle.writelines(json.dumps(r) + "\n" for r in records)
+        self.handle.flush()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
 
 
 def tensorboard_module(required: bool):

@@ -26,6 +26,7 @@ from .window import FIELDS, INDEX, line, make_record
 
 GATHER_SECONDS = 0.5  # records are gathered about this often; a record slower than this is gathered at once
 MAX_BATCH = 1000  # windows per gather, at most
+PEAK_READ_NS = 200_000_000  # the peak resident set is read at most this often (it only grows)
 
 
 class StepLog:
@@ -74,6 +75,7 @@ class StepLog:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.main = self.rank == 0
         self._cuda = _training_on_cuda()
+        self._peak, self._peak_read_ns = 0.0, -PEAK_READ_NS  # the resident set's peak, read at most every 0.2 s
         self._start_step = 0  # the step count this process started logging from (after a restore)
         self._rows: list[list[float]] = []  # finished windows not gathered yet
         self._gather_every = 1  # windows per gather: agreed from the gathered rows, the same on every rank
@@ -164,7 +166,11 @@ class StepLog:
     def _peak_memory(self) -> float:
         if self._cuda:
             return float(torch.cuda.max_memory_allocated())
-        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: kilobytes
+        now = step_clock.now_ns()
+        if now - self._peak_read_ns > PEAK_READ_NS:  # getrusage costs ~100 us in a process with many threads
+            self._peak_read_ns = now
+            self._peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux: kilobytes
+        return self._peak
 
     # -- records ----------------------------------------------------------------------------------
 
@@ -222,6 +228,8 @@ class StepLog:
             return
         self._closed = True
         self.flush()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
 
@@ -246,6 +254,7 @@ class StepLog:
         self._new_window()
         self._mark()
         if self.main:
+            self._jsonl.close()  # trimming replaces the file: the next write opens the new one
             dropped = outputs.trim(self._jsonl.path, steps)
             if dropped:
                 print(f"StepLog: resumed at step {steps}; {dropped} record(s) of later steps removed from "

@@ -82,8 +82,9 @@ def test_straggler_is_named_and_measured(three_ranks):
     assert all(40.0 <= s <= 60.0 for s in spreads), f"max - median, ms: {spreads}"
     # The others waited for it: their exchange wait shows it, their busy time does not.
     assert all(r["exchange_exposed"] > 0.2 for r in inside), [r["exchange_exposed"] for r in inside]
+    # Outside the range no rank stands out by anything like 50 ms (a loose bound: the machine is shared).
     outside = [r for r in records if 4 < r["step"] <= 8 or r["step"] > 40]
-    assert all(1e3 * (r["step_time_max"] - r["step_time_median"]) < 25 for r in outside)
+    assert all(1e3 * (r["step_time_max"] - r["step_time_median"]) < 35 for r in outside), outside
 
 
 def test_loss_is_the_sample_weighted_mean_of_every_rank(three_ranks):
