@@ -30,8 +30,9 @@ install: $(STAMP)
 
 # torch goes in first and pinned: an unpinned resolve would pull the CUDA build. The trainers extra
 # (Accelerate, Lightning: pinned, and accepting this torch) is for the tests marked `trainers`, which CI
-# runs; `make install EXTRAS=dev,examples` leaves it out (those tests then skip: -m "not trainers").
-EXTRAS ?= dev,examples,trainers
+# runs; `make install EXTRAS=dev,examples` leaves it out (those tests then skip: -m "not trainers"). The log
+# extra (tensorboardX) is for StepLog's TensorBoard files; without it the tests that read them skip.
+EXTRAS ?= dev,examples,trainers,log
 $(STAMP): pyproject.toml setup.py phalanx/shm/_reduce_kernels.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

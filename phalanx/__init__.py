@@ -32,8 +32,10 @@ from .errors import (
     ResumeStateError,
     ShardingError,
     ShmUnavailableError,
+    StepLogError,
     StrayOptimizerError,
     SyncBatchNormError,
+    TensorBoardUnavailableError,
     TorchInternalError,
     UnevenInputsError,
     UnsafeCheckpointError,
@@ -44,6 +46,7 @@ from .hooks import shm_allreduce_hook
 from .integrations.patch import patch_torch_ddp, torch_ddp_is_patched
 from .launch.spawn import spawn
 from .log import logger, print0
+from .observe import StepLog
 from .shm import ShmCommunicator, shm_communicator, shm_enabled, sweep_stale_segments
 from .world import (
     barrier,

@@ -1,5 +1,5 @@
-"""The `phalanx` command: `run` launches training, `demo` and `bench` run the bundled jobs, `allocator` prints
-the LD_PRELOAD for torchrun or srun.
+"""The `phalanx` command: `run` launches training, `demo` and `bench` run the bundled jobs, `report` draws a run,
+`allocator` prints the LD_PRELOAD for torchrun or srun.
 
 Subcommands are dispatched by name, each to its own module's `main(argv)`, imported only when
 used so that `phalanx run` does not pay for the demo's or benchmarks' imports.
@@ -14,6 +14,7 @@ COMMANDS = {
     "run": ("phalanx.launch.run", "launch a script on N workers per node (like torchrun); `phalanx run --help`"),
     "demo": ("phalanx.tools.demo", "train the bundled demo model on 2 processes"),
     "bench": ("phalanx.tools.bench", "measure phalanx DDP against torch DDP and compute-only"),
+    "report": ("phalanx.observe.report", "draw a StepLog's steps.jsonl (loss, throughput, step time) into a PNG"),
     "allocator": ("phalanx.allocator", "print the LD_PRELOAD that gives torchrun / srun ranks phalanx's allocator"),
 }
 

@@ -151,6 +151,14 @@ class BenchConfigError(PhalanxError, ValueError):
     """`phalanx bench` was asked for something this machine or install cannot run."""
 
 
+class StepLogError(PhalanxError, ValueError):
+    """A StepLog was given something it cannot log (a negative sample count, a non-number loss, every < 1)."""
+
+
+class TensorBoardUnavailableError(StepLogError, ImportError):
+    """`StepLog(tensorboard=True)` asked for TensorBoard event files and tensorboardX is not installed."""
+
+
 class PeerFailedError(PhalanxError, ConnectionError):
     """A peer rank abandoned a shared-memory exchange (it failed; its own log says why)."""
 

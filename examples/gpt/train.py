@@ -10,7 +10,9 @@ once per step (`no_sync` on the other micro-batches), checkpoints and resume (ru
 again: it continues from the last checkpoint; `--fresh` starts over), a stop that loses nothing
 (SIGTERM or Ctrl-C to `phalanx run`: every rank saves at the same step and exits with code 75; the
 same command resumes there), sharding (`--shard optimizer`, `gradients` or `parameters`; a checkpoint
-resumes at any other level), and sampling at the end.
+resumes at any other level), a StepLog (a line every --log-every steps with the loss over every rank's
+tokens, tokens/s, each rank's busy time and the slowest rank; OUT/log/steps.jsonl and TensorBoard;
+`phalanx report OUT` draws it), and sampling at the end.
 It prints the character unigram entropy of the text: what a model that ignores context scores.
 """
 
@@ -18,7 +20,6 @@ import argparse
 import itertools
 import math
 import shutil
-import time
 from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
@@ -118,7 +119,10 @@ def parse_args():
     run.add_argument("--lr", type=float, default=3e-3)
     run.add_argument("--max-steps", type=int, default=400, help="optimizer steps in the whole run")
     run.add_argument("--warmup-steps", type=int, default=20)
-    run.add_argument("--log-every", type=int, default=25)
+    run.add_argument("--log-every", type=int, default=25, help="steps per StepLog record (a line, steps.jsonl)")
+    run.add_argument("--peak-flops", type=float, default=None,
+                     help="one device's peak FLOP/s at the training precision (e.g. 989e12: an H100 SXM's dense "
+                          "bf16/fp16), for the logged MFU; not guessed, so no MFU without it")
     run.add_argument("--checkpoint-every", type=int, default=100)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--text", type=Path, default=DEFAULT_TEXT)
@@ -182,29 +186,31 @@ def main() -> None:
         px.barrier()
     # Saves every --checkpoint-every steps, at the last step, and at the step all ranks agree on when asked to stop.
     checkpointer = px.Checkpointer(checkpoint_dir, keep=2, every=args.checkpoint_every)
+    # A record every --log-every steps; in the checkpoint's state, so that a resumed run trims what it redoes.
+    # FLOPs per token: 6 per parameter (forward and backward) plus attention's 12 * layers * d_model * context.
+    flops_per_token = 6 * parameters + 12 * args.n_layer * args.d_model * args.block_size
+    log = px.StepLog(args.out / "log", every=args.log_every, optimizer=optimizer, flops_per_token=flops_per_token,
+                     peak_flops=args.peak_flops, total_steps=args.max_steps)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "loader": loader,
-             "step": 0, "epoch": 0}
+             "step": 0, "epoch": 0, "log": log}
     if checkpointer.restore(state):
         px.print0(f"resuming at step {state['step']} of {args.max_steps} (checkpoints in {checkpoint_dir})")
 
-    loss_since_log, started = px.metrics.Mean(), time.perf_counter()
     while state["step"] < args.max_steps:
         loader.set_epoch(state["epoch"])
         for group in micro_batch_groups(loader, args.grad_accum):
             loss = train_step(model, group, optimizer, scheduler, scaler, autocast, device)
-            loss_since_log.update(loss, weight=len(group))
+            # This rank's loss and what it trained on: the record's loss is over every rank's tokens.
+            log.step(loss=loss, samples=sum(len(y) for _, y in group), tokens=sum(y.numel() for _, y in group))
             state["step"] += 1
             step = state["step"]
-            if step % args.log_every == 0 or step == args.max_steps:
-                px.print0(f"step {step:5d}/{args.max_steps}  loss {loss_since_log.compute():.3f}  "
-                          f"({time.perf_counter() - started:.0f}s)")
-                loss_since_log = px.metrics.Mean()
             checkpointer.step(state, last=step == args.max_steps)  # last in the step: saves what the step did
             if step >= args.max_steps:
                 break
         else:
             state["epoch"] += 1  # the loader ran dry: the next pass reshuffles
 
+    log.close()  # every rank: the steps since the last record, then the files closed
     val = validation_loss(model.module, val_set, args.batch_size, autocast, device, pad=args.shard == "parameters")
     px.print0(f"validation loss: {val:.3f} nats/char (unigram entropy {entropy:.3f}; lower means it learned context)")
 

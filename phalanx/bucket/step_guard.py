@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..diagnose import step_clock
 from ..errors import PhalanxError, UnevenInputsError, explain
 
 DEFAULT_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (PHALANX_DDP_STALL_TIMEOUT)
@@ -66,7 +67,14 @@ class StepGuard:
 
     def wait_until(self, ready, what: str) -> None:
         """Return once `ready(seconds)` (a wait of at most that long) says True; a stall past the timeout
-        raises UnevenInputsError naming the ranks that are missing."""
+        raises UnevenInputsError naming the ranks that are missing. The time counts as waiting for peers."""
+        started = step_clock.now_ns()
+        try:
+            self._wait_until(ready, what)
+        finally:
+            step_clock.add_exchange_wait(step_clock.now_ns() - started)
+
+    def _wait_until(self, ready, what: str) -> None:
         if ready(min(PRESENCE_AFTER_SECONDS, self.timeout)):
             return
         # Slow, so the store round trip costs nothing noticeable; should this end in an error, the
@@ -76,11 +84,19 @@ class StepGuard:
             self.fail(what, f"no answer within {self.timeout:.0f}s")
 
     def wait(self, future, what: str):
-        """future.wait(), but a stall past the timeout or a failed collective raises UnevenInputsError."""
+        """future.wait(), but a stall past the timeout or a failed collective raises UnevenInputsError.
+        The time counts as waiting for peers (StepLog's busy time leaves it out)."""
+        started = step_clock.now_ns()
+        try:
+            return self._wait(future, what)
+        finally:
+            step_clock.add_exchange_wait(step_clock.now_ns() - started)
+
+    def _wait(self, future, what: str):
         if self.bounded and not future.done():
             arrived = threading.Event()
             future.add_done_callback(lambda _: arrived.set())
-            self.wait_until(arrived.wait, what)
+            self._wait_until(arrived.wait, what)
         try:
             return future.wait()
         except PhalanxError:  # already typed and precise (e.g. the shared-memory transport's PeerDiedError)
@@ -90,6 +106,13 @@ class StepGuard:
 
     def wait_work(self, work, what: str) -> None:
         """work.wait() with the same bounds as wait(): the timed wait is C++'s, no Python callback."""
+        started = step_clock.now_ns()
+        try:
+            self._wait_work(work, what)
+        finally:
+            step_clock.add_exchange_wait(step_clock.now_ns() - started)
+
+    def _wait_work(self, work, what: str) -> None:
         if not self.bounded:
             work.wait()
             return
@@ -102,7 +125,7 @@ class StepGuard:
                 if work.is_completed() or "timed out" not in str(exc).lower():
                     self.fail(what, _failure(exc))
                 return False
-        self.wait_until(done_within, what)
+        self._wait_until(done_within, what)
 
     def tag_for(self, dtype: torch.dtype) -> int:
         """This step's tag for a slot of `dtype` that is summed over the ranks."""

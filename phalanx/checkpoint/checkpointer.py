@@ -268,4 +268,6 @@ class Checkpointer:
             logger.info("%s", stopped)
         if world.is_initialized():
             world.shutdown()  # every rank is here, just past the save's barrier: no peer is left mid-collective
+        else:
+            world.run_before_shutdown()  # a StepLog's last records, while the user's group is still there
         raise stopped

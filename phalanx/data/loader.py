@@ -15,7 +15,7 @@ from collections import deque
 import torch
 import torch.utils.data
 
-from ..diagnose import progress, recorder
+from ..diagnose import progress, recorder, step_clock
 from ..errors import DataConfigError, ResumeStateError, explain
 from ..log import logger
 from .global_plan import GlobalBatchPlan
@@ -56,7 +56,11 @@ class _CountingIterator:
 
     def __next__(self):
         recorder.phase(recorder.DATA)
-        batch = next(self._inner)
+        started = step_clock.now_ns()
+        try:
+            batch = next(self._inner)
+        finally:  # StopIteration included: the wait for the epoch's end is data wait too
+            step_clock.add_data_wait(step_clock.now_ns() - started)
         recorder.beat()  # a batch arrived: progress, even in a loop without collectives (evaluation)
         self._position["batches"] += 1
         self._position["consumed"] += self._sizes.popleft()

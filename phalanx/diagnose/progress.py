@@ -23,7 +23,7 @@ MAGIC = float(0x50484C58)  # "PHLX"
 VERSION = 1
 (P_MAGIC, P_VERSION, P_PID, P_RANK, P_STATE, P_CREATED, P_READY, P_LOOP_START, P_LAST_STEP_AT, P_STEP, P_FIRST_STEP,
  P_LOOP_SECONDS, P_SAVED_STEP, P_LOOP_AT_SAVE, P_SAVE_SECONDS, P_SAVES, P_RESTORE_SECONDS, P_RESTORES, P_STOP_STEP,
- P_EXITED_AT, P_TEARDOWN, P_LISTENING) = range(22)
+ P_EXITED_AT, P_TEARDOWN, P_LISTENING, P_LOGGED_STEP, P_TOTAL_STEPS) = range(24)
 SLOTS = 32
 STATES = ("startup", "ready", "restoring", "training", "saving", "stopped", "exited")
 STATE = {name: code for code, name in enumerate(STATES)}
@@ -166,6 +166,14 @@ def step(count: int) -> None:
     record.excluded = 0.0
 
 
+def logged(count: int, total: int | None) -> None:
+    """A StepLog counted step `count` of `total` (None: the loop's length is unknown): `phalanx run`'s live status."""
+    record = _record
+    if record is not None:
+        record.slots[P_LOGGED_STEP] = count
+        record.slots[P_TOTAL_STEPS] = total or 0
+
+
 def saving() -> int:
     """A save begins; returns the state to go back to."""
     return _enter("saving")
@@ -268,6 +276,26 @@ def read(directory: str) -> dict[int, Progress]:
             int(s[P_RESTORES]), int(s[P_STOP_STEP]), s[P_EXITED_AT], bool(s[P_LISTENING]),
             _events(events_path(directory, rank)))
     return found
+
+
+def live(directory: str) -> tuple[int, int] | None:
+    """(steps a StepLog counted, the loop's length or 0) on the lowest rank of `directory` that has a StepLog;
+    the slots alone, a few hundred bytes per rank, for a status line redrawn twice a second."""
+    best = None
+    for path in rank_files(directory, ".progress"):
+        try:
+            with open(path, "rb") as handle:
+                raw = handle.read(8 * SLOTS)
+        except OSError:
+            continue
+        if len(raw) < 8 * SLOTS:
+            continue
+        s = struct.unpack(f"{SLOTS}d", raw)
+        if s[P_MAGIC] != MAGIC or s[P_VERSION] != VERSION or not s[P_LOGGED_STEP]:
+            continue
+        if best is None or s[P_RANK] < best[0]:
+            best = (s[P_RANK], int(s[P_LOGGED_STEP]), int(s[P_TOTAL_STEPS]))
+    return best[1:] if best is not None else None
 
 
 def _events(path: str) -> list[dict]:

@@ -19,6 +19,7 @@ import torch
 
 from ..bucket.buckets import Bucket
 from ..bucket.step_guard import StepGuard
+from ..diagnose import step_clock
 from ..shm import ShmCommunicator
 from ..shm.reduce import kernel_serves, streams
 from .all_reduce import AllReduceExchange
@@ -120,7 +121,9 @@ class ShmExchange(AllReduceExchange):
             super().launch(bucket)
             return
         with self.timer("wait", bucket.index):
+            started = step_clock.now_ns()  # until every peer has read this bucket's last step
             self.comm.claim(bucket.storage)
+            step_clock.add_exchange_wait(step_clock.now_ns() - started)
         copy_in = self._copy_ins.get(bucket.index)
         with self.timer("copy_in", bucket.index):
             if copy_in is not None:

@@ -5,7 +5,7 @@ workers that died; watch the workers' rings for stalls and stragglers (diagnosis
 request on to the workers and wait for them to save (stop.py) instead of letting torch's handler kill
 them; never restart a group that was asked to stop; under `--nnodes MIN:MAX`, regroup when a node is lost
 or joins, without counting it as a failure (regroup.py); and tell the run summary (goodput.py) when each
-attempt starts and ends.
+attempt starts and ends; on a terminal, keep the live status line (live_status.py) up to date.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..world.stop import STOP_EXIT_CODE
 from .diagnosis import RunDiagnosis
 from .failures import describe_failure, root_cause, sweep_process_groups
 from .goodput import RunSummary
+from .live_status import LiveStatus
 from .regroup import Regroup
 from .stop import StopRequest
 
@@ -42,8 +43,9 @@ class Agent(LocalElasticAgent):
     """See the module docstring. `ended_by_stop`: the last attempt's workers stopped on request."""
 
     def __init__(self, *args, diagnosis: RunDiagnosis, stop: StopRequest, summary: RunSummary,
-                 regroup: Regroup | None = None, **kwargs):
+                 regroup: Regroup | None = None, live: LiveStatus | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.live = live  # the status line on a terminal (live_status.py), or None
         self.group_pids: set[int] = set()
         self.diagnosis, self.stop, self.summary, self.regroup = diagnosis, stop, summary, regroup
         self.ended_by_stop = False
@@ -137,6 +139,8 @@ class Agent(LocalElasticAgent):
         if self.regroup is not None:
             self.regroup.check_store()  # before the stop's look into the store, which could block on a lost host
         self.stop.tick()  # passes a request on; raises GraceExpired when the grace period is over
+        if self.live is not None:
+            self.live.update(self.diagnosis.directory)
         elastic = self.regroup is not None and not self.stop.active
         if elastic:
             verdict = self.regroup.poll(self.group_pids, self._records)

@@ -34,10 +34,12 @@ from ..world.membership import ElasticRendezvous
 from ..world.rendezvous import LOOPBACK, StaticRendezvous
 from ..world.slurm import launcher_nodes
 from ..world.stop import STOP_EXIT_CODE
+from . import live_status
 from .agent import Agent
 from .diagnosis import STALL_EXIT_CODE, RunDiagnosis
 from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
 from .goodput import RunSummary
+from .live_status import LiveStatus
 from .regroup import Regroup
 from .stop import (
     DEFAULT_GRACE_PERIOD,
@@ -257,6 +259,9 @@ def run(argv: list[str] | None = None) -> int:
     stop = StopRequest(args.grace_period, args.node_rank)
     summary = RunSummary(args.log_dir, writes_job_file=args.node_rank == 0)
     stop.install()  # from now on: during the rendezvous too
+    live = LiveStatus() if live_status.wanted() else None
+    if live is not None:
+        live.install()
     agent = handler = None
     try:
         try:
@@ -270,7 +275,7 @@ def run(argv: list[str] | None = None) -> int:
             regroup = Regroup(handler, args.grace_period, summary.now.changes) if elastic else None
             agent = Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
                           log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis, stop=stop,
-                          summary=summary, regroup=regroup)
+                          summary=summary, regroup=regroup, live=live)
             _quiet_torch_elastic()  # now that every torch module in use has made its logger
             result = agent.run()
             ended = _conclude(agent, result, diagnosis, stop, args.max_restarts)
@@ -280,12 +285,16 @@ def run(argv: list[str] | None = None) -> int:
             ended = _Ended(1, "failed", [f"{type(exc).__name__}: {exc}"])
         except SignalException as exc:
             ended = _stopped_by_signal(agent, exc, diagnosis, stop)
+        if live is not None:
+            live.uninstall()  # the summary and the verdict below are plain lines
         if summary.now.attempts:
             summary.writes_job_file = agent is not None and agent.get_worker_group().group_rank in (0, None)
             summary.finish(ended.outcome)
         ended.report()
         return ended.code
     finally:
+        if live is not None:
+            live.uninstall()
         if agent is not None:
             sweep_process_groups(agent.group_pids)
         if handler is not None:

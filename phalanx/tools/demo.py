@@ -92,4 +92,6 @@ def main(argv=None) -> int:
         trained_now = summary["start_epoch"] < len(summary["history"]["loss"])
         resumed_at = summary["start_epoch"] if summary["resumed"] and trained_now else None
         print(f"loss curve: {plot_history(summary['history'], Path(args.out) / 'loss.png', title, resumed_at)}")
+    print(f"step log: {Path(args.out) / 'log' / 'steps.jsonl'} and TensorBoard files beside it "
+          f"(phalanx report {args.out} draws it)")
     return 0

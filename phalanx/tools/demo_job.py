@@ -2,8 +2,9 @@
 
 Every rank trains on its own shard of scikit-learn's bundled wine data (DistributedSampler), the
 model is wrapped in phalanx DDP, a Checkpointer saves after each epoch so that a second run resumes
-(and, asked to stop by Ctrl-C or SIGTERM, at the next step all ranks agree on), and loss and accuracy
-are averaged over the samples of all ranks (phalanx.metrics), not over ranks.
+(and, asked to stop by Ctrl-C or SIGTERM, at the next step all ranks agree on), loss and accuracy
+are averaged over the samples of all ranks (phalanx.metrics), not over ranks, and a StepLog records
+each epoch's throughput and step times into OUT/log (steps.jsonl, TensorBoard).
 """
 
 from __future__ import annotations
@@ -140,8 +141,13 @@ def train(config: WineConfig) -> dict:
         px.barrier()  # no rank may look for a checkpoint while rank 0 is deleting them
     checkpointer = px.Checkpointer(checkpoint_dir, keep=2)
     # Everything a resumed run needs: the Checkpointer saves objects with a state_dict and plain values.
+    steps_per_epoch = len(loader)
+    # A StepLog record at each epoch's last step (throughput, each rank's busy time, the slowest rank), into
+    # OUT/log/steps.jsonl and TensorBoard: `phalanx report OUT` draws it. Its line goes above the bar.
+    log = px.StepLog(Path(config.out) / "log", every=steps_per_epoch, optimizer=optimizer,
+                     total_steps=config.epochs * steps_per_epoch, print_fn=lambda text: _say(bar, text))
     state = {"model": model, "optimizer": optimizer, "loader": loader, "epoch": 0,
-             "history": {"loss": [], "accuracy": [], "heldout": []}}
+             "history": {"loss": [], "accuracy": [], "heldout": []}, "log": log}
     resumed = checkpointer.restore(state)
     start_epoch = state["epoch"]
     if resumed:
@@ -154,7 +160,6 @@ def train(config: WineConfig) -> dict:
                   f"on {px.world_size()} process(es), device {device}")
 
     last_checkpoint = checkpointer.checkpoints()[-1] if resumed else None
-    steps_per_epoch = len(loader)
     bar = _progress_bar(config.epochs * steps_per_epoch, start_epoch * steps_per_epoch,
                         enabled=config.progress and px.is_main())
     with _warnings_only_while_drawn(bar):
@@ -171,6 +176,7 @@ def train(config: WineConfig) -> dict:
                 # Weighted by batch size: a short last batch counts for what it holds, not as a full one.
                 loss_mean.update(loss.detach(), weight=len(y))
                 accuracy_mean.update((logits.argmax(dim=1) == y).float().mean(), weight=len(y))
+                log.step(loss=loss.detach(), samples=len(y))
                 if bar is not None:
                     bar.update(1)
                 epoch_ends = loader.state_dict()["batches"] == steps_per_epoch
@@ -186,6 +192,7 @@ def train(config: WineConfig) -> dict:
                 # all ranks agree on, then ends the process (exit code 75: run the same command to resume there;
                 # that epoch's printed means then cover the batches after the resume).
                 last_checkpoint = checkpointer.step(state, last=epoch_ends) or last_checkpoint
+    log.close()
     if bar is not None:
         bar.close()
 

@@ -9,6 +9,7 @@ May import: diagnose, allocator, errors, log.
 
 from .group import (
     barrier,
+    before_shutdown,
     collective_device,
     device,
     group_rank,
@@ -19,6 +20,7 @@ from .group import (
     local_rank,
     local_world_size,
     rank,
+    run_before_shutdown,
     shutdown,
     store,
     usable_cores,

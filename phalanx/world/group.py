@@ -3,13 +3,16 @@
 `init()` reads the environment (see discovery.py), builds the rendezvous store itself so that a
 master that cannot be reached or a port already taken become clear errors in bounded time, then
 creates the default process group. The same script runs under `phalanx run`, `torchrun`, `srun`
-or plain `python` (a world of one, still a real process group).
+or plain `python` (a world of one, still a real process group). `before_shutdown` registers what must
+run while the world is still whole.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -226,6 +229,7 @@ def shutdown() -> None:
     (torch DDP), 3 of 25 with a wait before the teardown only (phalanx DDP), 0 of 25 with both.
     """
     global _spec, _device, _store, _owns_group, _watchdog
+    run_before_shutdown()
     recorder.phase(recorder.SHUTDOWN)
     stop.stop_listening()  # nobody reads the flag any more: a signal ends the process again
     if _owns_group and dist.is_initialized():
@@ -244,6 +248,30 @@ def shutdown() -> None:
     progress.stop()
     _spec = _device = _store = None
     _owns_group = False
+
+
+_before_shutdown: list = []  # weak references to callables run first in shutdown() (StepLog's last records)
+
+
+def before_shutdown(callback) -> None:
+    """Run `callback()` first in shutdown(), on every rank that calls it, while the world is still whole: the
+    place for a last collective (a StepLog's pending records at the end of a run or at an agreed stop). Held
+    weakly (a bound method's object may go); an exception it raises is logged, not raised."""
+    _before_shutdown.append(weakref.WeakMethod(callback) if inspect.ismethod(callback) else weakref.ref(callback))
+
+
+def run_before_shutdown() -> None:
+    """Run (once) what before_shutdown() registered: shutdown() does; so does an agreed stop in a process whose
+    group phalanx did not make (torchrun with the user's init_process_group)."""
+    callbacks = [ref() for ref in _before_shutdown]
+    _before_shutdown.clear()
+    for callback in callbacks:
+        if callback is None:
+            continue
+        try:
+            callback()
+        except Exception as exc:
+            log.logger.warning("shutdown(): %s", exc)
 
 
 def _leave_together(name: str) -> None:

@@ -8,6 +8,7 @@ examples/trainers/ ones (Accelerate, Lightning) are marked `trainers`: they need
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -66,6 +67,13 @@ def test_demo_learns_writes_a_plot_and_resumes_exactly(tmp_path):
     assert list(uninterrupted) == list(range(1, 31))
     assert {epoch: uninterrupted[epoch] for epoch in range(21, 31)} == _epoch_lines(resumed)
     assert {epoch: uninterrupted[epoch] for epoch in range(1, 21)} == _epoch_lines(first)
+    # The StepLog: a record per epoch's last step, started over by --fresh; `phalanx report` draws it.
+    records = [json.loads(line) for line in (out / "log" / "steps.jsonl").read_text().splitlines()]
+    per_epoch = records[0]["step"]
+    assert [r["step"] for r in records] == [per_epoch * (e + 1) for e in range(30)], records
+    assert all(r["world_size"] == 2 and r["slowest_rank"] in (0, 1) for r in records)
+    _run([*PHALANX, "report", out], cwd=tmp_path)
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_wine_example_reaches_the_accuracy_of_the_demo(tmp_path):
@@ -134,7 +142,9 @@ def test_gpt_example_learns_below_the_unigram_entropy_and_resumes(tmp_path):
 
     second = _launch(EXAMPLES / "gpt" / "train.py", "--max-steps", "140", *tiny, cwd=tmp_path)
     assert "resuming at step 120 of 140" in second, second
-    assert re.search(r"step\s+140/140", second) and not re.search(r"step\s+20/140", second)
+    assert re.search(r"step 140 \| loss", second) and not re.search(r"step 20 \| loss", second), second
+    steps = [json.loads(line)["step"] for line in (tmp_path / "gpt" / "log" / "steps.jsonl").read_text().splitlines()]
+    assert steps == list(range(20, 141, 20)), steps  # the StepLog: one record per 20 steps across the two runs
 
 
 def test_gpt_example_trains_with_fsdp2_and_resumes_at_another_shard_level(tmp_path):
@@ -148,7 +158,7 @@ def test_gpt_example_trains_with_fsdp2_and_resumes_at_another_shard_level(tmp_pa
     assert (tmp_path / "gpt" / "weights.safetensors").exists()
     second = _launch(EXAMPLES / "gpt" / "train.py", "--max-steps", "50", "--shard", "gradients", *tiny, cwd=tmp_path)
     assert "resuming at step 40 of 50" in second and "shard=gradients" in second, second
-    assert re.search(r"step\s+50/50", second), second
+    assert re.search(r"step 50 \| loss", second), second
 
 
 def test_slurm_template_runs_under_a_stand_in_srun(tmp_path):

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from phalanx.diagnose import stacks
+from phalanx.observe.outputs import read_records
 from tests.conftest import ROOT
 from tests.e2e.test_launch import clean_env, two_hosts  # noqa: F401 - two_hosts is a fixture
 
@@ -82,6 +83,26 @@ def check_stopped(code: int, output: str, run_dir: Path, ended: float, moment: s
     return step
 
 
+def check_step_log(run_dir: Path, stops=()) -> None:
+    """The StepLog's steps.jsonl and TensorBoard files hold exactly one record per logged step: every 2nd step,
+    and the shorter windows written at the agreed stops; TensorBoard (its purges applied) shows the same steps."""
+    records = read_records(run_dir / "log" / "steps.jsonl")
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"a step logged twice or out of order: {steps}"
+    assert set(range(2, 81, 2)) <= set(steps), f"logged steps missing: {sorted(set(range(2, 81, 2)) - set(steps))}"
+    assert set(steps) - set(range(2, 81, 2)) <= set(stops), f"records off the cadence: {steps}, stops {stops}"
+    assert all(r["samples"] == 8 * r["steps"] and r["loss"] is not None for r in records)
+    try:
+        from phalanx.observe.tb_events import read_scalars
+        scalars = read_scalars(run_dir / "log")
+    except ImportError:  # no tensorboardX (the log extra): steps.jsonl alone
+        return
+    shown = scalars["train/loss"]
+    assert sorted(shown) == steps, f"TensorBoard shows steps {sorted(shown)}, steps.jsonl {steps}"
+    assert all(len(values) == 1 for values in shown.values()), {s: v for s, v in shown.items() if len(v) > 1}
+    assert all(shown[r["step"]][0] == pytest.approx(r["loss"], rel=1e-6) for r in records)
+
+
 def check_same_as_uninterrupted(run_dir: Path, reference: Path) -> None:
     steps = steps_log(run_dir)
     numbers = [int(step) for step, _ in steps]
@@ -138,6 +159,8 @@ def test_twenty_stops_resume_bitwise(tmp_path, uninterrupted):
     stops = chain(tmp_path / "run", twenty_moments())
     assert len([step for _, step in stops if step is not None]) == 20, f"seed {SEED}: {stops}"
     check_same_as_uninterrupted(tmp_path / "run", uninterrupted)
+    check_step_log(uninterrupted)
+    check_step_log(tmp_path / "run", stops=[step for _, step in stops if step is not None])
     summary = (tmp_path / "run" / "checkpoints" / "run-summary.json").read_text()
     assert summary.count('"outcome": "stopped"') == 20 and '"outcome": "finished"' in summary
 
@@ -157,8 +180,9 @@ def torchrun(run_dir: Path, *job_args) -> tuple[int, str, float]:
 
 def test_torchrun_with_sigterm_sent_to_the_workers(tmp_path, uninterrupted):
     """World size 2 under torchrun: SIGTERM to both workers mid-step and mid-exchange, as a scheduler sends it."""
-    chain(tmp_path / "run", ["step:2", "exchange:1"], run=torchrun)
+    stops = chain(tmp_path / "run", ["step:2", "exchange:1"], run=torchrun)
     check_same_as_uninterrupted(tmp_path / "run", uninterrupted)
+    check_step_log(tmp_path / "run", stops=[step for _, step in stops])  # the StepLog under torchrun
 
 
 def test_sharded_parameters_level(tmp_path):

@@ -17,7 +17,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 # engine share), then
 # exchange/ (how a bucket becomes its average), then sharding/ (optimizers on the owned chunks), then
 # engine/ (the front and the reducer, which use all three). The launcher, data and checkpoints build
-# on the world (checkpoints on the engine too), the trainers' integrations on the engine; the public
+# on the world (checkpoints on the engine too), the trainers' integrations on the engine, the StepLog
+# (observe/) on the world and the record; the public
 # face on everything the library holds; the bundled tools on the face; the command on the tools.
 LAYERS = [
     {"errors", "log", "hooks"},
@@ -27,7 +28,7 @@ LAYERS = [
     {"exchange"},
     {"sharding"},
     {"engine"},
-    {"data", "checkpoint", "launch", "integrations"},
+    {"data", "checkpoint", "launch", "integrations", "observe"},
     {"testing"},
     {"__init__"},
     {"tools"},
@@ -46,7 +47,7 @@ ALLOWED = {
     "shm": {"errors", "log"},
     "world": {"errors", "log", "diagnose", "allocator"},
     "nn": {"errors"},
-    "bucket": {"errors", "world"},
+    "bucket": {"errors", "world", "diagnose"},  # diagnose: the step clock the step guard's waits add to
     "exchange": {"errors", "log", "diagnose", "shm", "bucket"},
     "sharding": {"errors", "bucket", "exchange"},
     "engine": {"errors", "log", "world", "nn", "diagnose", "allocator", "bucket", "exchange", "sharding"},
@@ -54,9 +55,10 @@ ALLOWED = {
     "checkpoint": {"errors", "log", "world", "engine", "sharding", "diagnose"},
     "launch": {"errors", "log", "world", "diagnose", "allocator"},
     "integrations": {"errors", "log", "engine"},
+    "observe": {"errors", "log", "world", "diagnose"},
     "testing": {"launch"},
     "__init__": {"errors", "log", "hooks", "diagnose", "shm", "world", "nn", "engine", "data", "checkpoint", "launch",
-                 "integrations"},
+                 "integrations", "observe"},
     "tools": {"errors", "log", "world", "shm", "engine", "exchange", "data", "checkpoint", "launch", "hooks", "nn",
               "testing", "diagnose", "allocator", "__init__"},
     "cli": {"errors", "__init__"},  # `phalanx --version` reads phalanx.__version__; commands are found by name

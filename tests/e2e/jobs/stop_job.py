@@ -13,7 +13,9 @@ flag is up, so the request lands inside that moment. It appends the time it aske
 
 Rank 0 appends every step it trains, with a CRC-32 of the parameters after it, to RUN_DIR/steps.log (the
 test checks each step is trained once, and where a run parts from the uninterrupted one)
-and writes the final parameters to RUN_DIR/final.pt.
+and writes the final parameters to RUN_DIR/final.pt. A StepLog (a record every 2 steps, part of the
+checkpoint's state) writes RUN_DIR/log/steps.jsonl and TensorBoard files: the test checks that across
+the stops they hold one record per logged step.
 """
 
 import argparse
@@ -31,6 +33,7 @@ import phalanx as px
 STEPS = 80  # 96 samples, 2 ranks, batches of 4: 12 steps per epoch
 EVERY = 3  # a checkpoint every 3 steps
 EVAL_EVERY = 4
+LOG_EVERY = 2  # a StepLog record every 2 steps
 
 
 def parse_args():
@@ -134,7 +137,9 @@ def main():
 
     net[1].register_forward_hook(in_backward)
 
-    state = {"model": model, "optimizer": optimizer, "loader": loader, "epoch": 0, "step": 0, "probe": Probe(moment)}
+    step_log = px.StepLog(args.run_dir / "log", every=LOG_EVERY, optimizer=optimizer, total_steps=STEPS, print_every=10)
+    state = {"model": model, "optimizer": optimizer, "loader": loader, "epoch": 0, "step": 0, "probe": Probe(moment),
+             "log": step_log}
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints", keep=2, every=EVERY)
     checkpointer.restore(state)
     sharded = args.shard == "parameters"
@@ -155,6 +160,7 @@ def main():
             elif px.is_main():
                 with open(args.run_dir / "steps.log", "a") as log:
                     log.write(f"{state['step']} -\n")
+            step_log.step(loss=loss, samples=len(x))
             if state["step"] % EVAL_EVERY == 0:
                 evaluate(model.module if not sharded else model, held_out, moment, sharded)
             # Last in the iteration: a stop saves the state after everything this step did (the evaluation's

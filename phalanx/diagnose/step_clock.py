@@ -1,0 +1,44 @@
+"""Where this process's step time went that was not its own work: waiting for peers, waiting for data.
+
+Two running totals in nanoseconds, added to by the engine's bounded waits (bucket/step_guard.py,
+the shared-memory exchange's claim) and by phalanx's loader. A reader (observe/steplog.py) takes
+differences between two of its calls; nothing here resets. Process-wide, like the recorder: a wait
+is the process's, whichever DDP instance or loader caused it. An addition costs two clock reads.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+_exchange_wait_ns = 0
+_data_wait_ns = 0
+
+now_ns = time.perf_counter_ns
+
+
+def add_exchange_wait(nanoseconds: int) -> None:
+    """Time blocked until peers arrived (or their results did) in one of phalanx's collectives."""
+    global _exchange_wait_ns
+    _exchange_wait_ns += nanoseconds
+
+
+def add_data_wait(nanoseconds: int) -> None:
+    """Time the training loop waited for phalanx's DataLoader to hand it a batch."""
+    global _data_wait_ns
+    _data_wait_ns += nanoseconds
+
+
+@contextmanager
+def waiting_for_peers():
+    """`with waiting_for_peers(): work.wait()`: the block's time counts as waiting on the exchange."""
+    started = now_ns()
+    try:
+        yield
+    finally:
+        add_exchange_wait(now_ns() - started)
+
+
+def totals() -> tuple[int, int]:
+    """(nanoseconds waited for peers, nanoseconds waited for data) since the process started."""
+    return _exchange_wait_ns, _data_wait_ns
