@@ -14,6 +14,9 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.testing import run_ranks
 
+# tests/suite.py: the straggler check measures time (a 50 ms sleep, +- 10 ms), not beside CPU-heavy tests
+pytestmark = pytest.mark.waiting
+
 SLOW_RANK, SLOW_SECONDS = 2, 0.050
 EVERY, STEPS = 4, 48
 SLOW_STEPS = range(13, 37)  # steps 13..36: the windows that end at 16, 20, ..., 36 lie inside it
