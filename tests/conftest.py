@@ -43,6 +43,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: README.md, examples/, phalanx/
 TESTS = ROOT / "tests"
 TIERS = ("unit", "ranks", "e2e")
+LONGEST = ("e2e/test_stop.py", "e2e/test_examples.py")  # minutes each (21 and 13 launches): dealt out first
 
 
 # -- the tiers -------------------------------------------------------------------------------------
@@ -61,6 +62,18 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier)
         if tier == "e2e":
             item.add_marker("slow")
+    # The longest files first (e2e, then ranks, then the many short unit tests): under pytest-xdist a long
+    # file dealt out last would leave the other workers idle while it runs alone (tests/suite.py).
+    items.sort(key=lambda item: (-TIERS.index(_tier(item)) if _tier(item) in TIERS else 0,
+                                 item.path.relative_to(TESTS).as_posix() not in LONGEST if _tier(item) else True))
+
+
+def _tier(item) -> str | None:
+    try:
+        parts = item.path.relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 else None
 
 
 # -- a clean environment ---------------------------------------------------------------------------

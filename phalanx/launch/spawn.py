@@ -15,6 +15,7 @@ import queue as queue_module
 import time
 import traceback
 from contextlib import contextmanager
+from multiprocessing import reduction
 
 from ..allocator import CHOSEN_BY_LAUNCHER, worker_preload
 from ..errors import RankFailedError, RanksTimedOutError, explain
@@ -29,7 +30,23 @@ _WHOLE_ENVIRONMENT = "_PHALANX_WHOLE_ENVIRONMENT"
 _server_preload_env: list = []  # [LD_PRELOAD the fork server started with], once it has started
 
 
-def _child(fn, rank: int, nprocs: int, args: tuple, env: dict, results, do_init: bool) -> None:
+class _CallersStreams:
+    """This process's stdout and stderr as they are at the call, for a rank forked from the server, whose own
+    are the server's: pickled as duplicates passed to the child (multiprocessing.reduction.DupFd), which
+    puts them in place as it is unpickled, before the rank runs."""
+
+    def __reduce__(self):
+        return _adopt_streams, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt_streams(stdout, stderr) -> None:
+    for duplicate, fd in ((stdout, 1), (stderr, 2)):
+        inherited = duplicate.detach()
+        os.dup2(inherited, fd)
+        os.close(inherited)
+
+
+def _child(fn, rank: int, nprocs: int, args: tuple, env: dict, results, do_init: bool, streams=None) -> None:
     if env.pop(_WHOLE_ENVIRONMENT, None):  # forked from the server: its environment is the server's, not ours
         os.environ.clear()
     os.environ.update(env)
@@ -97,7 +114,9 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
             base = {**os.environ, **base, _WHOLE_ENVIRONMENT: "1"}
         for rank in range(nprocs):
             child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            process = context.Process(target=_child, args=(fn, rank, nprocs, tuple(args), child_env, results, init),
+            streams = _CallersStreams() if context.get_start_method() == "forkserver" else None
+            process = context.Process(target=_child, args=(fn, rank, nprocs, tuple(args), child_env, results, init,
+                                                           streams),
                                       name=f"phalanx-rank-{rank}", daemon=False)
             process.start()
             processes.append(process)

@@ -93,3 +93,17 @@ def test_import_phalanx_leaves_dtensor_and_fsdp2_unimported():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": checkout_on_pythonpath()})
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def _prints(rank):
+    print(f"rank {rank} says hello", flush=True)
+    print(f"rank {rank} warns", file=sys.stderr, flush=True)
+
+
+def test_forked_ranks_print_to_the_callers_streams_as_they_are_at_the_call(capfd):
+    """World size 2 (spawn(start_method="forkserver")), after a first call that started the server under another
+    test's capture: what the ranks print reaches this test's stdout and stderr."""
+    phalanx.spawn(_prints, 2, env=ENV, timeout=120, start_method="forkserver")
+    out, err = capfd.readouterr()
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, (out, err)
+    assert "rank 1 warns" in err, (out, err)
