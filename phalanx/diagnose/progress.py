@@ -257,17 +257,7 @@ class Progress:
 def read(directory: str) -> dict[int, Progress]:
     """Every rank's record in `directory` (an attempt's folder), by rank."""
     found = {}
-    for path in rank_files(directory, ".progress"):
-        try:
-            with open(path, "rb") as handle:
-                raw = handle.read(8 * SLOTS)
-        except OSError:
-            continue
-        if len(raw) < 8 * SLOTS:
-            continue
-        s = struct.unpack(f"{SLOTS}d", raw)
-        if s[P_MAGIC] != MAGIC or s[P_VERSION] != VERSION:
-            continue
+    for s in _slots(directory):
         rank = int(s[P_RANK])
         found[rank] = Progress(
             rank, int(s[P_PID]), STATES[int(s[P_STATE])] if 0 <= s[P_STATE] < len(STATES) else "?", s[P_CREATED],
@@ -282,6 +272,16 @@ def live(directory: str) -> tuple[int, int] | None:
     """(steps a StepLog counted, the loop's length or 0) on the lowest rank of `directory` that has a StepLog;
     the slots alone, a few hundred bytes per rank, for a status line redrawn twice a second."""
     best = None
+    for s in _slots(directory):
+        if not s[P_LOGGED_STEP]:
+            continue
+        if best is None or s[P_RANK] < best[0]:
+            best = (s[P_RANK], int(s[P_LOGGED_STEP]), int(s[P_TOTAL_STEPS]))
+    return best[1:] if best is not None else None
+
+
+def _slots(directory: str):
+    """The slots of every rank's record in `directory` that is whole and of this version."""
     for path in rank_files(directory, ".progress"):
         try:
             with open(path, "rb") as handle:
@@ -291,11 +291,8 @@ def live(directory: str) -> tuple[int, int] | None:
         if len(raw) < 8 * SLOTS:
             continue
         s = struct.unpack(f"{SLOTS}d", raw)
-        if s[P_MAGIC] != MAGIC or s[P_VERSION] != VERSION or not s[P_LOGGED_STEP]:
-            continue
-        if best is None or s[P_RANK] < best[0]:
-            best = (s[P_RANK], int(s[P_LOGGED_STEP]), int(s[P_TOTAL_STEPS]))
-    return best[1:] if best is not None else None
+        if s[P_MAGIC] == MAGIC and s[P_VERSION] == VERSION:
+            yield s
 
 
 def _events(path: str) -> list[dict]:

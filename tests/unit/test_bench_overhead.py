@@ -3,9 +3,7 @@ in-process). benchmarks/gpu_bench.py's --smoke run is in tests/e2e/test_bench.py
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from phalanx.tools import bench
 from phalanx.tools.bench_overhead import (
@@ -16,15 +14,6 @@ from phalanx.tools.bench_overhead import (
     parse_config,
     profile_added,
 )
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_added_time_is_paired_by_round_and_robust_to_one_bad_round():

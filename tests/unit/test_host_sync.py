@@ -11,7 +11,6 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -44,15 +43,6 @@ def counting_host_reads(calls: list):
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
-
-
-@pytest.fixture
-def world_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _net() -> nn.Module:
