@@ -110,11 +110,13 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
         base[CHOSEN_BY_LAUNCHER] = preload or "system"  # so that init() gives no torchrun advice (allocator.py)
         context = _context(start_method)
         results = context.Queue()
-        if context.get_start_method() == "forkserver":
+        forked = context.get_start_method() == "forkserver"
+        if forked:
             base = {**os.environ, **base, _WHOLE_ENVIRONMENT: "1"}
         for rank in range(nprocs):
             child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            streams = _CallersStreams() if context.get_start_method() == "forkserver" else None
+            # Unpickling it in the child puts this process's stdout and stderr in place (_CallersStreams).
+            streams = _CallersStreams() if forked else None
             process = context.Process(target=_child, args=(fn, rank, nprocs, tuple(args), child_env, results, init,
                                                            streams),
                                       name=f"phalanx-rank-{rank}", daemon=False)
