@@ -29,6 +29,7 @@ from .goodput import RunSummary
 from .live_status import LiveStatus
 from .regroup import Regroup
 from .stop import StopRequest
+from .warm_start import WorkerServer, workers_from
 
 # LocalElasticAgent._shutdown takes a `timeout` in torch 2.13 and not in 2.11 (whose agent closes its
 # workers with a default of 30 s): the installed torch is asked once, so that both work.
@@ -43,8 +44,10 @@ class Agent(LocalElasticAgent):
     """See the module docstring. `ended_by_stop`: the last attempt's workers stopped on request."""
 
     def __init__(self, *args, diagnosis: RunDiagnosis, stop: StopRequest, summary: RunSummary,
-                 regroup: Regroup | None = None, live: LiveStatus | None = None, **kwargs):
+                 regroup: Regroup | None = None, live: LiveStatus | None = None,
+                 server: WorkerServer | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.server = server  # the node's fork server (warm_start.py), or None: each worker a fresh interpreter
         self.live = live  # the status line on a terminal (live_status.py), or None
         self.group_pids: set[int] = set()
         self.diagnosis, self.stop, self.summary, self.regroup = diagnosis, stop, summary, regroup
@@ -69,7 +72,8 @@ class Agent(LocalElasticAgent):
         os.environ["PHALANX_ATTEMPT"] = str(attempt)  # the workers' folder for their records (diagnose/)
         if self.regroup is not None:
             self.regroup.starting(worker_group)
-        pids = super()._start_workers(worker_group)
+        with workers_from(self.server):
+            pids = super()._start_workers(worker_group)
         self.stop.install()  # torch's start may have put its own handlers (they kill) back in place
         self._mark_teardown_before_close()
         self.group_pids = set(pids.values())

@@ -50,10 +50,10 @@ from .stop import (
     stop_lost,
     stop_report,
 )
+from .warm_start import START_METHODS, WORKER_ENTRY, WorkerServer
 
 DEFAULT_MULTI_NODE_PORT = 29500
 MAX_AUTO_CPU_WORKERS = 8
-WORKER_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_entry.py")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grace-period", "--grace_period", dest="grace_period", type=float, default=DEFAULT_GRACE_PERIOD,
         metavar="S", help=f"on SIGTERM, SIGINT or SIGUSR1, wait up to S seconds for the workers to save at an agreed "
                           f"step and exit {STOP_EXIT_CODE}, then kill them. Default {DEFAULT_GRACE_PERIOD:g}")
+    add("--start-method", "--start_method", dest="start_method", choices=START_METHODS, default="forkserver",
+        help="forkserver: fork each worker from a process that imported torch once, so a start or restart costs "
+             "milliseconds, not seconds of CPU per worker; spawn: a fresh interpreter per worker. "
+             "Default forkserver")
     add("-m", "--module", action="store_true",
         help="the target is a module to run as `python -m`, not a script path")
     add("target", metavar="script.py | module", help="the training script (or module with -m)")
@@ -262,6 +266,8 @@ def run(argv: list[str] | None = None) -> int:
     live = LiveStatus() if live_status.wanted() else None
     if live is not None:
         live.install()
+    # After the environment is set (LD_PRELOAD above): the workers it forks would otherwise start fresh.
+    server = WorkerServer() if args.start_method == "forkserver" else None
     agent = handler = None
     try:
         try:
@@ -275,7 +281,7 @@ def run(argv: list[str] | None = None) -> int:
             regroup = Regroup(handler, args.grace_period, summary.now.changes) if elastic else None
             agent = Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
                           log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis, stop=stop,
-                          summary=summary, regroup=regroup, live=live)
+                          summary=summary, regroup=regroup, live=live, server=server)
             _quiet_torch_elastic()  # now that every torch module in use has made its logger
             result = agent.run()
             ended = _conclude(agent, result, diagnosis, stop, args.max_restarts)
@@ -299,6 +305,8 @@ def run(argv: list[str] | None = None) -> int:
             sweep_process_groups(agent.group_pids)
         if handler is not None:
             handler.shutdown()
+        if server is not None:
+            server.close()
         if own_log_dir:
             shutil.rmtree(log_dir, ignore_errors=True)
         shutil.rmtree(rings, ignore_errors=True)

@@ -10,7 +10,9 @@ import faulthandler
 import json
 import os
 import runpy
+import select
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -92,5 +94,107 @@ def main(argv: list) -> None:
         sys.exit(1)
 
 
+# What a worker's environment may hold differently from the fork server's: variables read when a worker
+# starts its process group or its device, never while torch is imported. The names torch elastic sets per
+# worker (torch/distributed/elastic/agent/server/local_elastic_agent.py) and phalanx's own.
+_READ_LATER = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+               "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
+_READ_LATER_PREFIXES = ("TORCHELASTIC_", "PHALANX_", "TORCH_NCCL_", "NCCL_")
+MAX_REQUEST = 1 << 20  # bytes of one request: argv, cwd and the whole environment, as JSON
+
+
+def read_at_import(env: dict, server_env: dict) -> list:
+    """The variables in which `env` differs from the server's and that a fresh worker could read before its
+    first line runs: while it imports torch (thread counts, the allocator, Python's own settings)."""
+    names = set(env) ^ set(server_env) | {name for name in env if name in server_env and env[name] != server_env[name]}
+    return sorted(name for name in names
+                  if name not in _READ_LATER and not name.startswith(_READ_LATER_PREFIXES))
+
+
+def serve(fd: int) -> list:
+    """The fork server's loop. Returns only in a forked worker, with the worker's argv for `main`."""
+    import torch  # noqa: F401 - the import every forked worker is spared
+
+    server_env = _environment_at_exec()
+    channel = socket.socket(fileno=fd)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears of exits
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to pass on, not ours to die of
+    signal.set_wakeup_fd(wake_write)
+    while True:
+        readable, _, _ = select.select([channel, wake_read], [], [])
+        if wake_read in readable:
+            while True:
+                try:
+                    if not os.read(wake_read, 512):
+                        break
+                except BlockingIOError:
+                    break
+            _report_exits(channel)
+        if channel not in readable:
+            continue
+        message, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST, 2)
+        if not message:  # the launcher is gone: its workers live on (they are not ours to end)
+            os._exit(0)
+        request = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            for handle in (channel.detach(), wake_read, wake_write):
+                os.close(handle)
+            return _become_worker(request, fds, server_env)
+        for handle in fds:
+            os.close(handle)
+        channel.send(json.dumps({"pid": pid}).encode())
+
+
+def _environment_at_exec() -> dict:
+    """The environment this server was started with: what a fresh worker would start with, before anything
+    run at start-up (a .pth file, an import) changed os.environ."""
+    try:
+        with open("/proc/self/environ", "rb") as handle:
+            entries = handle.read().split(b"\0")
+    except OSError:
+        return dict(os.environ)
+    return dict(os.fsdecode(entry).split("=", 1) for entry in entries if b"=" in entry)
+
+
+def _report_exits(channel: socket.socket) -> None:
+    """Reap every worker that ended and tell the launcher its exit code, as Popen.returncode gives it."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        channel.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+
+
+def _become_worker(request: dict, fds: list, server_env: dict) -> list:
+    """In the forked child: the process a fresh `python -u worker_entry.py ARGV` would have been."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it at start: KeyboardInterrupt
+    os.setsid()  # as torch elastic's Popen(start_new_session=True): the launcher signals the group
+    for target, handle in zip(request["streams"], fds):
+        os.dup2(handle, target)
+        os.close(handle)
+    os.chdir(request["cwd"])
+    env, argv = request["env"], request["argv"]
+    if read_at_import(env, server_env):
+        os.execve(sys.executable, [sys.executable, "-u", os.path.abspath(__file__), *argv], env)
+    os.environ.clear()
+    os.environ.update(env)
+    numpy = sys.modules.get("numpy")  # torch imported it, and its global generator was seeded once, in the server
+    if numpy is not None:
+        numpy.random.seed()  # each worker draws its own seed, as a fresh process does (Python's random reseeds itself)
+    return argv
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--serve"]:
+        main(serve(int(sys.argv[2])))
+    else:
+        main(sys.argv[1:])

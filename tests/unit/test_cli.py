@@ -95,3 +95,22 @@ class TestCommand:
         monkeypatch.setitem(sys.modules, f"phalanx.tools.{name}", fake)
         assert cli.main([name, "--steps", "3"]) == 0
         assert calls == [["--steps", "3"]]
+
+
+class TestForkServerEnvironment:
+    """launch/worker_entry.read_at_import: which differences from the fork server's environment make a worker
+    start a fresh interpreter instead of a fork."""
+
+    def test_the_names_torch_elastic_and_phalanx_set_per_worker_keep_the_fork(self):
+        from phalanx.launch.worker_entry import read_at_import
+        server = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+        worker = {**server, "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "MASTER_PORT": "1234",
+                  "TORCHELASTIC_ERROR_FILE": "/tmp/e.json", "PHALANX_ATTEMPT": "2", "CUDA_VISIBLE_DEVICES": "1",
+                  "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+        assert read_at_import(worker, server) == []
+
+    def test_a_variable_read_at_import_that_differs_appears_added_or_removed(self):
+        from phalanx.launch.worker_entry import read_at_import
+        server = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": "/a"}
+        worker = {"PATH": "/bin", "OMP_NUM_THREADS": "2", "LD_PRELOAD": "/lib/libtcmalloc.so"}
+        assert read_at_import(worker, server) == ["LD_PRELOAD", "OMP_NUM_THREADS", "PYTHONPATH"]

@@ -1,0 +1,126 @@
+"""Workers forked from the fork server of `phalanx run` (launch/warm_start.py): the process each one gets is
+the one a fresh interpreter would have been, and `--start-method spawn` still gives fresh ones.
+
+World size 1 and 2 on one node; the server is driven directly, as the launcher drives it, and through
+`phalanx run`.
+"""
+
+import json
+import os
+import signal
+import sys
+import textwrap
+
+import pytest
+
+from phalanx.launch.warm_start import WORKER_ENTRY, WorkerServer
+from tests.e2e.test_launch import clean_env, phalanx_run
+
+REPORT = textwrap.dedent("""
+    import json, os, random, sys
+    import numpy, torch
+    print(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "cwd": os.getcwd(),
+                      "argv": sys.argv, "env": os.environ.get("PHALANX_TEST_WORKER"), "main": __name__,
+                      "threads": torch.get_num_threads(), "numpy": int(numpy.random.randint(1 << 30)),
+                      "random": random.random(), "path0": sys.path[0],
+                      "parent": open(f"/proc/{os.getppid()}/cmdline").read().split(chr(0))[:4],
+                      "forked": "--serve" in open("/proc/self/cmdline").read().split(chr(0))}))
+    sys.stderr.write("to stderr\\n")
+    code = int(os.environ.get("PHALANX_TEST_EXIT", "0"))
+    if code < 0:
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+""")
+
+
+@pytest.fixture
+def server():
+    started = WorkerServer()
+    yield started
+    started.close()
+
+
+def _start(server, tmp_path, name, env_extra=None, args=()):
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    out, err = open(tmp_path / f"{name}.out", "w"), open(tmp_path / f"{name}.err", "w")
+    env = {**server.environment, "PHALANX_TEST_WORKER": name, **(env_extra or {})}
+    worker = server.start([str(script), *args], env, str(tmp_path), {1: out, 2: err})
+    out.close()
+    err.close()
+    assert worker is not None, "the fork server refused a plain request"
+    return worker
+
+
+def _report(tmp_path, name) -> dict:
+    return json.loads((tmp_path / f"{name}.out").read_text())
+
+
+def test_a_forked_worker_gets_its_own_environment_streams_session_and_exit_code(server, tmp_path):
+    """World size 1, two workers from one server: each sees its own variables, arguments, output files,
+    a session of its own (the launcher signals the group), and its exit code reaches the launcher."""
+    first = _start(server, tmp_path, "first", {"PHALANX_TEST_EXIT": "3"}, args=("--lr", "0.1"))
+    second = _start(server, tmp_path, "second")
+    assert first.wait(60) == 3 and second.wait(60) == 0
+    one, two = _report(tmp_path, "first"), _report(tmp_path, "second")
+    assert one["env"] == "first" and two["env"] == "second"
+    assert one["argv"] == [str(tmp_path / "report.py"), "--lr", "0.1"]
+    assert one["main"] == "__main__" and one["cwd"] == str(tmp_path) and one["path0"] == str(tmp_path)
+    assert one["pid"] == first.pid and one["sid"] == first.pid, "a worker leads a session of its own"
+    assert one["ppid"] == server.process.pid and one["forked"], "the worker is a fork of the server"
+    assert (tmp_path / "first.err").read_text() == "to stderr\n"
+    assert one["numpy"] != two["numpy"] and one["random"] != two["random"], \
+        "forked workers must not share the server's random streams"
+
+
+def test_a_worker_killed_by_a_signal_reports_it_as_popen_does(server, tmp_path):
+    """World size 1: the exit code of a worker that dies of SIGKILL is -9, as Popen.returncode says."""
+    worker = _start(server, tmp_path, "killed", {"PHALANX_TEST_EXIT": str(-int(signal.SIGKILL))})
+    assert worker.wait(60) == -signal.SIGKILL
+    assert worker.poll() == -signal.SIGKILL
+
+
+def test_a_variable_read_while_torch_imports_gets_a_fresh_interpreter(server, tmp_path):
+    """World size 1: a worker whose OMP_NUM_THREADS differs from the server's cannot inherit the server's
+    thread pool settings, so it executes a fresh interpreter (which reads the variable), same pid."""
+    threads = 1 if os.environ.get("OMP_NUM_THREADS") != "1" else 2
+    worker = _start(server, tmp_path, "fresh", {"OMP_NUM_THREADS": str(threads)})
+    assert worker.wait(120) == 0
+    report = _report(tmp_path, "fresh")
+    assert report["threads"] == threads and report["pid"] == worker.pid and not report["forked"]
+
+
+def test_a_wait_that_runs_out_raises_timeout_expired(server, tmp_path):
+    """World size 1: torch elastic's close() relies on Popen.wait(timeout) raising TimeoutExpired."""
+    import subprocess
+
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    worker = server.start([str(script)], server.environment, str(tmp_path), {})
+    with pytest.raises(subprocess.TimeoutExpired):
+        worker.wait(0.2)
+    worker.kill()
+    assert worker.wait(30) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_phalanx_run_starts_workers_by_either_method(tmp_path, method):
+    """World size 2 under `phalanx run --start-method`: forked workers are children of the fork server,
+    spawned ones of the launcher; both run the script the same way."""
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    result = phalanx_run("--nproc-per-node", "2", "--start-method", method, str(script), "x",
+                         env=clean_env(PHALANX_TEST_WORKER="any"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    reports = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines() if '"pid"' in line]
+    assert len(reports) == 2 and all(r["argv"] == [str(script), "x"] for r in reports)
+    assert len({r["ppid"] for r in reports}) == 1
+    assert all(r["sid"] == r["pid"] for r in reports)
+    # The launcher is `python -m phalanx run`; the fork server is its child running worker_entry.py --serve.
+    parent = reports[0]["parent"]
+    if method == "forkserver":
+        assert parent[2:4] == [WORKER_ENTRY, "--serve"], parent
+        assert all(r["forked"] for r in reports), "a worker of `phalanx run` executed a fresh interpreter"
+    else:
+        assert parent[:3] == [sys.executable, "-m", "phalanx"], parent
+        assert not any(r["forked"] for r in reports)
