@@ -3,15 +3,16 @@
     import phalanx as px
     px.init()                                  # reads phalanx run / torchrun / srun, or runs alone
     model = px.DistributedDataParallel(net)    # one changed import from torch DDP
+
+`import phalanx` imports torch only when a name that needs it is first used (PEP 562): the `phalanx`
+command decides the launcher's allocator, and forks the workers' server, before torch is loaded, and
+`phalanx --help` answers at once. Every name below is importable as before: `from phalanx import init`.
 """
 
-import sys
+from __future__ import annotations
 
-from . import hooks, nn
-from .checkpoint import Checkpointer, export_weights, load_weights
-from .data import DataLoader, DistributedSampler, metrics
-from .diagnose import RankSkew, straggler_report
-from .engine.ddp import DDP, DistributedDataParallel
+import importlib
+
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -42,27 +43,40 @@ from .errors import (
     UnusedParameterError,
     WorldConfigError,
 )
-from .hooks import shm_allreduce_hook
-from .integrations.patch import patch_torch_ddp, torch_ddp_is_patched
-from .launch.spawn import spawn
-from .log import logger, print0
-from .observe import StepLog
-from .shm import ShmCommunicator, shm_communicator, shm_enabled, sweep_stale_segments
-from .world import (
-    barrier,
-    device,
-    init,
-    is_initialized,
-    is_main,
-    local_rank,
-    local_world_size,
-    rank,
-    shutdown,
-    world_size,
-)
-from .world.stop import STOP_EXIT_CODE, RunStopped, stop_requested
 
 __version__ = "0.1.0"
 
-# `import phalanx.metrics` and `from phalanx.metrics import Mean` keep working: the module lives in data/.
-sys.modules[__name__ + ".metrics"] = metrics
+# name -> the module that defines it (a module itself where the name is the module's own).
+_LAZY = {
+    "hooks": ".hooks", "nn": ".nn", "metrics": ".data.metrics",
+    **dict.fromkeys(("Checkpointer", "export_weights", "load_weights"), ".checkpoint"),
+    **dict.fromkeys(("DataLoader", "DistributedSampler"), ".data"),
+    **dict.fromkeys(("RankSkew", "straggler_report"), ".diagnose"),
+    **dict.fromkeys(("DDP", "DistributedDataParallel"), ".engine.ddp"),
+    "shm_allreduce_hook": ".hooks",
+    **dict.fromkeys(("patch_torch_ddp", "torch_ddp_is_patched"), ".integrations.patch"),
+    "spawn": ".launch.spawn",
+    **dict.fromkeys(("logger", "print0"), ".log"),
+    "StepLog": ".observe",
+    **dict.fromkeys(("ShmCommunicator", "shm_communicator", "shm_enabled", "sweep_stale_segments"), ".shm"),
+    **dict.fromkeys(("barrier", "device", "init", "is_initialized", "is_main", "local_rank", "local_world_size",
+                     "rank", "shutdown", "world_size"), ".world"),
+    **dict.fromkeys(("STOP_EXIT_CODE", "RunStopped", "stop_requested"), ".world.stop"),
+}
+_MODULES = {"hooks", "nn", "metrics"}
+
+__all__ = sorted({*_LAZY, *(name for name in dir() if name.endswith("Error"))})
+
+
+def __getattr__(name: str):
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    module = importlib.import_module(where, __name__)
+    value = module if name in _MODULES else getattr(module, name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

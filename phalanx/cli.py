@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phalanx: unknown command {name!r}; expected one of {', '.join(COMMANDS)}\n\n{USAGE}",
               end="", file=sys.stderr)
         return 2
+    if name == "run":
+        return _run(rest)
     module_name = COMMANDS[name][0]
     try:
         module = importlib.import_module(module_name)
@@ -49,6 +51,27 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     return int(module.main(rest) or 0)
+
+
+def _run(argv: list[str]) -> int:
+    """`phalanx run`: the launcher gets the workers' allocator and forks the workers' server from itself, both
+    before it starts a thread (launch/warm_start.py), then launches. In a worker forked from that server, this
+    returns as the worker's own script returns, and the process exits as `python script.py` would."""
+    from .launch import warm_start
+
+    started = warm_start.prepare_launcher()
+    if isinstance(started, warm_start.WorkerStart):
+        from .launch import worker_entry
+
+        worker_entry.main(started.argv)
+        return 0
+    from .launch.run import run
+
+    try:
+        return run(argv, server=started)
+    finally:
+        if started is not None:
+            started.close()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ May import: errors, log.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import subprocess
@@ -22,7 +23,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import WorldConfigError, explain
-from ..log import logger
+
+# phalanx's logger (log.py configures it) by name: this module stays free of torch, so that the `phalanx`
+# command can choose the launcher's allocator before torch is loaded (cli.py).
+logger = logging.getLogger("phalanx")
 
 # Where the system's tcmalloc is looked for: Debian/Ubuntu (libtcmalloc-minimal4), Fedora/RHEL
 # (gperftools-libs), and the usual other places. PHALANX_ALLOCATOR_SEARCH replaces the list (folders

@@ -231,8 +231,9 @@ def _quiet_torch_elastic() -> None:
             logging.getLogger(name).setLevel(level)
 
 
-def run(argv: list[str] | None = None) -> int:
-    """`phalanx run ...`: launch, wait, report; returns the process exit code."""
+def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> int:
+    """`phalanx run ...`: launch, wait, report; returns the process exit code. `server`: the workers' fork
+    server, forked from this process by the `phalanx` command (cli.py); without it, one is started here."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -266,8 +267,12 @@ def run(argv: list[str] | None = None) -> int:
     live = LiveStatus() if live_status.wanted() else None
     if live is not None:
         live.install()
-    # After the environment is set (LD_PRELOAD above): the workers it forks would otherwise start fresh.
-    server = WorkerServer() if args.start_method == "forkserver" else None
+    if args.start_method == "spawn" and server is not None:
+        server.close()
+        server = None
+    elif args.start_method == "forkserver" and server is None:
+        # After the environment is set (LD_PRELOAD above): the workers it forks would otherwise start fresh.
+        server = WorkerServer.spawn()
     agent = handler = None
     try:
         try:

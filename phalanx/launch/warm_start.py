@@ -1,8 +1,10 @@
 """Workers forked from a server that imported torch once: `phalanx run --start-method forkserver` (the default).
 
 A fresh worker spends seconds of CPU importing torch before its first line, at every start and every
-restart, on every rank of the node at once. `phalanx run` starts one server per node as the launcher
-starts (its import overlaps the rendezvous); each worker is then a fork of it (worker_entry.py `serve`):
+restart, on every rank of the node at once. The `phalanx` command, before it imports torch, gives the
+launcher the workers' allocator (by executing itself again with it preloaded, which costs milliseconds
+then), imports torch, and forks itself into the node's server (cli.py); each worker is then a fork of
+that server (worker_entry.py `serve`):
 its own session, environment, working directory, stdout and stderr, and the user's script run as
 `python -u worker_entry.py` would run it. A worker whose environment differs from the server's in a
 variable read while torch is imported executes a fresh interpreter instead (worker_entry.read_at_import).
@@ -24,9 +26,6 @@ import sys
 import threading
 import time
 
-from torch.distributed.elastic.multiprocessing import api as elastic_processes
-from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
-
 from . import worker_entry
 
 START_METHODS = ("forkserver", "spawn")
@@ -38,25 +37,62 @@ def _say(text: str) -> None:
     print(f"phalanx run: {text}", file=sys.stderr, flush=True)
 
 
-class WorkerServer:
-    """The node's fork server, as the launcher sees it: `start` a worker, learn when each one exits."""
+class WorkerStart:
+    """In a process forked from the server: the worker's argv for worker_entry.main."""
 
-    def __init__(self):
-        # The server's environment, which a worker's is compared with: os.environ as torch elastic copies it
-        # for a worker, passed whole (the C environment can hold more: a library's setenv at import).
-        self.environment = dict(os.environ)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # Its own session: a Ctrl-C at the terminal is the launcher's to pass on to the workers.
-        self.process = subprocess.Popen([sys.executable, "-u", WORKER_ENTRY, "--serve", str(theirs.fileno())],
-                                        pass_fds=(theirs.fileno(),), start_new_session=True, env=self.environment)
-        theirs.close()
-        self.channel = ours
+    def __init__(self, argv: list[str]):
+        self.argv = argv
+
+
+class WorkerServer:
+    """The node's fork server, as the launcher sees it: `start` a worker, learn when each one exits.
+
+    `fork_here()` makes it from the launcher itself, before any thread (cli.py, `phalanx run`): the server is
+    then the launcher's own import of torch, shared, at no CPU of its own. `spawn()` starts it as a fresh
+    interpreter that imports torch (when the launcher runs in another way: `phalanx.launch.run.run`)."""
+
+    def __init__(self, channel: socket.socket, pid: int, environment: dict):
+        # The server's environment, which a worker's is compared with (worker_entry.read_at_import).
+        self.environment = environment
+        self.channel, self.pid = channel, pid
         self.alive = True
+        self._closed = False
         self._exits: dict[int, int] = {}
         self._replies: list[int] = []
         self._changed = threading.Condition()
         self._one_start = threading.Lock()  # one request in flight: each reply is the pid of the last request
         threading.Thread(target=self._listen, name="phalanx-fork-server", daemon=True).start()
+
+    @classmethod
+    def spawn(cls) -> WorkerServer:
+        # os.environ as torch elastic copies it for a worker, passed whole (the C environment can hold
+        # more: a library's setenv at import).
+        environment = dict(os.environ)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Its own session: a Ctrl-C at the terminal is the launcher's to pass on to the workers.
+        process = subprocess.Popen([sys.executable, "-u", WORKER_ENTRY, "--serve", str(theirs.fileno())],
+                                   pass_fds=(theirs.fileno(),), start_new_session=True, env=environment)
+        theirs.close()
+        return cls(ours, process.pid, environment)
+
+    @classmethod
+    def fork_here(cls) -> WorkerServer | WorkerStart:
+        """Fork this process into the server. Returns the server here; a WorkerStart in each worker it forks
+        (the caller then runs worker_entry.main and exits normally). Call it before any thread starts."""
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()  # or the fork prints what was buffered a second time
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid:
+            theirs.close()
+            return cls(ours, pid, dict(os.environ))
+        ours.close()
+        os.setsid()
+        # The launcher's phalanx modules were imported with its environment: a worker's `import phalanx` is
+        # its own (torch and what torch imported stay: they are what the fork is for).
+        for name in [name for name in sys.modules if name == "phalanx" or name.startswith("phalanx.")]:
+            del sys.modules[name]
+        return WorkerStart(worker_entry.serve(theirs.detach(), server_env=dict(os.environ)))
 
     def _listen(self) -> None:
         while True:
@@ -120,15 +156,61 @@ class WorkerServer:
         return self._exits.get(pid)
 
     def close(self) -> None:
-        """End the server (workers it forked run on: they are torch elastic's to end)."""
+        """End the server (workers it forked run on: they are torch elastic's to end). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         with contextlib.suppress(OSError):
             self.channel.shutdown(socket.SHUT_RDWR)
         self.channel.close()
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # it exits at once on end of file
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(self.pid, os.WNOHANG)[0]:
+                    return
+            if not _running(self.pid):
+                return
+            time.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def prepare_launcher() -> WorkerServer | WorkerStart | None:
+    """For the `phalanx` command, before anything imports torch: preload the workers' allocator into this
+    process (by executing it again, once), import torch, fork the server. None where it cannot fork (the
+    launcher then starts a server as a fresh process, or its workers fresh)."""
+    _preload_here()
+    import torch  # noqa: F401 - the launcher's own import, which the server and every worker share
+
+    if not hasattr(os, "fork") or threading.active_count() > 1:
+        return None
+    return WorkerServer.fork_here()
+
+
+_REEXECUTED = "PHALANX_LAUNCHER_PRELOADED"
+
+
+def _preload_here() -> None:
+    """Give this process the allocator its workers will get, so that the workers forked from it have it: a
+    process's allocator is chosen when it starts, so start this one again with LD_PRELOAD set."""
+    from .. import allocator
+    from ..errors import WorldConfigError
+
+    if os.environ.get(_REEXECUTED) or not sys.platform.startswith("linux"):
+        return
+    try:
+        preload = allocator.worker_preload()
+    except WorldConfigError:  # a bad PHALANX_ALLOCATOR: the launcher reports it, as it always did
+        return
+    if preload is None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.environ["LD_PRELOAD"] = preload
+    os.environ[_REEXECUTED] = "1"
+    os.execv(sys.executable, sys.orig_argv)
 
 
 def _running(pid: int) -> bool:
@@ -168,32 +250,36 @@ class ForkedWorker:
         self.send_signal(signal.SIGKILL)
 
 
-class _ForkedHandler(SubprocessHandler):
-    """torch's handler of one worker, whose process comes from the fork server when it can."""
-
-    server: WorkerServer | None = None
-
-    def _popen(self, args: tuple, env: dict):
-        server = self.server
-        forkable = len(args) >= 3 and args[0] == sys.executable and args[1] == "-u" and args[2] == WORKER_ENTRY
-        if server is not None and forkable:
-            streams = {number: handle for number, handle in ((1, self._stdout), (2, self._stderr)) if handle}
-            worker = server.start(list(args[3:]), env, os.getcwd(), streams)
-            if worker is not None:
-                return worker
-        return super()._popen(args, env)
-
-
 @contextlib.contextmanager
 def workers_from(server: WorkerServer | None):
     """While it is open, torch elastic's worker starts (in this process) go through `server`."""
     if server is None:
         yield
         return
+    from torch.distributed.elastic.multiprocessing import api as elastic_processes
+
     original = elastic_processes.get_subprocess_handler
-    handler = type("ForkedHandler", (_ForkedHandler,), {"server": server})
+    handler = _forked_handler(server)
     elastic_processes.get_subprocess_handler = lambda **kwargs: handler(**kwargs)
     try:
         yield
     finally:
         elastic_processes.get_subprocess_handler = original
+
+
+def _forked_handler(server: WorkerServer) -> type:
+    """torch's handler of one worker, whose process comes from `server` when it can (torch is imported here:
+    this module is imported before torch, by the `phalanx` command)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    class ForkedHandler(SubprocessHandler):
+        def _popen(self, args: tuple, env: dict):
+            forkable = len(args) >= 3 and args[0] == sys.executable and args[1] == "-u" and args[2] == WORKER_ENTRY
+            if forkable and server.alive:
+                streams = {number: handle for number, handle in ((1, self._stdout), (2, self._stderr)) if handle}
+                worker = server.start(list(args[3:]), env, os.getcwd(), streams)
+                if worker is not None:
+                    return worker
+            return super()._popen(args, env)
+
+    return ForkedHandler

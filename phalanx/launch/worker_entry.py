@@ -6,7 +6,10 @@ starts this file by path (`python -u worker_entry.py [-m] target args...`): it i
 from phalanx, so the user's `import phalanx` is the first one and sees a fresh environment.
 """
 
+import ctypes
 import faulthandler
+import importlib
+import io
 import json
 import os
 import runpy
@@ -99,7 +102,7 @@ def main(argv: list) -> None:
 # worker (torch/distributed/elastic/agent/server/local_elastic_agent.py) and phalanx's own.
 _READ_LATER = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES"}
-_READ_LATER_PREFIXES = ("TORCHELASTIC_", "PHALANX_", "TORCH_NCCL_", "NCCL_")
+_READ_LATER_PREFIXES = ("TORCHELASTIC_", "PHALANX_", "TORCH_NCCL_", "NCCL_", "GLOO_", "TP_SOCKET_IFNAME")
 MAX_REQUEST = 1 << 20  # bytes of one request: argv, cwd and the whole environment, as JSON
 
 
@@ -111,17 +114,23 @@ def read_at_import(env: dict, server_env: dict) -> list:
                   if name not in _READ_LATER and not name.startswith(_READ_LATER_PREFIXES))
 
 
-def serve(fd: int) -> list:
-    """The fork server's loop. Returns only in a forked worker, with the worker's argv for `main`."""
-    import torch  # noqa: F401 - the import every forked worker is spared
+def serve(fd: int, server_env: dict | None = None) -> list:
+    """The fork server's loop. Returns only in a forked worker, with the worker's argv for `main`.
+    `server_env`: the environment the server stands for (default: the one it was started with)."""
+    import torch  # noqa: F401 - the import every forked worker is spared (done already in a forked launcher)
 
-    server_env = _environment_at_exec()
+    server_env = _environment_at_exec() if server_env is None else server_env
     channel = socket.socket(fileno=fd)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
     os.set_blocking(wake_write, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wakeup fd hears of exits
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to pass on, not ours to die of
+    # A worker's parent is this server, not the launcher: what a worker (or anyone) sends to its parent to
+    # stop the run, the launcher gets. Dying of it would lose the workers' exit codes.
+    launcher = os.getppid()
+    for number in _PASSED_TO_LAUNCHER:
+        signal.signal(number, lambda signum, _: _pass_on(signum, launcher))
     signal.set_wakeup_fd(wake_write)
     while True:
         readable, _, _ = select.select([channel, wake_read], [], [])
@@ -149,6 +158,17 @@ def serve(fd: int) -> list:
         channel.send(json.dumps({"pid": pid}).encode())
 
 
+_PASSED_TO_LAUNCHER = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+
+
+def _pass_on(signum: int, launcher: int) -> None:
+    if os.getppid() == launcher:  # not once the launcher is gone (its pid may be another process's by then)
+        try:
+            os.kill(launcher, signum)
+        except ProcessLookupError:
+            pass
+
+
 def _environment_at_exec() -> dict:
     """The environment this server was started with: what a fresh worker would start with, before anything
     run at start-up (a .pth file, an import) changed os.environ."""
@@ -158,6 +178,17 @@ def _environment_at_exec() -> dict:
     except OSError:
         return dict(os.environ)
     return dict(os.fsdecode(entry).split("=", 1) for entry in entries if b"=" in entry)
+
+
+def _replace_environment(env: dict) -> None:
+    """os.environ and the C environment become `env` exactly: also without variables that a library set in
+    the server with setenv(3), which os.environ never saw."""
+    os.environ.clear()
+    try:
+        ctypes.CDLL(None).clearenv()
+    except (OSError, AttributeError):
+        pass
+    os.environ.update(env)
 
 
 def _report_exits(channel: socket.socket) -> None:
@@ -175,7 +206,8 @@ def _report_exits(channel: socket.socket) -> None:
 def _become_worker(request: dict, fds: list, server_env: dict) -> list:
     """In the forked child: the process a fresh `python -u worker_entry.py ARGV` would have been."""
     signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for number in (signal.SIGCHLD, *_PASSED_TO_LAUNCHER):
+        signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it at start: KeyboardInterrupt
     os.setsid()  # as torch elastic's Popen(start_new_session=True): the launcher signals the group
     for target, handle in zip(request["streams"], fds):
@@ -185,8 +217,19 @@ def _become_worker(request: dict, fds: list, server_env: dict) -> list:
     env, argv = request["env"], request["argv"]
     if read_at_import(env, server_env):
         os.execve(sys.executable, [sys.executable, "-u", os.path.abspath(__file__), *argv], env)
-    os.environ.clear()
-    os.environ.update(env)
+    _replace_environment(env)
+    # As `python -u` has them (a server forked from the launcher has the launcher's, maybe buffered): every
+    # line reaches the log file at once, and nothing is lost when the worker is killed.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding=sys.stdout.encoding,
+                                  errors=sys.stdout.errors, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
+                                  errors="backslashreplace", write_through=True)
+    # Python ran site customization when the server started, with the server's environment: run it again
+    # with the worker's, as a fresh interpreter would (a sitecustomize that reads RANK, say). Path
+    # configuration files (.pth) are not run again.
+    for name in ("sitecustomize", "usercustomize"):
+        if sys.modules.pop(name, None) is not None:
+            importlib.import_module(name)
     numpy = sys.modules.get("numpy")  # torch imported it, and its global generator was seeded once, in the server
     if numpy is not None:
         numpy.random.seed()  # each worker draws its own seed, as a fresh process does (Python's random reseeds itself)

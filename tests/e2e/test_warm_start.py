@@ -24,7 +24,7 @@ REPORT = textwrap.dedent("""
                       "threads": torch.get_num_threads(), "numpy": int(numpy.random.randint(1 << 30)),
                       "random": random.random(), "path0": sys.path[0],
                       "parent": open(f"/proc/{os.getppid()}/cmdline").read().split(chr(0))[:4],
-                      "forked": "--serve" in open("/proc/self/cmdline").read().split(chr(0))}))
+                      "cmdline": open("/proc/self/cmdline").read().split(chr(0))[:4]}))
     sys.stderr.write("to stderr\\n")
     code = int(os.environ.get("PHALANX_TEST_EXIT", "0"))
     if code < 0:
@@ -35,7 +35,7 @@ REPORT = textwrap.dedent("""
 
 @pytest.fixture
 def server():
-    started = WorkerServer()
+    started = WorkerServer.spawn()
     yield started
     started.close()
 
@@ -53,7 +53,14 @@ def _start(server, tmp_path, name, env_extra=None, args=()):
 
 
 def _report(tmp_path, name) -> dict:
-    return json.loads((tmp_path / f"{name}.out").read_text())
+    return _forked(json.loads((tmp_path / f"{name}.out").read_text()))
+
+
+def _forked(report: dict) -> dict:
+    """report["forked"]: the process was forked from a server, not started as `python -u worker_entry.py`."""
+    command = report["cmdline"]
+    report["forked"] = not (command[1:3] == ["-u", WORKER_ENTRY] and command[3] != "--serve")
+    return report
 
 
 def test_a_forked_worker_gets_its_own_environment_streams_session_and_exit_code(server, tmp_path):
@@ -67,7 +74,7 @@ def test_a_forked_worker_gets_its_own_environment_streams_session_and_exit_code(
     assert one["argv"] == [str(tmp_path / "report.py"), "--lr", "0.1"]
     assert one["main"] == "__main__" and one["cwd"] == str(tmp_path) and one["path0"] == str(tmp_path)
     assert one["pid"] == first.pid and one["sid"] == first.pid, "a worker leads a session of its own"
-    assert one["ppid"] == server.process.pid and one["forked"], "the worker is a fork of the server"
+    assert one["ppid"] == server.pid and one["forked"], "the worker is a fork of the server"
     assert (tmp_path / "first.err").read_text() == "to stderr\n"
     assert one["numpy"] != two["numpy"] and one["random"] != two["random"], \
         "forked workers must not share the server's random streams"
@@ -105,22 +112,20 @@ def test_a_wait_that_runs_out_raises_timeout_expired(server, tmp_path):
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_phalanx_run_starts_workers_by_either_method(tmp_path, method):
-    """World size 2 under `phalanx run --start-method`: forked workers are children of the fork server,
-    spawned ones of the launcher; both run the script the same way."""
+    """World size 2 under `phalanx run --start-method`: forked workers are forks of the server that the launcher
+    forked from itself, spawned ones fresh interpreters; both run the script the same way."""
     script = tmp_path / "report.py"
     script.write_text(REPORT)
     result = phalanx_run("--nproc-per-node", "2", "--start-method", method, str(script), "x",
                          env=clean_env(PHALANX_TEST_WORKER="any"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    reports = [json.loads(line.split("] ", 1)[1]) for line in result.stdout.splitlines() if '"pid"' in line]
+    reports = [_forked(json.loads(line.split("] ", 1)[1])) for line in result.stdout.splitlines() if '"pid"' in line]
     assert len(reports) == 2 and all(r["argv"] == [str(script), "x"] for r in reports)
     assert len({r["ppid"] for r in reports}) == 1
     assert all(r["sid"] == r["pid"] for r in reports)
-    # The launcher is `python -m phalanx run`; the fork server is its child running worker_entry.py --serve.
-    parent = reports[0]["parent"]
+    # The launcher is `python -m phalanx run`; the fork server is a fork of it (the same command line).
+    assert reports[0]["parent"][:4] == [sys.executable, "-m", "phalanx", "run"], reports[0]["parent"]
     if method == "forkserver":
-        assert parent[2:4] == [WORKER_ENTRY, "--serve"], parent
         assert all(r["forked"] for r in reports), "a worker of `phalanx run` executed a fresh interpreter"
     else:
-        assert parent[:3] == [sys.executable, "-m", "phalanx"], parent
         assert not any(r["forked"] for r in reports)

@@ -17,7 +17,9 @@ from phalanx.testing import run_ranks
 # tests/suite.py: the straggler check measures time (a 50 ms sleep, +- 10 ms), not beside CPU-heavy tests
 pytestmark = pytest.mark.waiting
 
-SLOW_RANK, SLOW_SECONDS = 2, 0.050
+# 200 ms: large against what a busy 2-core machine adds to a step (tens of ms), so that the measured skew
+# is checked to 20 % without the check turning on the machine's load (50 ms +- 10 failed at 62 ms, loaded).
+SLOW_RANK, SLOW_SECONDS = 2, 0.200
 EVERY, STEPS = 4, 48
 SLOW_STEPS = range(13, 37)  # steps 13..36: the windows that end at 16, 20, ..., 36 lie inside it
 TIMEOUT = 3.0  # the rank-0-only check's bound
@@ -75,19 +77,19 @@ def test_records_every_n_steps(three_ranks):
 
 def test_straggler_is_named_and_measured(three_ranks):
     """World size 3: rank 2, 50 ms slower in steps 13..36, is the slowest rank in >= 95 % of the windows inside
-    that range, and there step_time_max - step_time_median is 50 ms +- 10."""
+    that range, and there step_time_max - step_time_median is 200 ms +- 40."""
     _, records = three_ranks
     inside = [r for r in records if r["step"] - EVERY + 1 >= SLOW_STEPS.start and r["step"] < SLOW_STEPS.stop]
     assert len(inside) == 6
     named = [r["slowest_rank"] for r in inside]
     assert named.count(SLOW_RANK) >= 0.95 * len(inside), named
     spreads = [1e3 * (r["step_time_max"] - r["step_time_median"]) for r in inside]
-    assert all(40.0 <= s <= 60.0 for s in spreads), f"max - median, ms: {spreads}"
+    assert all(160.0 <= s <= 240.0 for s in spreads), f"max - median, ms: {spreads}"
     # The others waited for it: their exchange wait shows it, their busy time does not.
     assert all(r["exchange_exposed"] > 0.2 for r in inside), [r["exchange_exposed"] for r in inside]
-    # Outside the range no rank stands out by anything like 50 ms (a loose bound: the machine is shared).
+    # Outside the range no rank stands out by anything like 200 ms (a loose bound: the machine is shared).
     outside = [r for r in records if 4 < r["step"] <= 8 or r["step"] > 40]
-    assert all(1e3 * (r["step_time_max"] - r["step_time_median"]) < 35 for r in outside), outside
+    assert all(1e3 * (r["step_time_max"] - r["step_time_median"]) < 80 for r in outside), outside
 
 
 def test_loss_is_the_sample_weighted_mean_of_every_rank(three_ranks):

@@ -30,7 +30,7 @@ LAYERS = [
     {"engine"},
     {"data", "checkpoint", "launch", "integrations", "observe"},
     {"testing"},
-    {"__init__"},
+    {"__init__", "metrics"},
     {"tools"},
     {"cli"},
     {"__main__"},
@@ -61,7 +61,10 @@ ALLOWED = {
                  "integrations", "observe"},
     "tools": {"errors", "log", "world", "shm", "engine", "exchange", "data", "checkpoint", "launch", "hooks", "nn",
               "testing", "diagnose", "allocator", "__init__"},
-    "cli": {"errors", "__init__"},  # `phalanx --version` reads phalanx.__version__; commands are found by name
+    "metrics": {"data"},  # phalanx.metrics is phalanx.data.metrics, under its old name
+    # `phalanx --version` reads phalanx.__version__; commands are found by name, except `run`, whose launcher
+    # is prepared before torch is imported (launch/warm_start.py)
+    "cli": {"errors", "__init__", "launch"},
     "__main__": {"cli"},
 }
 
