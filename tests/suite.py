@@ -6,14 +6,14 @@ by what their tests wait on, then one report of the slowest tests and the total.
                                           # (make test-quick)
     python -m tests.suite -- -x -k shm    # anything after -- goes to every pytest call
 
-A stage is one pytest call with pytest-xdist: its test files are dealt to workers (a file stays on one
-worker, so a module fixture that launches once serves all of the file's checks).
-    compute   tests whose time is CPU work (imports, training steps): one worker per core, so that
-              they do not slow each other down more than running one after another would.
+A stage is one pytest call with pytest-xdist.
+    compute   tests whose time is CPU work (imports, training steps): one worker per core and one
+              more (their launches also wait); a test file stays on one worker, so a module fixture
+              that launches once serves all of the file's checks.
     waiting   tests marked `waiting` (tests/conftest.py): their time is heartbeats, grace periods,
               shaped links and SLURM's daemons, and they check that something happened within a
-              bound, or measure a time. They run one at a time, never beside the compute stage, so
-              a busy machine does not stretch the times they check.
+              bound, or measure a time. Two at a time, each dealt on its own, never beside the
+              compute stage, so a busy machine does not stretch the times they check.
 The report comes from each stage's JUnit XML: pytest's own --durations sees one stage only.
 """
 
@@ -39,6 +39,7 @@ class Stage:
     name: str
     marks: str  # pytest -m expression
     workers: int
+    dist: str  # how pytest-xdist deals the tests: loadfile (a file to one worker), loadgroup (a test each)
     paths: list[str]  # where to collect: each worker imports every test module there (~17 s of CPU for all)
 
 
@@ -51,16 +52,19 @@ def files_marking(marker: str) -> list[str]:
 
 def stages(quick: bool, cores: int) -> list[Stage]:
     if quick:  # one stage: a smoke test is never a waiting one (CONTRIBUTING.md)
-        return [Stage("quick", "unit or smoke", cores, ["tests/unit", *files_marking("smoke")])]
-    # The waiting stage one test at a time: six side by side on 2 cores failed 9 of its 28 tests (3 s stall
-    # timeouts fired while a rank was still importing torch; the 50 ms straggler measured 60-97 ms).
-    return [Stage("compute", "not waiting", cores, ["tests"]),
-            Stage("waiting", "waiting", 1, files_marking("waiting"))]
+        return [Stage("quick", "unit or smoke", cores, "loadfile", ["tests/unit", *files_marking("smoke")])]
+    # compute: one worker more than the cores, as its e2e tests wait on rendezvous, polls and sockets for a
+    # good part of their time. waiting: two at a time, each test dealt on its own (a file whose tests share a
+    # module fixture keeps them together with pytest.mark.xdist_group). Six side by side failed 9 of 28 when
+    # every worker started as a fresh interpreter (3 s stall timeouts fired while a rank still imported
+    # torch); `phalanx run` workers now start as forks in milliseconds (launch/warm_start.py).
+    return [Stage("compute", "not waiting", cores + 1, "loadfile", ["tests"]),
+            Stage("waiting", "waiting", 2, "loadgroup", files_marking("waiting"))]
 
 
 def run_stage(stage: Stage, extra: list[str], report: Path) -> tuple[int, float]:
     command = [sys.executable, "-m", "pytest", "-q", "-m", stage.marks, "-n", str(stage.workers),
-               "--dist", "loadfile", f"--junitxml={report}", *extra, *stage.paths]
+               "--dist", stage.dist, f"--junitxml={report}", *extra, *stage.paths]
     print(f"\n== stage {stage.name}: {' '.join(command[1:])}", flush=True)
     started = time.monotonic()
     code = subprocess.call(command, cwd=ROOT)

@@ -27,7 +27,7 @@ from tests.e2e.test_stop import final, resumed_step, steps_log
 from tests.helpers.slurm_cluster import ClusterUnavailable, SlurmCluster
 
 # tests/suite.py: the time goes to SLURM's daemons (registering nodes, scheduling, requeues)
-pytestmark = pytest.mark.waiting
+pytestmark = [pytest.mark.waiting, pytest.mark.xdist_group("slurm-cluster")]  # one cluster for the file
 
 SLURM_EXAMPLES = ROOT / "examples" / "slurm"
 JOBS = ROOT / "tests" / "e2e" / "jobs"
