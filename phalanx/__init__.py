@@ -12,6 +12,7 @@ command decides the launcher's allocator, and forks the workers' server, before 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 from .errors import (
     CheckpointCorruptError,
@@ -71,7 +72,10 @@ __all__ = sorted({*_LAZY, *(name for name in dir() if name.endswith("Error"))})
 def __getattr__(name: str):
     where = _LAZY.get(name)
     if where is None:
-        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+        # A subpackage by its attribute (`phalanx.checkpoint.unwrap`), as when this module imported them all.
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+        return importlib.import_module(f".{name}", __name__)
     module = importlib.import_module(where, __name__)
     value = module if name in _MODULES else getattr(module, name)
     globals()[name] = value  # once: later lookups are plain attribute reads

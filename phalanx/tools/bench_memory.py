@@ -215,7 +215,10 @@ def run(args) -> dict:
         results["count"] = {}
         for world_size in [int(w) for w in args.worlds.split(",")]:
             _say(f"counting model-state bytes on {world_size} ranks, modes {', '.join(MODES)}")
-            per_rank = spawn(_count_rank, world_size, args=(args.width, args.bucket_cap_mb), env=_env(), timeout=1800)
+            # Bytes are counted, not measured: ranks forked from a server that imported torch once do (peak RSS,
+            # below, needs fresh processes).
+            per_rank = spawn(_count_rank, world_size, args=(args.width, args.bucket_cap_mb), env=_env(), timeout=1800,
+                             start_method="forkserver")
             results["count"][world_size] = per_rank
     if "rss" not in skip:
         results["rss"] = {}
@@ -232,7 +235,8 @@ def run(args) -> dict:
         names = [n.strip() for n in args.time_models.split(",") if n.strip()]
         _say(f"step times of {', '.join(names)} on 2 ranks x 1 thread, AdamW, {args.blocks} interleaved blocks "
              f"x {args.steps} steps")
-        results["time"] = spawn(_time_rank, 2, args=(names, args.steps, args.blocks), env=_env(), timeout=3600)[0]
+        results["time"] = spawn(_time_rank, 2, args=(names, args.steps, args.blocks), env=_env(), timeout=3600,
+                                start_method="forkserver")[0]
     return results
 
 

@@ -95,6 +95,7 @@ def test_bench_profile_splits_a_phalanx_step_into_its_phases(tmp_path, capfd):
             assert row["buckets"] and {b["mode"] for b in row["buckets"]} <= {"posted", "split", "all-reduce"}
 
 
+@pytest.mark.timeout(600)  # 8 variants' peak RSS, each in 2 fresh processes: the suite's longest single launch
 def test_bench_memory_counts_bytes_rss_and_step_times(tmp_path):
     """World sizes 2 and 4 (byte count), 2 (peak RSS, step times; the FSDP2 level built normally and on
     meta), on a small MLP with a bucket per layer: the report's three parts; sharded modes hold fewer

@@ -107,3 +107,18 @@ def test_forked_ranks_print_to_the_callers_streams_as_they_are_at_the_call(capfd
     out, err = capfd.readouterr()
     assert "rank 0 says hello" in out and "rank 1 says hello" in out, (out, err)
     assert "rank 1 warns" in err, (out, err)
+
+
+def test_import_phalanx_loads_no_torch_until_a_name_needs_it():
+    """No world: `import phalanx` alone loads no torch (the `phalanx` command relies on it: launch/warm_start.py);
+    every public name, every subpackage as an attribute and `phalanx.metrics` still resolve."""
+    code = ("import sys, phalanx; before = 'torch' in sys.modules; "
+            "names = [getattr(phalanx, n) for n in phalanx.__all__]; "
+            "import phalanx.metrics, phalanx.data.metrics; "
+            "print(before, 'torch' in sys.modules, len(names) == len(phalanx.__all__), "
+            "phalanx.metrics is phalanx.data.metrics, callable(phalanx.checkpoint.unwrap), "
+            "phalanx.world.init is phalanx.init)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": checkout_on_pythonpath()})
+    assert done.returncode == 0 and done.stdout.split() == ["False", "True", "True", "True", "True", "True"], \
+        done.stdout + done.stderr
