@@ -26,7 +26,7 @@ from ..world import group as world
 from . import atomic_files
 
 PART_NAME = "ckpt-{:08d}.part-{:05d}.pt"
-_PART_RE = re.compile(r"^ckpt-(\d{8,})\.part-\d{5}\.pt$")
+_PART_RE = re.compile(r"^ckpt-(\d{8,})\.part-\d{5}\.pt(\.json|\.failed)?$")  # a part, or a background writer's note
 PLACEHOLDER = "__phalanx_shard__"
 
 
@@ -124,7 +124,8 @@ def load_parts(directory: Path, listed: list[dict]) -> list[dict]:
 
 
 def remove_parts_except(directory: Path, keep: set[int]) -> None:
-    """Delete the part files of every checkpoint whose sequence is not in `keep` (pruned, or never completed)."""
+    """Delete the part files (and their writers' notes) of every checkpoint whose sequence is not in `keep`
+    (pruned, or never completed)."""
     for path in directory.iterdir():
         match = _PART_RE.match(path.name)
         if match and int(match.group(1)) not in keep:
