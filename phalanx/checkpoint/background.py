@@ -16,6 +16,7 @@ import time
 
 from ..diagnose import progress
 from ..log import logger
+from ..world import group as world
 from .staging import Staging
 from .writer import BackgroundWriter
 
@@ -62,6 +63,7 @@ class BackgroundSaves:
         self.writer.submit({**job, "part": part, "main": main})
         self.in_flight = {"sequence": job["sequence"], "at": time.monotonic()}
         _in_flight.add(self)
+        world.before_shutdown(_settle_all)  # a rank that ends through shutdown() and os._exit skips atexit
 
     def close(self) -> None:
         waited, failed = self.settle()

@@ -214,8 +214,9 @@ class Checkpointer:
             return
         if cause:
             raise report({"error": cause}, rank, self.directory)
+        who = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
         raise CheckpointWriteError(explain(
-            f"ranks {failed} could not write their part of a checkpoint in {self.directory}", rank=rank,
+            f"{who} could not write a checkpoint in {self.directory}", rank=rank,
             seen="a failed background write", expected="every rank's part written",
             fix="See those ranks' errors; the previous checkpoint is intact and the newest complete one."))
 
