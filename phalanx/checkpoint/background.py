@@ -18,7 +18,7 @@ from ..diagnose import progress
 from ..log import logger
 from ..world import group as world
 from .staging import Staging
-from .writer import BackgroundWriter
+from .writer import BackgroundWriter, note_failed
 
 _in_flight: set = set()  # held while their write is in flight, even when their Checkpointer is gone
 
@@ -39,7 +39,7 @@ class BackgroundSaves:
         started = time.monotonic()
         answer = self.writer.result()
         waited = time.monotonic() - started
-        self.in_flight = None
+        flight, self.in_flight = self.in_flight, None
         _in_flight.discard(self)
         self.waited += waited
         if answer.get("died"):
@@ -50,6 +50,8 @@ class BackgroundSaves:
             progress.written(answer["seconds"], waited)
             return waited, None
         progress.written(0.0, waited)
+        if answer.get("died"):  # rank 0's writer waits for this rank's part: tell it there will be none
+            note_failed(self.directory, flight["sequence"], flight["rank"], answer["error"])
         return waited, answer
 
     def submit(self, job: dict, part, main) -> None:
@@ -61,7 +63,7 @@ class BackgroundSaves:
         if self.writer is None:
             self.writer = BackgroundWriter(self.staging.buffer)
         self.writer.submit({**job, "part": part, "main": main})
-        self.in_flight = {"sequence": job["sequence"], "at": time.monotonic()}
+        self.in_flight = {"sequence": job["sequence"], "rank": job["rank"], "at": time.monotonic()}
         _in_flight.add(self)
         world.before_shutdown(_settle_all)  # a rank that ends through shutdown() and os._exit skips atexit
 

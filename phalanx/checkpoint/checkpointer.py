@@ -239,10 +239,12 @@ class Checkpointer:
             progress.save_blocked(time.monotonic() - started)
 
     def _next_sequence(self) -> int:
-        """Rank 0: the sequence number of the next checkpoint."""
+        """Rank 0: the sequence number of the next checkpoint (past any part a failed save left: its note could
+        be taken for the new part's)."""
         listed = atomic_files.read_manifest(self.directory) or []
         present = atomic_files.checkpoint_files(self.directory)
-        return 1 + max([e.sequence for e in listed] + list(present), default=0)
+        parts = shard_files.part_sequences(self.directory)
+        return 1 + max([e.sequence for e in listed] + list(present) + parts, default=0)
 
     def _write(self, state: dict, kinds: dict, states: list, gathered: dict, sequence: int, parts: list | None,
                split: set) -> Path:

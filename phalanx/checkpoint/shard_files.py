@@ -132,6 +132,13 @@ def remove_parts_except(directory: Path, keep: set[int]) -> None:
             path.unlink(missing_ok=True)
 
 
+def part_sequences(directory: Path) -> list[int]:
+    """The sequence numbers of the part files (and notes) present in `directory`."""
+    if not directory.is_dir():
+        return []
+    return [int(match.group(1)) for path in directory.iterdir() if (match := _PART_RE.match(path.name))]
+
+
 def write_parts(directory: Path, sequence: int, local: dict) -> list[dict]:
     """Every rank writes its shards (atomically); returns the list of parts, or raises on every rank if
     any rank could not write its own."""

@@ -88,6 +88,14 @@ def _note(directory: Path, sequence: int, rank: int, suffix: str, content: dict)
     atomic_files.write_atomic(path, lambda file: file.write(text))
 
 
+def note_failed(directory, sequence: int, rank: int, cause: str) -> None:
+    """Best effort: tell rank 0's writer that this rank's part of checkpoint `sequence` will not come."""
+    try:
+        _note(Path(directory), sequence, rank, ".failed", {"cause": cause})
+    except OSError:
+        pass
+
+
 def _wait_for_parts(directory: Path, sequence: int, world_size: int, timeout: float, parent: int) -> list[dict]:
     """Rank 0's writer: every rank's note of its part (size, CRC-32), once all are written."""
     sizes, deadline, pause = {}, time.monotonic() + timeout, 0.001
@@ -131,10 +139,7 @@ def _run(job: dict, buffer) -> dict:
             size, crc = atomic_files.write_atomic(path, lambda file: torch.save(rebuild(job["part"], buffer), file))
             _note(directory, sequence, rank, ".json", {"size": size, "crc32": crc})
         except BaseException as exc:  # the temporary file is gone (space freed): say why to rank 0's writer
-            try:
-                _note(directory, sequence, rank, ".failed", {"cause": f"{type(exc).__name__}: {exc}"})
-            except OSError:
-                pass
+            note_failed(directory, sequence, rank, f"{type(exc).__name__}: {exc}")
             raise
         written += size
     path = None
