@@ -50,6 +50,10 @@ class Checkpointer:
     `step(state)` once per optimizer step saves every `every` steps, and once more, at a step all ranks
     agree on, when the job is asked to stop (SIGTERM, SIGINT, SIGUSR1), then ends the process.
 
+    With `async_save=True` (the default) a save returns once the state is copied into a reused staging
+    buffer; a writer process commits it in the background (`wait()` waits for that), each rank writing
+    its share of the replicated model and optimizer. `async_save=False` writes before returning.
+
     >>> import phalanx as px, torch                                  # doctest: +SKIP
     >>> px.init()
     >>> model = px.DistributedDataParallel(torch.nn.Linear(4, 2))
@@ -60,6 +64,7 @@ class Checkpointer:
     False
     >>> state["step"] += 1; ckpt.save(state)
     PosixPath('runs/demo/ckpt-00000001.pt')
+    >>> ckpt.wait()                          # committed
     """
 
     def __init__(self, directory, keep: int = 2, *, every: int | None = None, timeout: float | None = None,
