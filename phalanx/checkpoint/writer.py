@@ -33,6 +33,7 @@ from .staging import rebuild
 _HEADER = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1
 _POLL = 0.05  # seconds between checks that the writer is alive, while waiting for its answer
+_NICENESS = 10
 
 
 def commit(directory: Path, payload: dict, keep: int) -> tuple[Path, int]:
@@ -165,6 +166,10 @@ def _serve(jobs: int, answers: int, buffer, parent: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)  # a stop request is the training process's to act on
     torch.set_num_threads(1)
+    try:  # where the cores are short, the training's steps go first; the write waits a little longer
+        os.nice(_NICENESS)
+    except OSError:
+        pass
     while (job := _receive(jobs)) is not None:
         try:
             answer = _run(job, buffer)

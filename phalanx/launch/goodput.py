@@ -211,7 +211,7 @@ def summary_lines(now: Invocation, job: list[dict], job_path: str | None) -> lis
         lines[-1] += " (no checkpointer.step() seen: the steps' time is not known)"
     if now.saves and (now.save_background or now.save_waited):
         lines.append(f"  checkpoints: {now.saves} save(s) held the training {t.save:.1f} s (of which "
-                     f"{now.save_waited:.1f} s waiting for the previous write), written in the background in "
+                     f"{now.save_waited:.1f} s waiting for a write in flight), written in the background in "
                      f"{now.save_background:.1f} s")
     for change in now.changes:
         took = f", {change['seconds']:.1f} s to the first step there" if change.get("seconds") else ""

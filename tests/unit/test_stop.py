@@ -241,5 +241,5 @@ def test_the_run_summary_splits_checkpoint_time_into_blocking_and_background():
     summary.attempt_ended({0: record}, "finished")
     assert summary.now.times.save == 0.6 and summary.now.save_background == 7.9
     lines = goodput.summary_lines(summary.now, [{}], None)
-    assert ("  checkpoints: 4 save(s) held the training 0.6 s (of which 0.2 s waiting for the previous write), "
+    assert ("  checkpoints: 4 save(s) held the training 0.6 s (of which 0.2 s waiting for a write in flight), "
             "written in the background in 7.9 s") in lines, lines
