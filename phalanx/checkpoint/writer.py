@@ -156,7 +156,8 @@ def _run(job: dict, buffer) -> dict:
 
 
 def _serve(jobs: int, answers: int, buffer, parent: int) -> None:
-    """The writer's loop: one job at a time, each answered; ends when the training process closes its pipe."""
+    """The writer's loop: one job at a time, each answered; ends at None, or when the training process's end of
+    the pipe is closed."""
     try:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the pipe's end still ends the writer, between jobs
@@ -245,6 +246,10 @@ class BackgroundWriter:
         """End the writer (after its job in hand, if any: closing its pipe ends its loop). Idempotent."""
         if self.pid is None or os.getpid() != self._owner:
             return
+        try:  # said, not only by closing the pipe: a process forked since (a DataLoader worker) holds it open too
+            _send(self._jobs, None)
+        except OSError:
+            pass
         for fd in (self._jobs, self._answers):
             try:
                 os.close(fd)
