@@ -3,7 +3,7 @@
 Every rank calls `save(state)`: every rank's random states are gathered (and a sharded optimizer's
 state, to torch's unsharded format). In the background (the default) each rank snapshots its share
 into a reused staging buffer and returns; its writer process writes it, and rank 0's commits the
-checkpoint once every rank's part is written (background.py, writer.py; the replicated model and
+checkpoint once every rank's part is written (background/; the replicated model and
 optimizer are spread over the ranks, spreading.py). With async_save=False rank 0 writes one file
 (atomically, see atomic_files.py) with the unwrapped model, the other stateful objects and the plain
 values, and all ranks pass a barrier.
@@ -28,9 +28,8 @@ from ..world import group as world
 from ..world import stop
 from . import atomic_files, background, random_state, restoring, shard_files, spreading
 from .agreement import StopAgreement
-from .background import BackgroundSaves
+from .background import BackgroundSaves, commit, report
 from .entries import check_plain, kind_of, unwrap
-from .writer import commit, report
 
 FORMAT = restoring.FORMAT
 _NOTHING, _LOAD, _FAILED = 0, 1, 2  # what rank 0 tells the others after choosing or writing

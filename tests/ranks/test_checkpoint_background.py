@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import phalanx as px
-from phalanx.checkpoint import writer
+from phalanx.checkpoint.background import writer
 from phalanx.testing import run_ranks
 
 

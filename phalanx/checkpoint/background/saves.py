@@ -14,9 +14,9 @@ import atexit
 import os
 import time
 
-from ..diagnose import progress
-from ..log import logger
-from ..world import group as world
+from ...diagnose import progress
+from ...log import logger
+from ...world import group as world
 from .staging import Staging
 from .writer import BackgroundWriter, note_failed
 

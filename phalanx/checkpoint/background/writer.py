@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointWriteError, explain
-from ..log import logger
-from . import atomic_files, shard_files
+from ...errors import CheckpointWriteError, explain
+from ...log import logger
+from .. import atomic_files, shard_files
 from .staging import rebuild
 
 _HEADER = struct.Struct("<Q")
