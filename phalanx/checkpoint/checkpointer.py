@@ -28,7 +28,7 @@ from ..world import group as world
 from ..world import stop
 from . import atomic_files, background, random_state, restoring, shard_files, spreading
 from .agreement import StopAgreement
-from .background import BackgroundSaves, commit, report
+from .background import BackgroundSaves, commit, report, staging
 from .entries import check_plain, kind_of, unwrap
 
 FORMAT = restoring.FORMAT
@@ -191,6 +191,8 @@ class Checkpointer:
                 if kinds[name] != "value":
                     check_plain(saved, f"state[{name!r}].state_dict()")
                 entries[name] = {"kind": kinds[name], "state": saved, "sharded": name in split or name in replicated}
+                if kinds[name] == "value" and staging.has_cuda_tensor(saved):
+                    entries[name]["on_gpu"] = True  # staged through host memory: restored onto the GPU again
         main = None
         if rank == 0:
             main = {"format": FORMAT, "sequence": sequence, "world_size": size, "entries": entries,

@@ -140,12 +140,24 @@ def _many_saves(rank, directory):
         fds = len(os.listdir("/proc/self/fd"))
         seen.append((saves.staging.allocations, saves.staging.size, saves.writer.pid, fds))
     checkpointer.wait()
-    return {"seen": seen, "state_bytes": state_bytes, "files": sorted(os.listdir(directory))}
+    files = sorted(os.listdir(directory))
+    # A process forked since (as a DataLoader worker is) holds the writer's pipe open too: ending the writer
+    # must not wait for it.
+    holder = os.fork()
+    if holder == 0:
+        time.sleep(60)
+        os._exit(0)
+    started = time.monotonic()
+    checkpointer._background.close()
+    closed_in = time.monotonic() - started
+    os.kill(holder, signal.SIGKILL)
+    os.waitpid(holder, 0)
+    return {"seen": seen, "state_bytes": state_bytes, "files": files, "closed_in": closed_in}
 
 
 def test_staging_is_allocated_once_and_nothing_grows_over_many_saves(tmp_path):
     """World size 2, 30 saves: one staging buffer of at most 1.1 x the state, one writer, no new descriptors,
-    no files beyond keep."""
+    no files beyond keep; the writer ends when asked though a forked child holds its pipe."""
     results = run_ranks(_many_saves, 2, (str(tmp_path),))
     for rank, result in enumerate(results):
         seen = result["seen"]
@@ -153,6 +165,7 @@ def test_staging_is_allocated_once_and_nothing_grows_over_many_saves(tmp_path):
         assert seen[0][0] == 1
         assert seen[0][1] <= 1.1 * result["state_bytes"], (rank, seen[0][1], result["state_bytes"])
         assert seen[-1][3] <= seen[0][3], f"rank {rank}: file descriptors grew {seen[0][3]} -> {seen[-1][3]}"
+        assert result["closed_in"] < 30, f"rank {rank}: ending the writer waited for the child holding its pipe"
     # The write is spread: the rank that is not 0 stages about half the state.
     assert results[1]["seen"][0][1] < 0.7 * results[1]["state_bytes"]
     assert results[0]["files"] == ["ckpt-00000029.part-00000.pt", "ckpt-00000029.part-00001.pt", "ckpt-00000029.pt",

@@ -91,7 +91,7 @@ class Staging:
         Returns (skeleton, whether the buffer was reallocated). Blocks until every copy is complete."""
         needed = staged_bytes(tree)
         on_gpu = []
-        grew = self.reserve(needed, pin=_has_cuda_tensor(tree))
+        grew = self.reserve(needed, pin=has_cuda_tensor(tree))
         offset = 0
 
         def walk(value):
@@ -124,13 +124,13 @@ class Staging:
         return skeleton, grew
 
 
-def _has_cuda_tensor(tree) -> bool:
+def has_cuda_tensor(tree) -> bool:
     if isinstance(tree, torch.Tensor):
         return tree.device.type == "cuda"
     if isinstance(tree, dict):
-        return any(_has_cuda_tensor(v) for v in tree.values())
+        return any(has_cuda_tensor(v) for v in tree.values())
     if isinstance(tree, (list, tuple, set)):
-        return any(_has_cuda_tensor(v) for v in tree)
+        return any(has_cuda_tensor(v) for v in tree)
     return False
 
 
