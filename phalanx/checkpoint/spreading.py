@@ -8,8 +8,9 @@ the pieces in every rank's part file; restoring puts each tensor back together f
 any world size and level. Buffers (BatchNorm's running statistics move on each rank between the
 forward's broadcasts), other objects and plain values stay whole in rank 0's file, as rank 0 has them.
 
->>> spread({"w": torch.zeros(4, 2)}, lambda key: True, [0, 0], 2, 1)[1]["0"]["offset"]
-[2, 0]
+>>> skeleton, mine = spread({"w": torch.zeros(1024, 512)}, lambda path: True, [0, 0], 2, rank=1)
+>>> mine["0"]["offset"], list(mine["0"]["tensor"].shape)      # rank 1 of 2 writes rows 512-1023
+([512, 0], [512, 512])
 """
 
 from __future__ import annotations
