@@ -49,10 +49,15 @@ class _HashingWriter:
         self.file = file
         self.crc32 = 0
         self.size = 0
+        self.error: OSError | None = None  # torch.save reports a failed write as "unexpected pos": keep the cause
 
     def write(self, data) -> int:
         view = memoryview(data)
-        self.file.write(view)
+        try:
+            self.file.write(view)
+        except OSError as exc:
+            self.error = exc
+            raise
         self.crc32 = zlib.crc32(view, self.crc32)
         self.size += view.nbytes
         return view.nbytes
@@ -84,6 +89,7 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> tuple[int, i
     """
     path = Path(path)
     temp = temp_name(path)
+    writer = None
     try:
         with open(temp, "wb") as raw:
             writer = _HashingWriter(raw)
@@ -91,8 +97,10 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> tuple[int, i
             raw.flush()
             os.fsync(raw.fileno())  # the bytes reach the disk before the name points at them
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as exc:
         temp.unlink(missing_ok=True)
+        if writer is not None and writer.error is not None and exc is not writer.error:
+            raise writer.error from exc  # the disk's answer (no space left), not torch's "unexpected pos"
         raise
     fsync_directory(path.parent)
     return writer.size, writer.crc32

@@ -1,8 +1,12 @@
 """`Checkpointer`: save a training run's state, resume it exactly, and save once more when asked to stop.
 
 Every rank calls `save(state)`: every rank's random states are gathered (and a sharded optimizer's
-state, to torch's unsharded format), rank 0 writes one file (atomically, see atomic_files.py) with
-the unwrapped model, the other stateful objects and the plain values, and all ranks pass a barrier.
+state, to torch's unsharded format). In the background (the default) each rank snapshots its share
+into a reused staging buffer and returns; its writer process writes it, and rank 0's commits the
+checkpoint once every rank's part is written (background/; the replicated model and
+optimizer are spread over the ranks, spreading.py). With async_save=False rank 0 writes one file
+(atomically, see atomic_files.py) with the unwrapped model, the other stateful objects and the plain
+values, and all ranks pass a barrier.
 `restore(state)` loads the newest complete file on every rank (restoring.py). `step(state)`, once per
 optimizer step, saves every N steps and, when a stop is requested of any rank, saves at a step all
 ranks agree on (agreement.py) and ends the process: a preempted job loses no step.
@@ -10,6 +14,7 @@ ranks agree on (agreement.py) and ends the process: a preempted job loses no ste
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -21,8 +26,9 @@ from ..errors import CheckpointError, CheckpointWriteError, explain
 from ..log import logger
 from ..world import group as world
 from ..world import stop
-from . import atomic_files, random_state, restoring, shard_files
+from . import atomic_files, background, random_state, restoring, shard_files, spreading
 from .agreement import StopAgreement
+from .background import BackgroundSaves, commit, report, staging
 from .entries import check_plain, kind_of, unwrap
 
 FORMAT = restoring.FORMAT
@@ -43,6 +49,10 @@ class Checkpointer:
     `step(state)` once per optimizer step saves every `every` steps, and once more, at a step all ranks
     agree on, when the job is asked to stop (SIGTERM, SIGINT, SIGUSR1), then ends the process.
 
+    With `async_save=True` (the default) a save returns once the state is copied into a reused staging
+    buffer; a writer process commits it in the background (`wait()` waits for that), each rank writing
+    its share of the replicated model and optimizer. `async_save=False` writes before returning.
+
     >>> import phalanx as px, torch                                  # doctest: +SKIP
     >>> px.init()
     >>> model = px.DistributedDataParallel(torch.nn.Linear(4, 2))
@@ -53,9 +63,11 @@ class Checkpointer:
     False
     >>> state["step"] += 1; ckpt.save(state)
     PosixPath('runs/demo/ckpt-00000001.pt')
+    >>> ckpt.wait()                          # committed
     """
 
-    def __init__(self, directory, keep: int = 2, *, every: int | None = None, timeout: float | None = None):
+    def __init__(self, directory, keep: int = 2, *, every: int | None = None, timeout: float | None = None,
+                 async_save: bool = True):
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(explain("Checkpointer keep must be a positive number of checkpoints",
                                      seen=f"keep={keep!r}", expected="an int >= 1", fix="Pass keep=2 (the default)."))
@@ -69,8 +81,11 @@ class Checkpointer:
         self.timeout = timeout  # seconds the barrier after a save waits for all ranks (None: PHALANX_TIMEOUT)
         self.saved_world_size: int | None = None  # world size of the checkpoint last restored
         self.steps = 0  # calls of step(), counted on from the restored checkpoint's
+        self._agreed_sequence = -1
         self._agreement: StopAgreement | None = None
         self._last_save = (None, 0.0)  # (path, seconds) of the newest save
+        self.async_save = bool(async_save)
+        self._background = BackgroundSaves(self.directory) if self.async_save else None
         progress.checkpointer(str(self.directory))
         if every is not None:  # the loop will call step(): a stop request can wait for it
             stop.listen()
@@ -79,12 +94,16 @@ class Checkpointer:
     # -- saving -----------------------------------------------------------------------------------
 
     def save(self, state: dict) -> Path:
-        """Write `state` and every rank's random state as a new checkpoint; returns its path on every rank."""
+        """Save `state` and every rank's random state as a new checkpoint; returns its path on every rank.
+
+        In the background (the default) it returns once the state is copied: the checkpoint is committed
+        later (`wait()` waits for it), and holds the state exactly as it was at this call. A save that comes
+        while the previous one is still being written waits for it first."""
         previous, before = recorder.phase(recorder.SAVING), progress.saving()
         started = time.monotonic()
         path = None
         try:
-            path = self._save(state)
+            path = self._save_background(state) if self.async_save else self._save(state)
             return path
         finally:
             recorder.phase(previous)
@@ -135,11 +154,103 @@ class Checkpointer:
                 seen="a failure on rank 0", fix="See rank 0's error; the previous checkpoint is intact."))
         return self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
 
+    def _save_background(self, state: dict) -> Path:
+        kinds = {name: kind_of(name, value) for name, value in state.items()}
+        _, failed = self._background.settle()  # at most one write in flight: a save while one writes waits for it
+        rank, size = world.group_rank(), world.group_size()
+        split = {name: shard_files.split(dtensors) for name, value in state.items()
+                 if (dtensors := shard_files.dtensor_state(value, unwrap)) is not None}
+        gathered = {name: value.state_dict(to=0) for name, value in state.items()
+                    if shard_files.is_optimizer_view(value) and name not in split}
+        states = random_state.gather(random_state.capture(_own_device()), world.collective_device())
+        sequence, cause = -1, failed["error"] if failed else None
+        if rank == 0 and failed is None:
+            try:
+                sequence = self._next_sequence()
+            except Exception as exc:  # told to the other ranks below, then raised here
+                cause = f"{type(exc).__name__}: {exc}"
+        self._raise_if_failed(cause, sequence)
+        sequence = self._agreed_sequence
+        replicated = spreading.replicated(state, kinds, unwrap, size)
+        part, entries, loads = {name: shards for name, (_, shards) in split.items()}, {}, [0] * size
+        for name, value in state.items():
+            if name in split:
+                saved = split[name][0]
+            elif name in replicated:  # every rank writes a share of it
+                whole = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
+                saved, part[name] = spreading.spread(whole, replicated[name], loads, size, rank)
+            elif rank != 0:
+                continue
+            elif kinds[name] == "value":
+                saved = value
+            elif name in gathered:
+                saved = gathered[name]
+            else:
+                saved = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
+            if rank == 0:
+                if kinds[name] != "value":
+                    check_plain(saved, f"state[{name!r}].state_dict()")
+                entries[name] = {"kind": kinds[name], "state": saved, "sharded": name in split or name in replicated}
+                if kinds[name] == "value" and staging.has_cuda_tensor(saved):
+                    entries[name]["on_gpu"] = True  # staged through host memory: restored onto the GPU again
+        main = None
+        if rank == 0:
+            main = {"format": FORMAT, "sequence": sequence, "world_size": size, "entries": entries,
+                    "random_states": states, "parts": [], "steps": self.steps}
+        job = {"directory": str(self.directory), "sequence": sequence, "rank": rank, "world_size": size,
+               "keep": self.keep, "timeout": self._limit(), "parts": bool(part)}
+        self._background.submit(job, part or None, main)
+        return self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
+
+    def _raise_if_failed(self, cause: str | None, sequence: int = -1) -> None:
+        """Collective: every rank learns which ranks' writes failed (and rank 0's sequence for the next save);
+        every rank raises the same CheckpointWriteError if any did. Sets `_agreed_sequence`."""
+        rank, size = world.group_rank(), world.group_size()
+        flags = [(1 if cause else 0, sequence)]
+        if size > 1:
+            mine = torch.tensor(flags[0], dtype=torch.int64, device=world.collective_device())
+            everyone = [torch.empty_like(mine) for _ in range(size)]
+            entry = recorder.begin(recorder.CHECKPOINT, -1, mine.numel(), mine.dtype)
+            dist.all_gather(everyone, mine)
+            recorder.done(entry)
+            flags = [(int(row[0]), int(row[1])) for row in everyone]
+        self._agreed_sequence = flags[0][1]
+        failed = [r for r, (flag, _) in enumerate(flags) if flag]
+        if not failed:
+            return
+        if cause:
+            raise report({"error": cause}, rank, self.directory)
+        who = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {failed}"
+        raise CheckpointWriteError(explain(
+            f"{who} could not write a checkpoint in {self.directory}", rank=rank,
+            seen="a failed background write", expected="every rank's part written",
+            fix="See those ranks' errors; the previous checkpoint is intact and the newest complete one."))
+
+    def _limit(self) -> float:
+        return float(self.timeout) if self.timeout is not None else float(os.environ.get("PHALANX_TIMEOUT", 600))
+
+    def wait(self) -> None:
+        """Block until every checkpoint write in flight is committed; raise CheckpointWriteError (on every rank)
+        if one failed. Call it on every rank, like save(). Without background saves it returns at once.
+
+        >>> checkpointer.save(state); checkpointer.wait()          # doctest: +SKIP
+        """
+        if self._background is None:
+            return
+        started = time.monotonic()
+        _, failed = self._background.settle()
+        try:
+            self._raise_if_failed(failed["error"] if failed else None)
+        finally:
+            progress.save_blocked(time.monotonic() - started)
+
     def _next_sequence(self) -> int:
-        """Rank 0: the sequence number of the next checkpoint."""
+        """Rank 0: the sequence number of the next checkpoint (past any part a failed save left: its note could
+        be taken for the new part's)."""
         listed = atomic_files.read_manifest(self.directory) or []
         present = atomic_files.checkpoint_files(self.directory)
-        return 1 + max([e.sequence for e in listed] + list(present), default=0)
+        parts = shard_files.part_sequences(self.directory)
+        return 1 + max([e.sequence for e in listed] + list(present) + parts, default=0)
 
     def _write(self, state: dict, kinds: dict, states: list, gathered: dict, sequence: int, parts: list | None,
                split: set) -> Path:
@@ -154,22 +265,9 @@ class Checkpointer:
                 saved = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
                 check_plain(saved, f"state[{name!r}].state_dict()")
             entries[name] = {"kind": kinds[name], "state": saved, "sharded": name in split}
-        self.directory.mkdir(parents=True, exist_ok=True)
-        atomic_files.remove_stale_temps(self.directory)
-        listed = atomic_files.read_manifest(self.directory) or []
         payload = {"format": FORMAT, "sequence": sequence, "world_size": world.group_size(),
                    "entries": entries, "random_states": states, "parts": parts or [], "steps": self.steps}
-        path = self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
-        size, crc32 = atomic_files.write_atomic(path, lambda file: torch.save(payload, file))
-        # The manifest is renamed into place after the file: a crash in between leaves the
-        # previous manifest, whose checkpoints are all still on disk.
-        kept = (listed + [atomic_files.ManifestEntry(path.name, sequence, size, crc32)])[-self.keep:]
-        atomic_files.write_manifest(self.directory, kept)
-        keep_names = {e.file for e in kept}
-        for name in atomic_files.checkpoint_files(self.directory).values():
-            if name not in keep_names:
-                (self.directory / name).unlink(missing_ok=True)
-        shard_files.remove_parts_except(self.directory, {e.sequence for e in kept})
+        path, size = commit(self.directory, payload, self.keep)
         logger.info("saved checkpoint %s (%.1f MB in %.2fs)", path, size / 1e6, time.monotonic() - started)
         return path
 
@@ -192,15 +290,23 @@ class Checkpointer:
         recorder.done(entry)
         return int(message[0]), int(message[1])
 
+    def _settle_quietly(self) -> None:
+        """Wait for this process's writes in flight to the directory (this Checkpointer's or another's)."""
+        for failed in background.settle_directory(self.directory):
+            logger.warning("a background checkpoint write in %s failed: %s; the previous checkpoint is the newest "
+                           "complete one", self.directory, failed["error"])
+
     # -- restoring --------------------------------------------------------------------------------
 
     def checkpoints(self) -> list[Path]:
-        """The complete checkpoints listed in the manifest, oldest first."""
+        """The complete checkpoints listed in the manifest, oldest first (after this rank's write in flight)."""
+        self._settle_quietly()
         return [self.directory / e.file for e in atomic_files.read_manifest(self.directory) or []]
 
     def restore(self, state: dict) -> bool:
         """Load the newest complete checkpoint into `state`; False (and `state` untouched) if there is none."""
         before, started = progress.restoring(), time.monotonic()
+        self._settle_quietly()  # rank 0's write in flight is committed once its writer answers
         device = _own_device()
         location = restoring.map_location(device)
         chosen, failure = None, None
@@ -253,6 +359,10 @@ class Checkpointer:
         path = None
         if stopping or last or (self.every is not None and self.steps % self.every == 0):
             path = self.save(state)
+        if stopping or last:  # the agreed stop commits its checkpoint before the process ends: nothing redone
+            started = time.monotonic()
+            self.wait()
+            self._last_save = (path, self._last_save[1] + time.monotonic() - started)
         if stopping:
             self._leave(path)
         return path

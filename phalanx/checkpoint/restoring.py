@@ -113,7 +113,26 @@ def apply(directory: Path, payload: dict, state: dict, path: Path) -> None:
                     seen=f"{type(exc).__name__}: {exc}", expected=f"a {type(value).__name__} like the one saved",
                     fix="Build the object as it was when the checkpoint was written."), entry=name) from exc
         else:
-            state[name] = entry["state"]
+            # Staged through host memory in the background: the GPU tensors among the values go back to a GPU.
+            state[name] = onto(entry["state"], _gpu()) if entry.get("on_gpu") else entry["state"]
+
+
+def _gpu() -> torch.device:
+    """This rank's GPU (the CPU where there is none: a GPU run restored on a CPU machine)."""
+    if world.is_initialized():
+        return world.device()
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def onto(value, device: torch.device):
+    """`value` (tensors in lists, tuples and dicts) with every tensor moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((k, onto(v, device)) for k, v in value.items())
+    if isinstance(value, (list, tuple, set)):
+        return type(value)(onto(v, device) for v in value)
+    return value
 
 
 def restore_random_states(saved: list, device: torch.device) -> None:

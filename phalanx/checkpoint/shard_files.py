@@ -26,7 +26,7 @@ from ..world import group as world
 from . import atomic_files
 
 PART_NAME = "ckpt-{:08d}.part-{:05d}.pt"
-_PART_RE = re.compile(r"^ckpt-(\d{8,})\.part-\d{5}\.pt$")
+_PART_RE = re.compile(r"^ckpt-(\d{8,})\.part-\d{5}\.pt(\.json|\.failed)?$")  # a part, or a background writer's note
 PLACEHOLDER = "__phalanx_shard__"
 
 
@@ -124,11 +124,19 @@ def load_parts(directory: Path, listed: list[dict]) -> list[dict]:
 
 
 def remove_parts_except(directory: Path, keep: set[int]) -> None:
-    """Delete the part files of every checkpoint whose sequence is not in `keep` (pruned, or never completed)."""
+    """Delete the part files (and their writers' notes) of every checkpoint whose sequence is not in `keep`
+    (pruned, or never completed)."""
     for path in directory.iterdir():
         match = _PART_RE.match(path.name)
         if match and int(match.group(1)) not in keep:
             path.unlink(missing_ok=True)
+
+
+def part_sequences(directory: Path) -> list[int]:
+    """The sequence numbers of the part files (and notes) present in `directory`."""
+    if not directory.is_dir():
+        return []
+    return [int(match.group(1)) for path in directory.iterdir() if (match := _PART_RE.match(path.name))]
 
 
 def write_parts(directory: Path, sequence: int, local: dict) -> list[dict]:

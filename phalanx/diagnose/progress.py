@@ -23,7 +23,7 @@ MAGIC = float(0x50484C58)  # "PHLX"
 VERSION = 1
 (P_MAGIC, P_VERSION, P_PID, P_RANK, P_STATE, P_CREATED, P_READY, P_LOOP_START, P_LAST_STEP_AT, P_STEP, P_FIRST_STEP,
  P_LOOP_SECONDS, P_SAVED_STEP, P_LOOP_AT_SAVE, P_SAVE_SECONDS, P_SAVES, P_RESTORE_SECONDS, P_RESTORES, P_STOP_STEP,
- P_EXITED_AT, P_TEARDOWN, P_LISTENING, P_LOGGED_STEP, P_TOTAL_STEPS) = range(24)
+ P_EXITED_AT, P_TEARDOWN, P_LISTENING, P_LOGGED_STEP, P_TOTAL_STEPS, P_SAVE_WAITED, P_SAVE_BACKGROUND) = range(26)
 SLOTS = 32
 STATES = ("startup", "ready", "restoring", "training", "saving", "stopped", "exited")
 STATE = {name: code for code, name in enumerate(STATES)}
@@ -194,6 +194,24 @@ def saved(count: int, path, started: float, ended: float, previous: int) -> None
     record.event(event="saved", step=count, path=str(path), seconds=round(ended - started, 4))
 
 
+def save_blocked(seconds: float) -> None:
+    """The training waited `seconds` for its checkpoint writes outside a save (checkpointer.wait())."""
+    record = _record
+    if record is not None:
+        record.slots[P_SAVE_SECONDS] += seconds
+        if record.slots[P_LOOP_START]:
+            record.excluded += seconds
+
+
+def written(seconds: float, waited: float) -> None:
+    """A background checkpoint write ended after `seconds` of writing; the training process waited `waited`
+    seconds for it (a save that came while it was writing, wait(), the stop)."""
+    record = _record
+    if record is not None:
+        record.slots[P_SAVE_BACKGROUND] += seconds
+        record.slots[P_SAVE_WAITED] += waited
+
+
 def stopped(count: int, path, save_seconds: float, reason: str, requested_at: float) -> None:
     """The agreed stop: saved at `count`, leaving."""
     record = _record
@@ -244,6 +262,8 @@ class Progress:
     exited_at: float
     listening: bool
     events: list[dict] = field(default_factory=list)
+    save_waited: float = 0.0  # of the time saving: waiting for the previous background write
+    save_background: float = 0.0  # seconds background writers spent writing (beside the training)
 
     def last(self, kind: str) -> dict | None:
         return next((e for e in reversed(self.events) if e.get("event") == kind), None)
@@ -264,7 +284,7 @@ def read(directory: str) -> dict[int, Progress]:
             s[P_READY], s[P_LOOP_START], s[P_LAST_STEP_AT], int(s[P_STEP]), int(s[P_FIRST_STEP]), s[P_LOOP_SECONDS],
             int(s[P_SAVED_STEP]), s[P_LOOP_AT_SAVE], s[P_SAVE_SECONDS], int(s[P_SAVES]), s[P_RESTORE_SECONDS],
             int(s[P_RESTORES]), int(s[P_STOP_STEP]), s[P_EXITED_AT], bool(s[P_LISTENING]),
-            _events(events_path(directory, rank)))
+            _events(events_path(directory, rank)), s[P_SAVE_WAITED], s[P_SAVE_BACKGROUND])
     return found
 
 

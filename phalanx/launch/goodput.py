@@ -64,6 +64,10 @@ class Invocation:
     last_step: int | None = None
     steps_redone: int = 0
     saves: int = 0
+    # Of times.save (the time saves held the training): waiting for the previous background write; and
+    # the seconds background writers spent writing beside the training (not in the wall time's split).
+    save_waited: float = 0.0
+    save_background: float = 0.0
     times: Times = field(default_factory=Times)
     # Elastic runs: each node lost or joined, the world sizes, the step resumed from, the seconds from the
     # change (a lost node named, a joining one seen) to the first step at the new size.
@@ -131,6 +135,8 @@ class RunSummary:
         else:
             times.outside += rest
         self.now.saves += record.saves
+        self.now.save_waited += record.save_waited
+        self.now.save_background += record.save_background
         if self.now.first_step is None:
             self.now.first_step = record.first_step
         self.now.last_step = max(record.saved_step, record.first_step) if lost else record.step
@@ -171,6 +177,7 @@ class RunSummary:
 def _as_dict(invocation: Invocation) -> dict:
     data = asdict(invocation)
     data["times"] = {name: round(value, 3) for name, value in data["times"].items()}
+    data["save_waited"], data["save_background"] = round(data["save_waited"], 3), round(data["save_background"], 3)
     data["wall"] = round(invocation.times.wall, 3)
     return data
 
@@ -202,6 +209,10 @@ def summary_lines(now: Invocation, job: list[dict], job_path: str | None) -> lis
              f"  time lost: {lost or 'none'}"]
     if now.first_step is None:
         lines[-1] += " (no checkpointer.step() seen: the steps' time is not known)"
+    if now.saves and (now.save_background or now.save_waited):
+        lines.append(f"  checkpoints: {now.saves} save(s) held the training {t.save:.1f} s (of which "
+                     f"{now.save_waited:.1f} s waiting for a write in flight), written in the background in "
+                     f"{now.save_background:.1f} s")
     for change in now.changes:
         took = f", {change['seconds']:.1f} s to the first step there" if change.get("seconds") else ""
         before, after = change["world"]

@@ -71,7 +71,13 @@ def _child(fn, rank: int, nprocs: int, args: tuple, env: dict, results, do_init:
         world.shutdown()
 
 
-def _stop(processes) -> None:
+def _stop(processes, patient: bool = False) -> None:
+    """End the ranks. `patient`: every rank returned, so let each finish its shutdown first (a background
+    checkpoint write is committed there), terminating only those still there after the grace period."""
+    if patient:
+        deadline = time.monotonic() + _GRACE_SECONDS
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -122,10 +128,13 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
                                       name=f"phalanx-rank-{rank}", daemon=False)
             process.start()
             processes.append(process)
+    finished = False
     try:
-        return _collect(processes, results, timeout)
+        values = _collect(processes, results, timeout)
+        finished = True
+        return values
     finally:
-        _stop(processes)
+        _stop(processes, patient=finished)
         del server
 
 

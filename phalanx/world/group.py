@@ -256,7 +256,10 @@ _before_shutdown: list = []  # weak references to callables run first in shutdow
 def before_shutdown(callback) -> None:
     """Run `callback()` first in shutdown(), on every rank that calls it, while the world is still whole: the
     place for a last collective (a StepLog's pending records at the end of a run or at an agreed stop). Held
-    weakly (a bound method's object may go); an exception it raises is logged, not raised."""
+    weakly (a bound method's object may go); an exception it raises is logged, not raised. A callback already
+    registered is not added twice."""
+    if any(ref() == callback for ref in _before_shutdown):
+        return
     _before_shutdown.append(weakref.WeakMethod(callback) if inspect.ismethod(callback) else weakref.ref(callback))
 
 

@@ -145,54 +145,69 @@ def test_ranks_follow_rank0_fallback_and_all_raise_when_rank0_cannot_write(tmp_p
 # -- a process killed during a save --------------------------------------------------------------------
 
 CRASHING_SAVE = textwrap.dedent("""
-    import os, signal, sys
+    import os, signal, sys, time
     import torch
     import phalanx as px
     from phalanx.checkpoint import atomic_files
     from tests.helpers.checkpoint_state import make_state, train_step
 
-    where = sys.argv[1]
-    state = make_state(hidden=256)
-    train_step(state)
-    ckpt = px.Checkpointer(sys.argv[2])
-    ckpt.save(state)                      # the complete checkpoint that must survive
-    train_step(state)
+    where, directory, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    trainer = os.getpid()
 
     def die():
-        os.kill(os.getpid(), signal.SIGKILL)
+        # The training process dies (in the background writer too: that one then dies with it), mid-save.
+        os.kill(trainer, signal.SIGKILL)
+        time.sleep(60)
 
+    def second(name):
+        return "ckpt-00000002" in str(name)
+
+    # Patched before the first save: a background writer, forked then, inherits the patches.
     if where == "mid_write":              # the process dies with half a file on disk
         write = atomic_files._HashingWriter.write
         def write_then_die(self, data):
             written = write(self, data)
-            if self.size > 4096:
+            if self.size > 4096 and second(getattr(self.file, "name", "")):
                 self.file.flush()
                 die()
             return written
         atomic_files._HashingWriter.write = write_then_die
     else:                                 # between a complete temporary file and its rename
         replace = os.replace
-        target = "manifest.json" if where == "before_manifest_rename" else "ckpt-"
         def die_before(src, dst):
-            if os.path.basename(dst).startswith(target):
+            name = os.path.basename(dst)
+            if where == "before_rename" and second(name):
+                die()
+            if where == "before_manifest_rename" and name == "manifest.json" and second(os.listdir(directory)):
                 die()
             replace(src, dst)
         os.replace = die_before
+
+    state = make_state(hidden=256)
+    train_step(state)
+    ckpt = px.Checkpointer(directory, async_save=mode == "background")
+    ckpt.save(state)                      # the complete checkpoint that must survive
+    ckpt.wait()
+    train_step(state)
     ckpt.save(state)
+    ckpt.wait()
     sys.exit("the crash was not injected")
 """)
 
 
 class TestCrashDuringSave:
-    @pytest.mark.parametrize("where", ["mid_write", "before_rename", "before_manifest_rename"])
-    def test_sigkill_during_save_leaves_the_previous_checkpoint(self, tmp_path, where, log_records):
+    # Each case starts Python and torch: the synchronous save (async_save=False) is killed at one point only.
+    @pytest.mark.parametrize("where, mode", [("mid_write", "background"), ("before_rename", "background"),
+                                             ("before_manifest_rename", "background"), ("mid_write", "sync")])
+    def test_sigkill_during_save_leaves_the_previous_checkpoint(self, tmp_path, where, mode, log_records):
         """World size 1, no process group: a child process saves, and is SIGKILLed in the middle of its second
-        save; this process then restores the first checkpoint and saves over the debris."""
+        save (in the background: while its writer writes); this process then restores the first checkpoint and
+        saves over the debris."""
         script = tmp_path / "crash.py"
         script.write_text(CRASHING_SAVE)
         directory = tmp_path / "run"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, str(script), where, str(directory)], env=env,
+        done = subprocess.run([sys.executable, str(script), where, str(directory), mode], env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == -signal.SIGKILL, done.stderr
         if where != "before_manifest_rename":
@@ -203,7 +218,9 @@ class TestCrashDuringSave:
         assert state["step"] == 1
         assert not warnings_of(log_records)
         # The next save replaces the debris of the crashed one.
-        px.Checkpointer(directory).save(state)
+        ckpt = px.Checkpointer(directory)
+        ckpt.save(state)
+        ckpt.wait()
         assert not list(directory.glob(".*.tmp"))
         kept = [p.name for p in px.Checkpointer(directory).checkpoints()]
         assert kept[0] == "ckpt-00000001.pt" and len(kept) == 2

@@ -43,6 +43,12 @@ def test_a_request_to_one_rank_stops_both_at_the_same_step(tmp_path):
     assert outcome["code"] == 75 and outcome["reason"] == "SIGUSR1"
     assert 30 < outcome["step"] <= 30 + 2 * outcome["every"] + 1, outcome
     assert outcome["path"].endswith("ckpt-00000001.pt")
+    # Saved in the background, and committed before the ranks left: listed in the manifest, restorable.
+    restored = {"model": torch.nn.Linear(4, 2), "optimizer": None}
+    restored["optimizer"] = torch.optim.SGD(restored["model"].parameters(), lr=0.1)
+    checkpointer = px.Checkpointer(tmp_path)
+    assert [p.name for p in checkpointer.checkpoints()] == ["ckpt-00000001.pt"]
+    assert checkpointer.restore(restored) and checkpointer.steps == outcome["step"]
 
 
 def _one_rank_leaves(rank, directory):

@@ -31,13 +31,15 @@ def params(model):
 
 
 def save_states(directory, count, keep=2):
-    """Save `count` checkpoints one training step apart; returns the parameters at each save."""
+    """Save `count` checkpoints one training step apart (committed when it returns); returns the parameters
+    at each save."""
     state, saved = make_state(), []
     ckpt = px.Checkpointer(directory, keep=keep)
     for _ in range(count):
         train_step(state)
         ckpt.save(state)
         saved.append(params(state["model"]))
+    ckpt.wait()
     return saved
 
 
@@ -72,7 +74,9 @@ class TestRoundTrip:
 
     def test_file_holds_only_safe_types_and_unprefixed_model_keys(self, tmp_path):
         state = make_state()
-        path = px.Checkpointer(tmp_path).save(state)
+        ckpt = px.Checkpointer(tmp_path)
+        path = ckpt.save(state)
+        ckpt.wait()
         payload = torch.load(path, weights_only=True)
         assert list(payload["entries"]["model"]["state"]) == list(state["model"].state_dict())
         assert payload["random_states"][0]["torch"].dtype == torch.uint8

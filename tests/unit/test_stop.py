@@ -229,3 +229,17 @@ def test_the_run_summary_lists_each_node_lost_or_joined():
     lines = summary_lines(now, [{}], None)
     assert "  node 1 (10.0.0.2) left: world size 2 -> 1, resumed from step 6, 5.0 s to the first step there" in lines
     assert "  node 1 (10.0.0.2) joined: world size 1 -> 2, resumed from step 16" in lines
+
+
+def test_the_run_summary_splits_checkpoint_time_into_blocking_and_background():
+    """Background saves: what the saves held the training (and waited for the previous write), and what the
+    writers spent beside it, which is not part of the wall time's split."""
+    summary = goodput.RunSummary(None, writes_job_file=False)
+    summary.attempt_started()
+    record = _progress(ready=time.monotonic(), loop_start=time.monotonic(), loop_seconds=8.0, save_seconds=0.6,
+                       saves=4, step=80, save_waited=0.25, save_background=7.9)
+    summary.attempt_ended({0: record}, "finished")
+    assert summary.now.times.save == 0.6 and summary.now.save_background == 7.9
+    lines = goodput.summary_lines(summary.now, [{}], None)
+    assert ("  checkpoints: 4 save(s) held the training 0.6 s (of which 0.2 s waiting for a write in flight), "
+            "written in the background in 7.9 s") in lines, lines

@@ -3,7 +3,8 @@
     phalanx run --nproc-per-node 2 --max-restarts 2 tests/e2e/jobs/resume_job.py RUN_DIR --kill 0:1:4:start
 
 `--kill ATTEMPT:RANK:STEP:WHEN` kills that rank during that restart attempt (TORCHELASTIC_RESTART_COUNT)
-at that step, WHEN "start" (before its forward) or "saved" (right after its checkpoint). Rank 0
+at that step, WHEN "start" (before its forward), "saved" (right after its checkpoint is committed) or
+"writing" (right after save() returned, while the background writer writes it). Rank 0
 writes the final parameters to RUN_DIR/final.pt; the test compares them with an uninterrupted run.
 """
 
@@ -74,6 +75,11 @@ def main():
             state["step"] += 1
             if state["step"] % 7 == 0:
                 ckpt.save(state)
+                die_if_chosen(args.kill, state["step"], "writing")
+                # A kill a few steps later must find this checkpoint committed (steps take milliseconds here,
+                # a background write as long): but for the run that tests a kill while a write is in flight.
+                if not any(when == "writing" for *_, when in args.kill):
+                    ckpt.wait()
                 die_if_chosen(args.kill, state["step"], "saved")
         state["epoch"] = epoch + 1
 
