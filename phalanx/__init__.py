@@ -4,9 +4,9 @@
     px.init()                                  # reads phalanx run / torchrun / srun, or runs alone
     model = px.DistributedDataParallel(net)    # one changed import from torch DDP
 
-`import phalanx` imports torch only when a name that needs it is first used (PEP 562): the `phalanx`
-command decides the launcher's allocator, and forks the workers' server, before torch is loaded, and
-`phalanx --help` answers at once. Every name below is importable as before: `from phalanx import init`.
+`import phalanx` imports torch only when a name that needs it is first used (PEP 562), and then all of
+them at once: the `phalanx` command decides the launcher's allocator, and forks the workers' server,
+before torch is loaded, and `phalanx --help` answers at once. Every name below is importable as before.
 """
 
 from __future__ import annotations
@@ -70,16 +70,21 @@ __all__ = sorted({*_LAZY, *(name for name in dir() if name.endswith("Error"))})
 
 
 def __getattr__(name: str):
-    where = _LAZY.get(name)
-    if where is None:
-        # A subpackage by its attribute (`phalanx.checkpoint.unwrap`), as when this module imported them all.
-        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
-            raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
-        return importlib.import_module(f".{name}", __name__)
-    module = importlib.import_module(where, __name__)
-    value = module if name in _MODULES else getattr(module, name)
-    globals()[name] = value  # once: later lookups are plain attribute reads
-    return value
+    if name in _LAZY:
+        _load_all()
+        return globals()[name]
+    # A subpackage by its attribute (`phalanx.checkpoint.unwrap`), as when this module imported them all.
+    if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    return importlib.import_module(f".{name}", __name__)
+
+
+def _load_all() -> None:
+    """The first public name used loads them all, as an eager import would: a training script pays for its
+    imports before `init()` forms the world and the stall watch starts, not inside its first step."""
+    for name, where in _LAZY.items():
+        module = importlib.import_module(where, __name__)
+        globals()[name] = module if name in _MODULES else getattr(module, name)
 
 
 def __dir__() -> list[str]:
