@@ -59,7 +59,7 @@ def _run(argv: list[str]) -> int:
     returns as the worker's own script returns, and the process exits as `python script.py` would."""
     from .launch import warm_start
 
-    started = warm_start.prepare_launcher()
+    started = warm_start.prepare_launcher(argv)
     if isinstance(started, warm_start.WorkerStart):
         from .launch import worker_entry
 

@@ -25,7 +25,8 @@ _GRACE_SECONDS = 3.0
 START_METHODS = ("spawn", "forkserver")
 # Imported once by the fork server, so that its children start with them (~3 s of CPU a process; FSDP2:
 # another second, paid by every rank that shards parameters, which phalanx itself imports lazily).
-_SERVER_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "phalanx"]
+# torch._dynamo: torch imports it at a training loop's first optimizer.zero_grad() or step (~2 s of CPU).
+_SERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "phalanx"]
 _WHOLE_ENVIRONMENT = "_PHALANX_WHOLE_ENVIRONMENT"
 _server_preload_env: list = []  # [LD_PRELOAD the fork server started with], once it has started
 

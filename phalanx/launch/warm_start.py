@@ -177,16 +177,31 @@ class WorkerServer:
             os.waitpid(self.pid, 0)
 
 
-def prepare_launcher() -> WorkerServer | WorkerStart | None:
+def prepare_launcher(argv: list[str]) -> WorkerServer | WorkerStart | None:
     """For the `phalanx` command, before anything imports torch: preload the workers' allocator into this
     process (by executing it again, once), import torch, fork the server. None where it cannot fork (the
     launcher then starts a server as a fresh process, or its workers fresh)."""
     _preload_here()
     import torch  # noqa: F401 - the launcher's own import, which the server and every worker share
 
-    if not hasattr(os, "fork") or threading.active_count() > 1:
+    if not hasattr(os, "fork") or threading.active_count() > 1 or _spawn_asked(argv):
         return None
+    # What a training loop imports after init() and would otherwise pay for in every worker, inside its
+    # first step: torch imports torch._dynamo (and sympy) at the first optimizer.zero_grad() or step.
+    import torch._dynamo  # noqa: F401
+
     return WorkerServer.fork_here()
+
+
+def _spawn_asked(argv: list[str]) -> bool:
+    """`--start-method spawn` among the launcher's arguments (read before argparse, which imports torch's
+    launcher modules; a script's own argument of that spelling only costs the fork server its preload)."""
+    for at, token in enumerate(argv):
+        if token in ("--start-method=spawn", "--start_method=spawn"):
+            return True
+        if token in ("--start-method", "--start_method") and argv[at + 1:at + 2] == ["spawn"]:
+            return True
+    return False
 
 
 _REEXECUTED = "PHALANX_LAUNCHER_PRELOADED"
