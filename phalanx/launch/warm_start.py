@@ -182,7 +182,7 @@ def prepare_launcher(argv: list[str]) -> WorkerServer | WorkerStart | None:
     process (by executing it again, once), import torch, fork the server. None where it cannot fork (the
     launcher then starts a server as a fresh process, or its workers fresh)."""
     _preload_here()
-    import torch  # noqa: F401 - the launcher's own import, which the server and every worker share
+    import torch  # the launcher's own import, which the server and every worker share
 
     if not hasattr(os, "fork") or threading.active_count() > 1 or _spawn_asked(argv):
         return None
