@@ -72,8 +72,13 @@ class Agent(LocalElasticAgent):
         os.environ["PHALANX_ATTEMPT"] = str(attempt)  # the workers' folder for their records (diagnose/)
         if self.regroup is not None:
             self.regroup.starting(worker_group)
-        with workers_from(self.server):
-            pids = super()._start_workers(worker_group)
+        self.stop.starting = True
+        try:
+            with workers_from(self.server):
+                pids = super()._start_workers(worker_group)
+        except BaseException:
+            self.stop.starting = False
+            raise
         self.stop.install()  # torch's start may have put its own handlers (they kill) back in place
         self._mark_teardown_before_close()
         self.group_pids = set(pids.values())

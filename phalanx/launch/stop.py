@@ -55,6 +55,9 @@ class StopRequest:
         self.since = 0.0
         self.kill_now = False  # a second Ctrl-C, or the grace period ran out: SIGKILL what is left
         self.pids: set[int] = set()  # this node's running workers (empty while none runs)
+        # Workers being started: a request now is kept and passed on once their pids are known (a forked
+        # worker can ask for a stop before torch's start of the group has returned them).
+        self.starting = False
         self.told: set[int] = set()
         self.store = None
         self.published = False
@@ -74,7 +77,7 @@ class StopRequest:
     def _on_signal(self, signum: int, frame) -> None:
         sig = signal.Signals(signum)
         if self.signal is None:
-            if not self.pids:
+            if not self.pids and not self.starting:
                 self.signal, self.since = sig, time.monotonic()
                 raise StoppedBeforeStart(f"stop requested by {sig.name} while no worker runs", sig)
             self.ask(sig, "")  # at once; the store is written from the monitor loop
@@ -102,8 +105,12 @@ class StopRequest:
     # -- the workers of one attempt ---------------------------------------------------------------
 
     def workers_started(self, pids, store, node_rank: int) -> None:
-        """A new attempt's workers run; `node_rank` is this node's rank in the rendezvous (elastic ones assign it)."""
+        """A new attempt's workers run; `node_rank` is this node's rank in the rendezvous (elastic ones assign it).
+        A request that came while they started is passed on to them now."""
         self.pids, self.told, self.store, self.node_rank = set(pids), set(), store, node_rank
+        self.starting = False
+        if self.signal is not None:
+            self._tell_workers()
 
     def workers_stopped(self) -> None:
         self.pids = set()

@@ -243,3 +243,25 @@ def test_the_run_summary_splits_checkpoint_time_into_blocking_and_background():
     lines = goodput.summary_lines(summary.now, [{}], None)
     assert ("  checkpoints: 4 save(s) held the training 0.6 s (of which 0.2 s waiting for a write in flight), "
             "written in the background in 7.9 s") in lines, lines
+
+
+class TestStopWhileWorkersStart:
+    """A signal that reaches the launcher while torch elastic is still starting the group (forked workers can
+    ask for a stop before the start has returned their pids) is kept and passed on to them, never dropped, and
+    never ends the launcher as if no worker ran (which left torch's log tailers running: a hang at exit)."""
+
+    def test_the_request_is_kept_and_told_to_the_workers_once_known(self, monkeypatch):
+        told = []
+        monkeypatch.setattr("phalanx.launch.stop.os.kill", lambda pid, sig: told.append((pid, sig)))
+        request = StopRequest(30.0, 0)
+        request.starting = True
+        request._on_signal(signal.SIGTERM, None)  # no StoppedBeforeStart: the workers are on their way
+        assert request.active and told == []
+        request.workers_started([101, 102], store=None, node_rank=0)
+        assert not request.starting and sorted(told) == [(101, signal.SIGTERM), (102, signal.SIGTERM)]
+
+    def test_before_any_start_it_still_ends_the_launcher(self):
+        from phalanx.launch.stop import StoppedBeforeStart
+
+        with pytest.raises(StoppedBeforeStart):
+            StopRequest(30.0, 0)._on_signal(signal.SIGTERM, None)
