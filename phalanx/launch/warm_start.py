@@ -230,12 +230,10 @@ def _preload_here() -> None:
 
 
 def _running(pid: int) -> bool:
-    """Whether `pid` is still a process that has not exited (a zombie has exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    """diagnose's pid_alive (a zombie has exited), imported here: this module loads before torch, recorder after."""
+    from ..diagnose.recorder import pid_alive
+
+    return pid_alive(pid)
 
 
 class ForkedWorker:
