@@ -75,12 +75,16 @@ class Sizes:
     steps: int
     warmup: int
     shard_batch: int
+    small_blocks: int  # the small batch is host-bound: the VM host's jitter needs more rounds to average out
+    small_steps: int
 
 
 GPU_SIZES = Sizes(vocab=50257, seq=1024, layers=12, heads=12, dim=768, large_batch=16, large_seq=1024,
-                  small_batch=1, small_seq=256, blocks=6, steps=10, warmup=2, shard_batch=8)
+                  small_batch=1, small_seq=256, blocks=6, steps=10, warmup=2, shard_batch=8,
+                  small_blocks=24, small_steps=20)
 SMOKE_SIZES = Sizes(vocab=64, seq=16, layers=2, heads=2, dim=16, large_batch=2, large_seq=16, small_batch=1,
-                    small_seq=8, blocks=2, steps=1, warmup=0, shard_batch=2)
+                    small_seq=8, blocks=2, steps=1, warmup=0, shard_batch=2, small_blocks=3,
+                    small_steps=2)
 
 
 # -- the model and one step -------------------------------------------------------------------------
@@ -141,19 +145,21 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
 
-def interleaved(built: dict, batch, sizes: Sizes, timer: Timer, device: torch.device) -> dict:
+def interleaved(built: dict, batch, sizes: Sizes, timer: Timer, device: torch.device, blocks: int | None = None,
+                steps: int | None = None) -> dict:
     """Blocks of every variant in `built` ({name: (model, optimizer)}), the order rotating each round:
     per variant the median step time (ms) over all blocks and the per-block medians."""
     names = list(built)
     times = {name: [] for name in names}
-    for round_ in range(sizes.blocks):
+    steps = steps or sizes.steps
+    for round_ in range(blocks or sizes.blocks):
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             model, optimizer = built[name]
             for _ in range(sizes.warmup):
                 train_step(model, optimizer, batch, device)
             timer.sync()
-            times[name].append(timer.block(lambda m=model, o=optimizer: train_step(m, o, batch, device), sizes.steps))
+            times[name].append(timer.block(lambda m=model, o=optimizer: train_step(m, o, batch, device), steps))
     return {name: {"median_ms": statistics.median(t for block in blocks for t in block),
                    "block_medians_ms": [statistics.median(block) for block in blocks]}
             for name, blocks in times.items()}
@@ -162,6 +168,15 @@ def interleaved(built: dict, batch, sizes: Sizes, timer: Timer, device: torch.de
 def paired_ratio(result: dict, a: str, b: str) -> float:
     """Median over rounds of a's block median / b's of the same round."""
     return statistics.median(x / y for x, y in zip(result[a]["block_medians_ms"], result[b]["block_medians_ms"]))
+
+
+def ratio_spread(result: dict, a: str, b: str) -> dict:
+    """How far the per-round ratios scatter (quartiles), and the ratio of the two variants' fastest blocks:
+    a busy host only ever adds time, so the fastest block is the closest reading of a step's own cost."""
+    ratios = sorted(x / y for x, y in zip(result[a]["block_medians_ms"], result[b]["block_medians_ms"]))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"q1": quartiles[0], "q3": quartiles[2],
+            "fastest_blocks": min(result[a]["block_medians_ms"]) / min(result[b]["block_medians_ms"])}
 
 
 def peak_memory(build, batch, device: torch.device, steps: int = 3) -> float | None:
@@ -225,12 +240,14 @@ def section_steps(sizes: Sizes, device: torch.device, timer: Timer) -> dict:
     variants = ("plain", "torch", "phalanx")
     built = {name: build_variant(name, sizes, device) for name in variants}
     out = {}
-    for label, batch, seq in (("large", sizes.large_batch, sizes.large_seq), ("small", sizes.small_batch,
-                                                                              sizes.small_seq)):
+    for label, batch, seq, blocks, steps in (
+            ("large", sizes.large_batch, sizes.large_seq, sizes.blocks, sizes.steps),
+            ("small", sizes.small_batch, sizes.small_seq, sizes.small_blocks, sizes.small_steps)):
         batch_ = batch_of(sizes, batch, seq, device)
-        result = interleaved(built, batch_, sizes, timer, device)
-        out[label] = {"batch": batch, "seq": seq, "variants": result,
+        result = interleaved(built, batch_, sizes, timer, device, blocks, steps)
+        out[label] = {"batch": batch, "seq": seq, "blocks": blocks, "steps": steps, "variants": result,
                       "phalanx/torch": paired_ratio(result, "phalanx", "torch"),
+                      "phalanx/torch spread": ratio_spread(result, "phalanx", "torch"),
                       "phalanx/plain": paired_ratio(result, "phalanx", "plain"),
                       "torch/plain": paired_ratio(result, "torch", "plain")}
     del built
@@ -394,6 +411,13 @@ def markdown(results: dict) -> str:
             lines.append(f"| {s['batch']} x {s['seq']} | {v['plain']['median_ms']:.2f} | {v['torch']['median_ms']:.2f} "
                          f"| {v['phalanx']['median_ms']:.2f} | {s['phalanx/torch']:.4f} | {s['phalanx/plain']:.4f} "
                          f"| {s['torch/plain']:.4f} |")
+        lines.append("\nphalanx/torch per round (median of per-round ratios of block medians; quartiles; ratio "
+                     "of the fastest blocks): " + "; ".join(
+                         f"{steps[label]['batch']} x {steps[label]['seq']}, {steps[label]['blocks']} rounds: "
+                         f"{steps[label]['phalanx/torch']:.4f}, [{steps[label]['phalanx/torch spread']['q1']:.4f}, "
+                         f"{steps[label]['phalanx/torch spread']['q3']:.4f}], "
+                         f"{steps[label]['phalanx/torch spread']['fastest_blocks']:.4f}"
+                         for label in ("large", "small")))
         peaks = steps["peak_mib"]
         if peaks.get("torch"):
             lines.append("\npeak memory (MiB, each built alone, large batch): "
@@ -452,6 +476,8 @@ def main(argv: list[str] | None = None) -> dict:
                "tensors": len(list(probe.parameters())), "params": sum(p.numel() for p in probe.parameters()),
                "argv": list(argv if argv is not None else sys.argv[1:]), "errors": {}, "section_seconds": {}}
     del probe
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     sections = {"steps": lambda: section_steps(sizes, device, timer),
                 "overlap": lambda: section_overlap(sizes, device, timer, args),
                 "shard": lambda: section_shard(sizes, device, timer)}
@@ -465,10 +491,11 @@ def main(argv: list[str] | None = None) -> dict:
                 raise
         results["section_seconds"][name] = round(time.perf_counter() - begun, 1)
         print(f"[gpu_bench] {name}: {results['section_seconds'][name]} s", flush=True)
+        # each section's figures on disk at once: a run cut short by a time limit keeps what it measured
+        (out / "gpu_bench.partial.json").write_text(json.dumps(results, indent=2) + "\n")
     results["goals"] = [{"goal": n, "measured": v, "bound": b, "met": m} for n, v, b, m in goals(results)]
     results["seconds"] = round(time.perf_counter() - started, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_bench.partial.json").unlink(missing_ok=True)
     (out / "gpu_bench.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     (out / "gpu_bench.md").write_text(table)

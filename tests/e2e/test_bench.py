@@ -133,6 +133,10 @@ def test_gpu_bench_smoke_runs_every_section_on_the_cpu(tmp_path):
     results = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert results["smoke"] is True and results["errors"] == {}
     assert set(results["steps"]) == {"large", "small", "peak_mib"}
+    spread = results["steps"]["small"]["phalanx/torch spread"]
+    assert spread["q1"] <= results["steps"]["small"]["phalanx/torch"] <= spread["q3"]
+    assert len(results["steps"]["small"]["variants"]["phalanx"]["block_medians_ms"]) == results["sizes"]["small_blocks"]
+    assert not (tmp_path / "gpu_bench.partial.json").exists()  # written after each section, gone at the end
     assert set(results["overlap"]["exposed_ms"]) == {"torch", "phalanx"}
     assert set(results["shard"]["variants"]) == {"torch", "torch-fsdp2", "phalanx-none", "phalanx-optimizer",
                                                  "phalanx-gradients", "phalanx-parameters"}
