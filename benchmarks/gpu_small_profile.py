@@ -11,8 +11,8 @@ Python functions phalanx's step spends its host time in (cProfile).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import collections
+import cProfile
 import io
 import json
 import os
@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_bench as gb  # noqa: E402
+import gpu_bench as gb
+import torch
 
-import torch  # noqa: E402
-
-import phalanx  # noqa: E402
+import phalanx
 
 
 def main() -> None:
