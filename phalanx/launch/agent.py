@@ -40,6 +40,15 @@ def _say(text: str) -> None:
     print(f"phalanx run: {text}", file=sys.stderr, flush=True)
 
 
+def _stop_tailers(pcontext) -> None:
+    tails = getattr(pcontext, "_tail_logs", None)  # torch 2.13; older ones keep one per stream
+    if tails is None:
+        tails = [getattr(pcontext, name, None) for name in ("_stdout_tail", "_stderr_tail")]
+    for tail in tails:
+        if tail is not None and not tail.stopped():
+            tail.stop()
+
+
 class Agent(LocalElasticAgent):
     """See the module docstring. `ended_by_stop`: the last attempt's workers stopped on request."""
 
@@ -54,6 +63,7 @@ class Agent(LocalElasticAgent):
         self.ended_by_stop = False
         self._attempt_failed = False
         self._starts = 0  # worker groups started: restarts after failures, and regroupings
+        self._contexts: list = []  # every group's torch process context, closed or not (stop_log_tailers)
 
     def _rendezvous(self, worker_group) -> None:
         try:
@@ -95,13 +105,23 @@ class Agent(LocalElasticAgent):
         """Whenever torch terminates the group (a worker failed, a restart, the end), the workers are told
         first that this SIGTERM is a teardown: one that listens for stop requests would otherwise wait."""
         pcontext = self._pcontext
+        self._contexts.append(pcontext)
         close = pcontext.close
 
         def close_after_marking(death_sig=None, timeout: int = 30):
-            progress.mark_teardown(self.diagnosis.directory)
-            return close(death_sig, timeout)
+            try:
+                progress.mark_teardown(self.diagnosis.directory)
+                return close(death_sig, timeout)
+            finally:  # a stop request raised inside torch's close would skip its own stop of the tailers
+                _stop_tailers(pcontext)
 
         pcontext.close = close_after_marking
+
+    def stop_log_tailers(self) -> None:
+        """The launcher's last act: no group's log tailer may outlive it. Each is a thread that reads a
+        worker's log until told to stop; one left running holds the launcher at exit forever."""
+        for pcontext in self._contexts:
+            _stop_tailers(pcontext)
 
     def _stop_workers(self, worker_group, *args, **kwargs):
         self.end_attempt("failed" if self._attempt_failed else "stopped" if self.ended_by_stop else "finished")

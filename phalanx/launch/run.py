@@ -309,6 +309,7 @@ def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> in
             live.uninstall()
         if agent is not None:
             sweep_process_groups(agent.group_pids)
+            agent.stop_log_tailers()
         if handler is not None:
             handler.shutdown()
         if server is not None:

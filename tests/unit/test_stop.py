@@ -265,3 +265,44 @@ class TestStopWhileWorkersStart:
 
         with pytest.raises(StoppedBeforeStart):
             StopRequest(30.0, 0)._on_signal(signal.SIGTERM, None)
+
+
+class TestLogTailersNeverOutliveTheLauncher:
+    """torch's log tailers are threads that read a worker's log until told to stop; one left running holds
+    the launcher at interpreter exit forever (a stop request raised inside torch's close skipped its stop)."""
+
+    @staticmethod
+    def agent_with_context(tmp_path, close):
+        import io
+        import types
+
+        from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+        from phalanx.launch.agent import Agent
+        log = tmp_path / "rank-0.log"
+        log.write_text("a line\n")
+        tail = TailLog("worker", {0: str(log)}, io.StringIO(), interval_sec=0.01).start()
+        pcontext = types.SimpleNamespace(_tail_logs=[tail], close=close)
+        agent = Agent.__new__(Agent)  # only what the close wrapper reads
+        agent._pcontext, agent._contexts = pcontext, []
+        agent.diagnosis = types.SimpleNamespace(directory=str(tmp_path))
+        return agent, pcontext, tail
+
+    def test_a_stop_raised_inside_torchs_close_still_stops_the_tailers(self, tmp_path):
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        def close_interrupted(death_sig=None, timeout=30):
+            raise SignalException("stop request during the close", signal.SIGTERM)
+        agent, pcontext, tail = self.agent_with_context(tmp_path, close_interrupted)
+        agent._mark_teardown_before_close()
+        assert not tail.stopped()
+        with pytest.raises(SignalException):
+            pcontext.close()
+        assert tail.stopped() and all(future.done() for future in tail._futs)
+
+    def test_the_launchers_last_act_stops_a_context_never_closed(self, tmp_path):
+        agent, _, tail = self.agent_with_context(tmp_path, lambda *a: None)
+        agent._mark_teardown_before_close()
+        agent.stop_log_tailers()
+        assert tail.stopped() and all(future.done() for future in tail._futs)
+        agent.stop_log_tailers()  # once stopped, a second call is a no-op
