@@ -7,11 +7,12 @@ by what their tests wait on, then one report of the slowest tests and the total.
     python -m tests.suite -- -x -k shm    # anything after -- goes to every pytest call
 
 A stage is one pytest call with pytest-xdist.
-    compute   tests whose time is CPU work (imports, training steps): one worker per core; a test
-              file stays on one worker, so a module fixture that launches once serves all of its checks.
+    compute   tests whose time is CPU work (imports, training steps): one worker per core and one
+              more (their launches also wait); a test file stays on one worker, so a module fixture
+              that launches once serves all of the file's checks.
     waiting   tests marked `waiting` (tests/conftest.py): their time is heartbeats, grace periods,
               shaped links and SLURM's daemons, and they check that something happened within a
-              bound, or measure a time. One at a time, never beside the
+              bound, or measure a time. Two at a time, each dealt on its own, never beside the
               compute stage, so a busy machine does not stretch the times they check.
 The report comes from each stage's JUnit XML: pytest's own --durations sees one stage only.
 """
@@ -52,12 +53,13 @@ def files_marking(marker: str) -> list[str]:
 def stages(quick: bool, cores: int) -> list[Stage]:
     if quick:  # one stage: a smoke test is never a waiting one (CONTRIBUTING.md)
         return [Stage("quick", "unit or smoke", cores, "loadfile", ["tests/unit", *files_marking("smoke")])]
-    # compute: one worker per core; waiting: one test at a time. Measured with `phalanx run --start-method
-    # forkserver` as the default (workers forked in milliseconds): compute at cores + 1 and waiting at two
-    # passed in 1289 s; with fresh interpreters six waiting side by side failed 9 of 28 (3 s stall timeouts fired
-    # while a rank still imported torch), so these stay as CI ran them until forkserver is the default again.
-    return [Stage("compute", "not waiting", cores, "loadfile", ["tests"]),
-            Stage("waiting", "waiting", 1, "loadgroup", files_marking("waiting"))]
+    # compute: one worker more than the cores, as its e2e tests wait on rendezvous, polls and sockets for a
+    # good part of their time. waiting: two at a time, each test dealt on its own (a file whose tests share a
+    # module fixture keeps them together with pytest.mark.xdist_group). Six side by side failed 9 of 28 when
+    # every worker started as a fresh interpreter (3 s stall timeouts fired while a rank still imported
+    # torch); `phalanx run` workers now start as forks in milliseconds (launch/warm_start.py).
+    return [Stage("compute", "not waiting", cores + 1, "loadfile", ["tests"]),
+            Stage("waiting", "waiting", 2, "loadgroup", files_marking("waiting"))]
 
 
 def run_stage(stage: Stage, extra: list[str], report: Path) -> tuple[int, float]:

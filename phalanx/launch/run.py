@@ -99,11 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grace-period", "--grace_period", dest="grace_period", type=float, default=DEFAULT_GRACE_PERIOD,
         metavar="S", help=f"on SIGTERM, SIGINT or SIGUSR1, wait up to S seconds for the workers to save at an agreed "
                           f"step and exit {STOP_EXIT_CODE}, then kill them. Default {DEFAULT_GRACE_PERIOD:g}")
-    add("--start-method", "--start_method", dest="start_method", choices=START_METHODS, default="spawn",
-        help="spawn: a fresh interpreter per worker, as torchrun starts them; forkserver: fork each worker from the "
-             "launcher's own import of torch, so a start or restart costs milliseconds, not seconds of CPU per "
-             "worker (not yet the default: a stop during start-up can still hang the launcher's exit). "
-             "Default spawn")
+    add("--start-method", "--start_method", dest="start_method", choices=START_METHODS, default="forkserver",
+        help="forkserver: fork each worker from a process that imported torch once, so a start or restart costs "
+             "milliseconds, not seconds of CPU per worker; spawn: a fresh interpreter per worker. "
+             "Default forkserver")
     add("-m", "--module", action="store_true",
         help="the target is a module to run as `python -m`, not a script path")
     add("target", metavar="script.py | module", help="the training script (or module with -m)")

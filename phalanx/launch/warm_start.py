@@ -1,4 +1,4 @@
-"""Workers forked from a server that imported torch once: `phalanx run --start-method forkserver`.
+"""Workers forked from a server that imported torch once: `phalanx run --start-method forkserver` (the default).
 
 A fresh worker spends seconds of CPU importing torch before its first line, at every start and every
 restart, on every rank of the node at once. The `phalanx` command, before it imports torch, gives the
@@ -194,15 +194,14 @@ def prepare_launcher(argv: list[str]) -> WorkerServer | WorkerStart | None:
 
 
 def _spawn_asked(argv: list[str]) -> bool:
-    """Whether the launcher's arguments leave the workers fresh interpreters: `--start-method spawn`, the
-    default, or no `--start-method forkserver` (read before argparse, which imports torch's launcher modules;
-    a script's own argument of that spelling only costs or gains the fork server)."""
+    """`--start-method spawn` among the launcher's arguments (read before argparse, which imports torch's
+    launcher modules; a script's own argument of that spelling only costs the fork server its preload)."""
     for at, token in enumerate(argv):
-        if token in ("--start-method=forkserver", "--start_method=forkserver"):
-            return False
-        if token in ("--start-method", "--start_method") and argv[at + 1:at + 2] == ["forkserver"]:
-            return False
-    return True
+        if token in ("--start-method=spawn", "--start_method=spawn"):
+            return True
+        if token in ("--start-method", "--start_method") and argv[at + 1:at + 2] == ["spawn"]:
+            return True
+    return False
 
 
 _REEXECUTED = "PHALANX_LAUNCHER_PRELOADED"
