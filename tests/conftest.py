@@ -76,6 +76,44 @@ def _tier(item) -> str | None:
     return parts[0] if len(parts) > 1 else None
 
 
+# -- what each test costs in CPU ------------------------------------------------------------------
+# The suite is bound by the machine's cores, not by waiting: tests/suite.py reports the tests that use
+# the most CPU. Counted: this process, the children it waited for (a launch and everything under it),
+# and the ranks run_ranks forked (multiprocessing's fork server reaps them: its children's CPU).
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    try:
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver._forkserver_pid
+        if server:
+            with open(f"/proc/{server}/stat") as handle:  # utime, stime, cutime, cstime: fields 14-17
+                fields = handle.read().rsplit(")", 1)[1].split()
+            total += sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (ImportError, AttributeError, OSError, ValueError):
+        pass
+    return total
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_SETUP] = _cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if _CPU_AT_SETUP in item.stash:  # into the JUnit XML with the teardown's report
+        item.user_properties.append(("cpu_s", round(_cpu_seconds() - item.stash[_CPU_AT_SETUP], 2)))
+
+
+_CPU_AT_SETUP = pytest.StashKey[float]()
+
+
 # -- a clean environment ---------------------------------------------------------------------------
 
 @pytest.fixture(autouse=True)

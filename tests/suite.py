@@ -71,29 +71,35 @@ def run_stage(stage: Stage, extra: list[str], report: Path) -> tuple[int, float]
     return code, time.monotonic() - started
 
 
-def read_report(path: Path) -> list[tuple[float, str, str]]:
-    """(seconds, test id, outcome) of every test case in a JUnit XML file."""
+def read_report(path: Path) -> list[tuple[float, str, str, float]]:
+    """(seconds, test id, outcome, CPU seconds) of every test case in a JUnit XML file (tests/conftest.py
+    records the CPU)."""
     if not path.exists():
         return []
     cases = []
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        cases.append((float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}", outcome))
+        cpu = next((float(p.get("value")) for p in case.iter("property") if p.get("name") == "cpu_s"), 0.0)
+        cases.append((float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}", outcome, cpu))
     return cases
 
 
 def summarize(results: list[tuple[Stage, int, float, list]], total: float) -> str:
     lines = [f"\n== the slowest {SLOWEST} tests of all stages"]
     cases = sorted((case for *_, stage_cases in results for case in stage_cases), reverse=True)
-    lines += [f"{seconds:8.1f}s  {name}" for seconds, name, _ in cases[:SLOWEST]]
+    lines += [f"{seconds:8.1f}s  {name}" for seconds, name, *_ in cases[:SLOWEST]]
+    # On a machine of few cores the suite's wall time is its CPU over the cores: these are what to make cheaper.
+    lines.append(f"== the {SLOWEST} tests that used the most CPU (the test's process and the processes it started)")
+    lines += [f"{cpu:8.1f}s  {name}" for cpu, name in sorted(((c[3], c[1]) for c in cases), reverse=True)[:SLOWEST]]
     lines.append("== stages")
     for stage, code, seconds, stage_cases in results:
-        counts = {outcome: sum(1 for *_, o in stage_cases if o == outcome) for outcome in ("passed", "failure",
-                                                                                           "error", "skipped")}
+        counts = {outcome: sum(1 for case in stage_cases if case[2] == outcome) for outcome in ("passed", "failure",
+                                                                                               "error", "skipped")}
         lines.append(f"{stage.name:>16}: {seconds:6.0f}s wall, {stage.workers} workers, exit {code}, "
-                     + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n))
+                     + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
+                     + f"; {sum(case[3] for case in stage_cases):.0f}s of CPU")
     lines.append(f"== total: {total:.0f}s wall for {sum(len(c) for *_, c in results)} tests "
-                 f"({sum(s for s, _, _ in cases):.0f}s of test time)")
+                 f"({sum(case[0] for case in cases):.0f}s of test time, {sum(case[3] for case in cases):.0f}s of CPU)")
     return "\n".join(lines)
 
 

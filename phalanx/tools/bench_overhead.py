@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import sys
@@ -41,6 +42,7 @@ class OverheadConfig:
     warmup: int = 1
     device: str = "cpu"
     profile_steps: int = 0
+    cpu: int | None = None  # the one CPU the benchmark runs on; None: wherever the scheduler puts it
     out: str = "bench-results/overhead.json"
     timeout: float = 3600.0
     argv: list[str] = field(default_factory=list)
@@ -62,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "time still: each block is synchronized after its last step, outside the timing)")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS", help="then profile this many phalanx "
                         "and plain steps with cProfile: where phalanx's added host time goes (default 0: off)")
+    parser.add_argument("--cpu", default="first", help="the one CPU the benchmark's threads run on: a number, "
+                        "'first' (default: the lowest this process may use) or 'any' (the scheduler's choice). "
+                        "Two vCPUs of one VM can differ by a third in speed: unpinned, a launch measures "
+                        "whichever it landed on")
     parser.add_argument("--quick", action="store_true", help="tiny counts, for smoke tests (figures meaningless)")
     parser.add_argument("--out", default="bench-results/overhead.json", help="JSON results file "
                         "(default bench-results/overhead.json)")
@@ -75,8 +81,8 @@ def parse_config(argv: list[str]) -> OverheadConfig:
     config = OverheadConfig(layers=args.layers, width=args.width, batch=args.batch,
                             rounds=args.rounds if args.rounds is not None else (3 if args.quick else 600),
                             steps=args.steps if args.steps is not None else (2 if args.quick else 4),
-                            warmup=args.warmup, device=args.device, profile_steps=args.profile, out=args.out,
-                            timeout=args.timeout, argv=list(argv))
+                            warmup=args.warmup, device=args.device, profile_steps=args.profile,
+                            cpu=_cpu_choice(args.cpu), out=args.out, timeout=args.timeout, argv=list(argv))
     for name in ("layers", "width", "batch", "rounds", "steps"):
         if getattr(config, name) < 1:
             raise BenchConfigError(explain(f"--{name} must be positive", seen=getattr(config, name), expected=">= 1"))
@@ -88,6 +94,27 @@ def parse_config(argv: list[str]) -> OverheadConfig:
             "--device cuda needs a CUDA GPU", seen=f"torch {torch.__version__} reports none",
             expected="a visible CUDA device", fix="Drop --device cuda to measure the host work on the CPU."))
     return config
+
+
+def _cpu_choice(text: str) -> int | None:
+    allowed = sorted(os.sched_getaffinity(0))
+    if text == "any":
+        return None
+    if text == "first":
+        return allowed[0]
+    if not text.isdigit() or int(text) not in allowed:
+        raise BenchConfigError(explain("--cpu names a CPU this process may not run on", seen=text,
+                                       expected=f"one of {allowed}, 'first' or 'any'"))
+    return int(text)
+
+
+def _pin(cpu: int) -> None:
+    """Every thread of this process (the process group's too) onto `cpu`; threads made later inherit it."""
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), {cpu})
+        except OSError:  # a thread that ended meanwhile
+            pass
 
 
 # -- the estimator (pure) ---------------------------------------------------------------------------
@@ -158,6 +185,8 @@ def run(rank: int, config: OverheadConfig) -> dict:
 
     device = world.device()
     torch.set_num_threads(1)
+    if config.cpu is not None:
+        _pin(config.cpu)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     generator = torch.Generator().manual_seed(0)
     batch = tuple(torch.randn(config.batch, config.width, generator=generator).to(device) for _ in range(2))
@@ -242,7 +271,9 @@ def format_report(results: dict) -> str:
     lines = [f"phalanx bench --overhead: {results['tensors']} tensors (Linear({config['width']}, {config['width']}) "
              f"x {config['layers']}), batch {config['batch']}, world size 1, {config['device']}; "
              f"{s['rounds']} rounds x {config['steps']} steps, host CPU time per step",
-             f"torch {env['torch']}, {env.get('gpu') or env['cpu']}, load average {env['load_average_1min_at_end']}",
+             f"torch {env['torch']}, {env.get('gpu') or env['cpu']}, "
+             f"{'on CPU ' + str(config['cpu']) if config.get('cpu') is not None else 'on any CPU'}, "
+             f"load average {env['load_average_1min_at_end']}",
              f"plain step          {s['plain_ms']:8.3f} ms",
              f"torch DDP adds      {s['torch_added_ms']:8.3f} ms",
              f"phalanx DDP adds    {s['phalanx_added_ms']:8.3f} ms",

@@ -33,6 +33,17 @@ def test_flags_are_checked_and_the_command_routes_here(capsys):
     assert "--rounds must be positive" in capsys.readouterr().err
 
 
+def test_the_benchmark_runs_on_one_cpu_by_default(capsys):
+    """Two vCPUs of one VM differed by a third in step time: a launch must not measure whichever it landed on."""
+    import os
+    allowed = sorted(os.sched_getaffinity(0))
+    assert parse_config(["--overhead"]).cpu == allowed[0]
+    assert parse_config(["--overhead", "--cpu", "any"]).cpu is None
+    assert parse_config(["--overhead", "--cpu", str(allowed[-1])]).cpu == allowed[-1]
+    assert bench.main(["--overhead", "--cpu", "4096"]) == 2
+    assert "--cpu names a CPU this process may not run on: seen 4096" in capsys.readouterr().err
+
+
 def test_profile_and_report_name_the_engine_parts(world_of_one):
     config = OverheadConfig(layers=4, width=4, batch=2)
     built = {name: _build(name, config, torch.device("cpu")) for name in ("plain", "phalanx")}
@@ -41,9 +52,10 @@ def test_profile_and_report_name_the_engine_parts(world_of_one):
     assert profile["parts_ms"]["gradient hooks (the launches included)"] > 0
     assert profile["parts_ms"]["end of backward: wait, copy out, used map"] > 0
     assert any("reducer.py" in row["function"] for row in profile["top_own_time_ms"])
-    results = {"tensors": 8, "config": {"width": 4, "layers": 4, "batch": 2, "device": "cpu", "steps": 2},
+    results = {"tensors": 8, "config": {"width": 4, "layers": 4, "batch": 2, "device": "cpu", "steps": 2, "cpu": 0},
                "environment": {"torch": "x", "cpu": "cpu", "load_average_1min_at_end": 1.0},
                "summary": added_host_time({"plain": [[1.0]], "torch": [[2.0]], "phalanx": [[1.5]]}),
                "profile": profile}
     report = format_report(results)
     assert "phalanx/torch added    0.500" in report and "step guard (bucket/step_guard.py)" in report
+    assert "on CPU 0" in report
