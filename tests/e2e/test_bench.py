@@ -144,3 +144,20 @@ def test_gpu_bench_smoke_runs_every_section_on_the_cpu(tmp_path):
     assert [goal["goal"] for goal in results["goals"]] == ["phalanx/torch large", "phalanx/torch small",
                                                            "phalanx/plain large", "exposed ms phalanx - torch"]
     assert "| phalanx-parameters |" in (tmp_path / "gpu_bench.md").read_text()
+
+
+def test_gpu_small_profile_smoke_gives_every_reading_on_the_cpu(tmp_path):
+    """World size 1: benchmarks/gpu_small_profile.py --smoke (the small-batch diagnosis of issue 36 at toy sizes
+    on the CPU): per variant the thread CPU, process CPU and wall time per step, and the profiler's counts."""
+    script = ROOT / "benchmarks" / "gpu_small_profile.py"
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--rounds", "2", "--steps", "1", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": checkout_on_pythonpath()})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "small_profile.json").read_text())
+    assert set(results["summary"]) == {"plain", "torch", "phalanx", "phalanx-view"}
+    for readings in results["per"].values():
+        assert all(len(readings[clock]) == 2 and min(readings[clock]) > 0
+                   for clock in ("thread_cpu_ms", "process_cpu_ms", "wall_ms"))
+    assert set(results["profiles"]) == set(results["summary"])
+    assert "on_grad_accumulated" in done.stdout  # the cProfile of phalanx's steps names its hook
