@@ -56,15 +56,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     """`phalanx run`: the launcher gets the workers' allocator and forks the workers' server from itself, both
     before it starts a thread (launch/warm_start.py), then launches. In a worker forked from that server, this
-    returns as the worker's own script returns, and the process exits as `python script.py` would."""
+    never returns: the worker's script runs and the process ends as `python script.py` would
+    (worker_entry.run_forked)."""
     from .launch import warm_start
 
     started = warm_start.prepare_launcher(argv)
     if isinstance(started, warm_start.WorkerStart):
         from .launch import worker_entry
 
-        worker_entry.main(started.argv)
-        return 0
+        worker_entry.run_forked(started.argv)
     from .launch.run import run
 
     try:

@@ -6,8 +6,10 @@ starts this file by path (`python -u worker_entry.py [-m] target args...`): it i
 from phalanx, so the user's `import phalanx` is the first one and sees a fresh environment.
 """
 
+import atexit
 import ctypes
 import faulthandler
+import gc
 import importlib
 import io
 import json
@@ -68,7 +70,22 @@ def _answer_stack_signal() -> None:
 _kept: list = []
 
 
+def _flush_open_files() -> None:
+    """Flush every file the script left open, as `python script.py` does when its `__main__` is torn down: a
+    script run through runpy keeps its globals alive to the end (a thread's function holds them), so its files
+    would otherwise never be flushed. Registered first, so it runs after the script's own atexit handlers. A
+    forked worker sees only the objects made since its fork: the server froze its own (serve)."""
+    for stream in gc.get_objects():
+        if isinstance(stream, io.IOBase):
+            try:
+                if not stream.closed:
+                    stream.flush()
+            except Exception:  # a broken pipe, a file closed underneath: the teardown ignores them too
+                pass
+
+
 def main(argv: list) -> None:
+    atexit.register(_flush_open_files)
     as_module = bool(argv) and argv[0] == "-m"
     if as_module:
         argv = argv[1:]
@@ -97,6 +114,52 @@ def main(argv: list) -> None:
         sys.exit(1)
 
 
+def run_forked(argv: list) -> None:
+    """A worker forked from the server: run the script as `main` does, then end the process as the interpreter
+    ends `python script.py` (its non-daemon threads joined, atexit handlers run, every open file flushed, the
+    exit code Python would give), without tearing down the heap it shares with the server. That teardown
+    writes every object's refcount, so in a fork it copies every page torch's import touched: about 2 s of CPU
+    a worker, at the end of every run and every stop (measured: docs/launching.md "How workers start")."""
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_status(exc.code)
+    _end_without_teardown(code)
+
+
+def _exit_status(code) -> int:
+    """What the interpreter exits with for `sys.exit(code)`: None is 0, an int itself, anything else printed to
+    stderr and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(f"{code}\n")
+    except Exception:  # a closed stderr must not change the exit code
+        pass
+    return 1
+
+
+def _end_without_teardown(code: int) -> None:
+    import atexit
+    import threading
+
+    threading._shutdown()  # what Py_Finalize does first: wait for the non-daemon threads
+    atexit._run_exitfuncs()  # then atexit: logging.shutdown, weakref.finalize, the user's own, _flush_open_files
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # as above
+            pass
+    try:
+        ctypes.CDLL(None).fflush(None)  # C's stdio buffers (a C++ library's output), which exit() would flush
+    except (OSError, AttributeError):
+        pass
+    os._exit(code)
+
+
 # What a worker's environment may hold differently from the fork server's: variables read when a worker
 # starts its process group or its device, never while torch is imported. The names torch elastic sets per
 # worker (torch/distributed/elastic/agent/server/local_elastic_agent.py) and phalanx's own.
@@ -120,6 +183,10 @@ def serve(fd: int, server_env: dict | None = None) -> list:
     import torch  # noqa: F401 - the import every forked worker is spared (done already in a forked launcher)
 
     server_env = _environment_at_exec() if server_env is None else server_env
+    # Everything imported so far is every worker's, read-only: out of the collector's sight, a worker's
+    # collections and its end (run_forked) touch none of it, so its pages stay shared.
+    gc.collect()
+    gc.freeze()
     channel = socket.socket(fileno=fd)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_read, False)
@@ -238,6 +305,6 @@ def _become_worker(request: dict, fds: list, server_env: dict) -> list:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        main(serve(int(sys.argv[2])))
+        run_forked(serve(int(sys.argv[2])))  # returns in each forked worker only
     else:
         main(sys.argv[1:])

@@ -129,3 +129,48 @@ def test_phalanx_run_starts_workers_by_either_method(tmp_path, method):
         assert all(r["forked"] for r in reports), "a worker of `phalanx run` executed a fresh interpreter"
     else:
         assert not any(r["forked"] for r in reports)
+
+
+ENDING = textwrap.dedent("""
+    import atexit, os, sys, threading, time
+    out = sys.argv[1]
+    left_open = open(os.path.join(out, "unclosed.txt"), "w")  # never closed: the interpreter's end flushes it
+    left_open.write("written, never closed")
+    binary = open(os.path.join(out, "unclosed.bin"), "wb")
+    binary.write(b"bytes, never closed")
+    atexit.register(lambda: open(os.path.join(out, "atexit.txt"), "w").write("atexit ran"))
+
+    def late():
+        time.sleep(0.5)
+        open(os.path.join(out, "thread.txt"), "w").write("the non-daemon thread finished")
+    threading.Thread(target=late).start()
+    print("stdout without a flush", end="")
+    sys.exit(sys.argv[2] if not sys.argv[2].isdigit() else int(sys.argv[2]))
+""")
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("exit_with", ["7", "a message"])
+def test_a_worker_ends_as_python_ends_its_script(tmp_path, method, exit_with):
+    """World size 1 under `phalanx run`: a forked worker skips the interpreter's teardown of the heap it shares with
+    the server (seconds of CPU), and nothing a script relies on at its end is lost: files left open are
+    flushed (also when a thread's function keeps the script's globals alive), atexit handlers run, non-daemon
+    threads finish, buffered stdout arrives, and the exit code is the one `python script.py` gives (sys.exit(7):
+    7; sys.exit("a message"): the message on stderr and 1). Spawned workers, fresh interpreters, end the same way."""
+    script = tmp_path / "ending.py"
+    script.write_text(ENDING)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = phalanx_run("--nproc-per-node", "1", "--max-restarts", "0", "--start-method", method, str(script),
+                         str(out), exit_with, env=clean_env(), cwd=tmp_path)
+    assert (out / "unclosed.txt").read_text() == "written, never closed"
+    assert (out / "unclosed.bin").read_bytes() == b"bytes, never closed"
+    assert (out / "atexit.txt").read_text() == "atexit ran"
+    assert (out / "thread.txt").read_text() == "the non-daemon thread finished"
+    assert "stdout without a flush" in result.stdout
+    code = 7 if exit_with == "7" else 1
+    assert f"rank 0 (pid {result.stderr.split('rank 0 (pid ')[-1].split(')')[0]}) exited with code {code}." \
+        in result.stderr, result.stderr
+    if exit_with != "7":
+        assert "[rank 0] a message" in result.stderr, result.stderr
+    assert result.returncode == code
