@@ -26,6 +26,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 FORWARDED = signal.SIGTERM  # what schedulers send, and what a worker without phalanx dies of
 STORE_KEY = "phalanx/stop"
 STORE_POLL = 0.5  # seconds between this launcher's looks for a stop asked on another node
+PUBLISH_WAIT = 0.3  # seconds a launcher whose workers stopped on their own waits for another node's request to show
 DEFAULT_GRACE_PERIOD = 30.0  # torchrun's and Kubernetes' default
 
 
@@ -98,8 +99,19 @@ class StopRequest:
 
     def adopt(self) -> None:
         """The workers are stopping on a request this launcher did not get (another node's, or one sent to a
-        worker directly): the grace period starts now, and the group is not restarted."""
-        if self.signal is None:
+        worker directly): the grace period starts now, and the group is not restarted. The workers' own
+        agreement can outrun this launcher's next look in the store: look once more, so that another node's
+        request is named as such."""
+        if self.signal is not None:
+            return
+        asked = self._asked_in_store()
+        deadline = time.monotonic() + PUBLISH_WAIT
+        while asked is None and self.store is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the asking launcher publishes at its next monitor tick, after its workers heard
+            asked = self._asked_in_store()
+        if asked is not None:
+            self.signal, self.origin, self.since = asked[0], asked[1], time.monotonic()
+        else:
             self.signal, self.origin, self.since = signal.SIGTERM, " to a worker or another node", time.monotonic()
 
     # -- the workers of one attempt ---------------------------------------------------------------
@@ -135,14 +147,23 @@ class StopRequest:
             raise GraceExpired(f"the workers did not stop within --grace-period {self.grace_period:g} s", self.signal)
 
     def _look_in_store(self) -> None:
+        asked = self._asked_in_store()
+        if asked is not None:
+            self.ask(*asked)
+
+    def _asked_in_store(self) -> tuple[signal.Signals, str] | None:
+        """(signal, origin) of a stop another node's launcher published in the store, else None."""
+        if self.store is None:
+            return None
         try:
             if not self.store.check([STORE_KEY]):
-                return
+                return None
             name, node, who = self.store.get(STORE_KEY).decode().split()
         except Exception:  # unreadable, or the store's host is gone: nothing to act on
-            return
-        if who != self._me:
-            self.ask(getattr(signal.Signals, name, signal.SIGTERM), f" on node {node}")
+            return None
+        if who == self._me:
+            return None
+        return getattr(signal.Signals, name, signal.SIGTERM), f" on node {node}"
 
     def _tell_workers(self) -> None:
         for pid in self.pids - self.told:

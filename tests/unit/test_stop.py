@@ -306,3 +306,37 @@ class TestLogTailersNeverOutliveTheLauncher:
         agent.stop_log_tailers()
         assert tail.stopped() and all(future.done() for future in tail._futs)
         agent.stop_log_tailers()  # once stopped, a second call is a no-op
+
+
+class TestAStopAdoptedFromTheWorkers:
+    """The workers' own agreement can end them before this launcher's next look in the store (every 0.5 s):
+    the stop is adopted, and named by the node that asked when the store says so."""
+
+    class Store:
+        def __init__(self, value: bytes | None):
+            self.value = value
+
+        def check(self, keys):
+            return self.value is not None
+
+        def get(self, key):
+            return self.value
+
+    def test_another_nodes_request_in_the_store_is_named(self):
+        request = StopRequest(grace_period=30, node_rank=0)
+        request.store = self.Store(b"SIGTERM 1 123@another-host")
+        request.adopt()
+        assert request.signal == signal.SIGTERM and request.origin == " on node 1"
+
+    def test_without_one_it_came_to_a_worker_or_another_node(self):
+        for store in (None, self.Store(None)):
+            request = StopRequest(grace_period=30, node_rank=0)
+            request.store = store
+            request.adopt()
+            assert request.signal == signal.SIGTERM and request.origin == " to a worker or another node"
+
+    def test_this_launchers_own_entry_is_not_another_nodes(self):
+        request = StopRequest(grace_period=30, node_rank=0)
+        request.store = self.Store(f"SIGUSR1 0 {request._me}".encode())
+        request.adopt()
+        assert request.origin == " to a worker or another node"
