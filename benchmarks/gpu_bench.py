@@ -411,13 +411,13 @@ def markdown(results: dict) -> str:
             lines.append(f"| {s['batch']} x {s['seq']} | {v['plain']['median_ms']:.2f} | {v['torch']['median_ms']:.2f} "
                          f"| {v['phalanx']['median_ms']:.2f} | {s['phalanx/torch']:.4f} | {s['phalanx/plain']:.4f} "
                          f"| {s['torch/plain']:.4f} |")
+        per_round = []
+        for label in ("large", "small"):
+            s, spread = steps[label], steps[label]["phalanx/torch spread"]
+            per_round.append(f"{s['batch']} x {s['seq']}, {s['blocks']} rounds: {s['phalanx/torch']:.4f}, "
+                             f"[{spread['q1']:.4f}, {spread['q3']:.4f}], {spread['fastest_blocks']:.4f}")
         lines.append("\nphalanx/torch per round (median of per-round ratios of block medians; quartiles; ratio "
-                     "of the fastest blocks): " + "; ".join(
-                         f"{steps[label]['batch']} x {steps[label]['seq']}, {steps[label]['blocks']} rounds: "
-                         f"{steps[label]['phalanx/torch']:.4f}, [{steps[label]['phalanx/torch spread']['q1']:.4f}, "
-                         f"{steps[label]['phalanx/torch spread']['q3']:.4f}], "
-                         f"{steps[label]['phalanx/torch spread']['fastest_blocks']:.4f}"
-                         for label in ("large", "small")))
+                     "of the fastest blocks): " + "; ".join(per_round))
         peaks = steps["peak_mib"]
         if peaks.get("torch"):
             lines.append("\npeak memory (MiB, each built alone, large batch): "

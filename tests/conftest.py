@@ -99,6 +99,9 @@ def _cpu_seconds() -> float:
     return total
 
 
+_CPU_AT_SETUP = pytest.StashKey[float]()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     item.stash[_CPU_AT_SETUP] = _cpu_seconds()
@@ -109,9 +112,6 @@ def pytest_runtest_teardown(item, nextitem):
     yield
     if _CPU_AT_SETUP in item.stash:  # into the JUnit XML with the teardown's report
         item.user_properties.append(("cpu_s", round(_cpu_seconds() - item.stash[_CPU_AT_SETUP], 2)))
-
-
-_CPU_AT_SETUP = pytest.StashKey[float]()
 
 
 # -- a clean environment ---------------------------------------------------------------------------

@@ -143,7 +143,6 @@ def _exit_status(code) -> int:
 
 
 def _end_without_teardown(code: int) -> None:
-    import atexit
     import threading
 
     threading._shutdown()  # what Py_Finalize does first: wait for the non-daemon threads

@@ -97,11 +97,12 @@ def parse_config(argv: list[str]) -> OverheadConfig:
 
 
 def _cpu_choice(text: str) -> int | None:
-    allowed = sorted(os.sched_getaffinity(0))
     if text == "any":
         return None
+    # Pinning is Linux's (sched_setaffinity); elsewhere 'first' leaves the benchmark unpinned, as 'any' does.
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if text == "first":
-        return allowed[0]
+        return allowed[0] if allowed else None
     if not text.isdigit() or int(text) not in allowed:
         raise BenchConfigError(explain("--cpu names a CPU this process may not run on", seen=text,
                                        expected=f"one of {allowed}, 'first' or 'any'"))
