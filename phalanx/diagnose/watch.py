@@ -14,13 +14,14 @@ import time
 
 from ..errors import seconds_setting
 from . import stacks
-from .record import H_EXITED, H_PHASE, H_PID, H_PROGRESS, PHASE, read_header, read_rings, ring_path
+from .record import H_EXITED, H_PHASE, H_PID, H_PROGRESS, H_STEP, PHASE, read_header, read_rings, ring_path
 from .verdict import Verdict, judge
 
 DEFAULT_STALL_TIMEOUT = 300.0
 CHECKPOINT_GRACE = 4.0
-# A rank that has not reached init() yet has no ring; while its process uses the CPU (importing torch on a
-# busy machine, preparing data) it is starting, not stuck, for up to this long after the attempt began.
+# A rank that has not reached its first step (no ring before init(); then building the model, loading a
+# checkpoint, fetching the first batch: user code that leaves no record) is starting, not stuck, while its
+# process uses the CPU (importing torch on a busy machine), for up to this long after the attempt began.
 STARTUP_CPU_WINDOW = 600.0
 ON_STALL = ("restart", "stop", "wait")
 
@@ -50,8 +51,7 @@ class StallWatch:
         now = time.monotonic() if now is None else now
         heads = [read_header(ring_path(self.directory, rank)) for rank in self.expected]
         starting = now - self._began < STARTUP_CPU_WINDOW
-        progress = tuple(h[H_PROGRESS] if h else (_cpu_ticks(self.starting_pids.get(rank)) if starting else -1)
-                         for rank, h in zip(self.expected, heads))
+        progress = tuple(self._progress_of(rank, h, starting) for rank, h in zip(self.expected, heads))
         if progress != self._progress:
             self._progress, self._changed, self.fired = progress, now, False
             return False
@@ -62,6 +62,15 @@ class StallWatch:
             return False
         self.fired = True
         return True
+
+    def _progress_of(self, rank: int, head, starting: bool):
+        """What moves while `rank` makes progress: its ring's counter, and in its start-up its CPU time (not
+        while it waits at init()'s rendezvous, which polls the store)."""
+        if head is None:
+            return _cpu_ticks(self.starting_pids.get(rank)) if starting else -1
+        if starting and head[H_STEP] == 0 and head[H_PHASE] == PHASE["data"]:  # past init(), before step 1
+            return head[H_PROGRESS], _cpu_ticks(head[H_PID])
+        return head[H_PROGRESS]
 
     @property
     def stall_key(self) -> str:

@@ -160,4 +160,6 @@ def test_gpu_small_profile_smoke_gives_every_reading_on_the_cpu(tmp_path):
         assert all(len(readings[clock]) == 2 and min(readings[clock]) > 0
                    for clock in ("thread_cpu_ms", "process_cpu_ms", "wall_ms"))
     assert set(results["profiles"]) == set(results["summary"])
-    assert "on_grad_accumulated" in done.stdout  # the cProfile of phalanx's steps names its hook
+    # The cProfile of phalanx's steps lists the engine's own functions apart (torch's may fill the top 30)
+    # and names its gradient hook there.
+    assert "on_grad_accumulated" in done.stdout.partition("phalanx's own functions, by their own time:")[2]

@@ -141,6 +141,7 @@ class TestStraggler:
 class TestStallWatch:
     def test_fires_once_after_the_timeout_without_progress_and_again_after_progress(self, tmp_path):
         ring = Ring(str(tmp_path / "rank-0.ring"), rank=0, world_size=1, local_rank=0)
+        ring.next_step()  # in its steps: only the ring's counters are progress (not this process's CPU)
         watch = StallWatch(str(tmp_path), timeout=5.0, expected=[0])
         assert not watch.poll(now=100.0)
         assert not watch.poll(now=104.0)
@@ -151,6 +152,7 @@ class TestStallWatch:
 
     def test_a_checkpoint_gets_more_time_and_a_finished_run_none(self, tmp_path):
         ring = Ring(str(tmp_path / "rank-0.ring"), rank=0, world_size=1, local_rank=0)
+        ring.next_step()
         ring.phase(PHASE["checkpoint"])
         watch = StallWatch(str(tmp_path), timeout=5.0, expected=[0])
         watch.poll(now=0.0)
@@ -180,6 +182,24 @@ class TestStallWatch:
         idle = StallWatch(str(tmp_path), timeout=1.0, expected=[0, 1], pids={0: 10, 1: 12})
         idle.poll(now=idle._began)
         assert idle.poll(now=idle._began + 1.5)
+
+    def test_a_rank_before_its_first_step_is_starting_while_it_uses_the_cpu(self, tmp_path, monkeypatch):
+        """Rank 0 passed init() and builds its model or fetches its first batch on a busy machine (user code that
+        leaves no record): its CPU time moves, so no stall. Once in its steps, CPU use alone is no progress (a
+        rank spinning while holding the GIL is stuck)."""
+        ticks = iter(range(1000))
+        monkeypatch.setattr(watch_module, "_cpu_ticks", lambda pid: next(ticks))
+        ring = Ring(str(tmp_path / "rank-0.ring"), rank=0, world_size=1, local_rank=0)
+        ring.phase(PHASE["init"])  # at init()'s rendezvous: waiting, whatever CPU its polling uses
+        watch = StallWatch(str(tmp_path), timeout=1.0, expected=[0])
+        began = watch._began
+        watch.poll(now=began)
+        assert watch.poll(now=began + 1.5)
+        ring.phase(PHASE["data"])  # init() done: the model is built, the first batch fetched
+        assert not any(watch.poll(now=began + t) for t in (2.0, 3.5, 5.0, 6.5))
+        ring.next_step()
+        watch.poll(now=began + 7.0)
+        assert watch.poll(now=began + 8.5)
 
     def test_cpu_ticks_read_the_process_own_counters(self):
         before = watch_module._cpu_ticks(os.getpid())
