@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phalanx: unknown command {name!r}; expected one of {', '.join(COMMANDS)}\n\n{USAGE}",
               end="", file=sys.stderr)
         return 2
+    from .launch import warm_launcher
+
+    code = warm_launcher.hand_over(argv)  # PHALANX_WARM_LAUNCHER: run in a fork of a server that imported torch
+    if code is not None:
+        return code
     if name == "run":
         return _run(rest)
     module_name = COMMANDS[name][0]

@@ -96,7 +96,18 @@ def _cpu_seconds() -> float:
             total += sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
     except (ImportError, AttributeError, OSError, ValueError):
         pass
+    for server, _ in _warm_servers.values():  # the commands they forked and reaped for this process's tests
+        total += _reaped_cpu_seconds(server.pid)
     return total
+
+
+def _reaped_cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:  # cutime, cstime: fields 16-17
+            fields = handle.read().rsplit(")", 1)[1].split()
+        return sum(int(value) for value in fields[13:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 _CPU_AT_SETUP = pytest.StashKey[float]()
@@ -153,6 +164,64 @@ def warnings_of(records) -> list[str]:
     return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
+# -- warm launches -------------------------------------------------------------------------------
+# The `phalanx` commands the e2e tests start (clean_env, run_command) run in forks of a server that imported
+# torch once per test process (phalanx/launch/warm_launcher.py): ~4 s of CPU less a launch, the largest cost
+# of the suite. One server per set of the variables read while torch is imported (OMP_NUM_THREADS set or
+# not, say). A command whose context differs from its server's (a network namespace, a cgroup, SLURM) runs
+# fresh and says why, as does every command under PHALANX_TEST_FRESH=1 (CONTRIBUTING.md).
+
+_warm_servers: dict[tuple, tuple[subprocess.Popen, str | None]] = {}
+
+
+def with_warm_launcher(env: dict) -> dict:
+    """`env` for a `phalanx` command, with PHALANX_WARM_LAUNCHER naming the server for its import-time
+    variables (started on first use); unchanged under PHALANX_TEST_FRESH=1 or when the server did not start."""
+    env.pop("PYTEST_CURRENT_TEST", None)  # pytest's own, per test: no command reads it
+    if os.environ.get("PHALANX_TEST_FRESH") == "1":
+        return env
+    from phalanx.launch.worker_entry import read_at_import  # the standard library only: no torch here
+
+    key = tuple((name, env[name]) for name in read_at_import(env, {}))
+    if key not in _warm_servers:
+        _warm_servers[key] = _start_warm_server(dict(key))
+    socket_path = _warm_servers[key][1]
+    if socket_path:
+        env["PHALANX_WARM_LAUNCHER"] = socket_path
+    return env
+
+
+def _start_warm_server(env: dict) -> tuple[subprocess.Popen, str | None]:
+    import atexit
+    import sys
+    import tempfile
+    import time
+
+    folder = tempfile.mkdtemp(prefix="phalanx-warm-")
+    socket_path = os.path.join(folder, "launcher.sock")
+    with open(os.path.join(folder, "server.log"), "w") as log:
+        server = subprocess.Popen([sys.executable, "-m", "phalanx.launch.warm_launcher", "--socket", socket_path],
+                                  env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if len(_warm_servers) == 0:
+        atexit.register(_stop_warm_servers)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(socket_path) and server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server, socket_path if os.path.exists(socket_path) else None
+
+
+def _stop_warm_servers() -> None:
+    for server, _ in _warm_servers.values():
+        if server.poll() is None:
+            server.terminate()  # it ends once the commands it runs have ended
+    for server, _ in _warm_servers.values():
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 # -- running a command -----------------------------------------------------------------------------
 
 def checkout_on_pythonpath(*first: str | Path) -> str:
@@ -181,8 +250,8 @@ def run_command(command: list, cwd: Path, *, env: dict | None = None, timeout: f
     Used by the tests that drive phalanx as a user does: `phalanx run`, `phalanx demo`, the examples
     and the README's commands.
     """
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": checkout_on_pythonpath(), **(env or {})}
+    environment = with_warm_launcher({**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+                                      "PYTHONPATH": checkout_on_pythonpath(), **(env or {})})
     returncode, output = run_in_session(command, cwd, environment, timeout)
     assert returncode == 0, f"{command} exited with {returncode}; output:\n{output}"
     return output

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, checkout_on_pythonpath
+from tests.conftest import ROOT, checkout_on_pythonpath, with_warm_launcher
 from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
 
 WORKER = str(Path(__file__).resolve().parent / "jobs" / "launch_worker.py")
@@ -30,7 +30,7 @@ def clean_env(**extra) -> dict:
                          "OMP_NUM_THREADS", "GROUP_RANK")}
     env["PYTHONPATH"] = checkout_on_pythonpath()
     env.update(extra)
-    return env
+    return with_warm_launcher(env)  # `phalanx` commands fork from a server that imported torch (tests/conftest.py)
 
 
 def phalanx_run(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
