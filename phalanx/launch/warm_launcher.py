@@ -155,11 +155,9 @@ def serve(path: str, idle_exit: float = 0.0) -> None:
     from . import warm_start
 
     warm_start._preload_here()  # the allocator the commands' workers get: chosen when a process starts
-    import torch  # noqa: F401 - what every command is spared
-    import torch._dynamo  # noqa: F401 - and what a training loop imports at its first step
+    import torch._dynamo  # noqa: F401 - torch, what every command is spared, and what a training loop imports
 
-    from . import run  # noqa: F401 - torch elastic's modules, argparse, the launcher's own
-    from . import worker_entry
+    from . import run, worker_entry  # noqa: F401 - run: torch elastic's modules, argparse, the launcher's own
 
     server_env = worker_entry._environment_at_exec()
     own = context()

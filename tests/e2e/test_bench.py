@@ -15,7 +15,7 @@ import pytest
 
 from phalanx.testing import run_ranks
 from phalanx.tools import bench
-from tests.conftest import ROOT, checkout_on_pythonpath
+from tests.conftest import ROOT, checkout_on_pythonpath, with_warm_launcher
 
 QUICK = ["--quick", "--models", "deep"]
 
@@ -101,7 +101,7 @@ def test_bench_memory_counts_bytes_rss_and_step_times(tmp_path):
     meta), on a small MLP with a bucket per layer: the report's three parts; sharded modes hold fewer
     model-state bytes than shard='none'. No timing is asserted."""
     out = tmp_path / "memory.json"
-    env = {**os.environ, "PYTHONPATH": checkout_on_pythonpath()}
+    env = with_warm_launcher({**os.environ, "PYTHONPATH": checkout_on_pythonpath()})
     command = [sys.executable, "-m", "phalanx", "bench", "--memory", "--width", "256", "--bucket-cap-mb", "0.3",
                "--time-models", "deep", "--steps", "2", "--blocks", "1", "--rss-worlds", "2", "--out", str(out)]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import phalanx as px
-from tests.conftest import ROOT
+from tests.conftest import ROOT, with_warm_launcher
 
 JOB = Path(__file__).resolve().parent / "jobs" / "resume_job.py"
 
@@ -38,7 +38,8 @@ KILLS = {  # ATTEMPT:RANK:STEP:WHEN, one kill per attempt; the attempt after the
 def launch(run_dir: Path, kills=()):
     command = [sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "2", "--max-restarts", "2",
                str(JOB), str(run_dir), *(f"--kill={k}" for k in kills)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = with_warm_launcher({**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                              "CUDA_VISIBLE_DEVICES": ""})
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output

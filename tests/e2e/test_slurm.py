@@ -27,7 +27,9 @@ from tests.e2e.test_stop import final, resumed_step, steps_log
 from tests.helpers.slurm_cluster import ClusterUnavailable, SlurmCluster
 
 # tests/suite.py: the time goes to SLURM's daemons (registering nodes, scheduling, requeues)
-pytestmark = [pytest.mark.waiting, pytest.mark.xdist_group("slurm-cluster")]  # one cluster for the file
+# A cluster per test process: the examples' tests share one; each requeue test (two minutes of SLURM's own
+# waiting) is a group of its own, so that it gets a cluster of its own beside the others.
+pytestmark = [pytest.mark.waiting, pytest.mark.xdist_group("slurm-cluster")]
 
 SLURM_EXAMPLES = ROOT / "examples" / "slurm"
 JOBS = ROOT / "tests" / "e2e" / "jobs"
@@ -51,6 +53,7 @@ def job_env() -> dict:
     """The submitter's environment: this checkout importable, this Python's `python` and `phalanx` first on
     PATH, one thread per rank; no world variables and no interface named."""
     env = clean_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    env.pop("PHALANX_WARM_LAUNCHER", None)  # a job runs in its node's namespaces and cgroup: always fresh
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env.pop(name, None)
@@ -189,6 +192,7 @@ def check_resumed_bitwise(run_dir: Path, reference: Path, fields: dict, text: st
 class TestRequeue:
     """World size 2 (2 nodes x 1 rank): stop_job.py preempted mid-run, requeued, finished."""
 
+    @pytest.mark.xdist_group("slurm-requeue-signal")
     def test_time_limit_signal_to_the_batch_script(self, cluster, tmp_path, uninterrupted):
         """srun, one task per rank: SIGUSR1 to the batch script (what --signal=B:USR1@60 sends); it passes
         it on, the ranks save at an agreed step and exit 75, and the script requeues the job."""
@@ -200,6 +204,7 @@ class TestRequeue:
         assert "on request (SIGUSR1)" in text, text
         check_resumed_bitwise(run_dir, uninterrupted, fields, text)
 
+    @pytest.mark.xdist_group("slurm-requeue-scontrol")
     def test_scontrol_requeue(self, cluster, tmp_path, uninterrupted):
         """One `phalanx run` per node: `scontrol requeue` (SIGTERM to every process of the job, SIGKILL after
         KillWait); the ranks save at an agreed step within it, and SLURM starts the job again."""
