@@ -264,6 +264,7 @@ def _take(listener: socket.socket, server_env: dict, own: dict, ours: list) -> t
     pid = os.fork()
     if pid == 0:
         try:
+            signal.set_wakeup_fd(-1)  # before its pipe is closed: a signal must not write to a reused number
             for handle in ours:
                 os.close(handle if isinstance(handle, int) else handle.detach())
             channel.close()
