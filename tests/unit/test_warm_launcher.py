@@ -14,7 +14,8 @@ def test_a_process_has_the_context_of_itself_and_a_difference_is_named():
     assert {"python", "phalanx", "user", "limits", "umask", "net namespace", "mnt namespace"} <= set(own)
     moved = {**own, "net namespace": own["net namespace"] + 1}  # `ip netns exec`
     assert warm_launcher._difference(moved, own) == "its net namespace differs from the server's"
-    assert warm_launcher._difference({**own, "cgroup": "0::/slurm/job_7\n"}, own) == "its cgroup differs from the server's"
+    slurm = {**own, "cgroup": "0::/slurm/job_7\n"}
+    assert warm_launcher._difference(slurm, own) == "its cgroup differs from the server's"
 
 
 def test_only_the_variables_read_while_torch_is_imported_make_a_command_run_fresh():
