@@ -1,5 +1,5 @@
 """The `phalanx` command: `run` launches training, `demo` and `bench` run the bundled jobs, `report` draws a run,
-`allocator` prints the LD_PRELOAD for torchrun or srun.
+`allocator` prints the LD_PRELOAD for torchrun or srun, `warm` serves commands from one import of torch.
 
 Subcommands are dispatched by name, each to its own module's `main(argv)`, imported only when
 used so that `phalanx run` does not pay for the demo's or benchmarks' imports.
@@ -8,6 +8,7 @@ used so that `phalanx run` does not pay for the demo's or benchmarks' imports.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -16,6 +17,7 @@ COMMANDS = {
     "bench": ("phalanx.tools.bench", "measure phalanx DDP against torch DDP and compute-only"),
     "report": ("phalanx.observe.report", "draw a StepLog's steps.jsonl (loss, throughput, step time) into a PNG"),
     "allocator": ("phalanx.allocator", "print the LD_PRELOAD that gives torchrun / srun ranks phalanx's allocator"),
+    "warm": ("phalanx.warm", "serve phalanx commands from one import of torch (set PHALANX_WARM_LAUNCHER)"),
 }
 
 USAGE = (f"usage: phalanx {{{','.join(COMMANDS)}}} [options]\n\n"
@@ -39,11 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phalanx: unknown command {name!r}; expected one of {', '.join(COMMANDS)}\n\n{USAGE}",
               end="", file=sys.stderr)
         return 2
-    from .launch import warm_launcher
+    if name != "warm" and os.environ.get("PHALANX_WARM_LAUNCHER"):
+        from .launch import warm_start
 
-    code = warm_launcher.hand_over(argv)  # PHALANX_WARM_LAUNCHER: run in a fork of a server that imported torch
-    if code is not None:
-        return code
+        code = warm_start.hand_over(argv)  # run in a fork of a server that imported torch (phalanx/warm.py)
+        if code is not None:
+            return code
     if name == "run":
         return _run(rest)
     module_name = COMMANDS[name][0]
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phalanx: `phalanx {name}` is not part of this installation ({module_name} is missing)",
               file=sys.stderr)
         return 2
-    return int(module.main(rest) or 0)
+    # `phalanx warm` forks this very command for each request it serves.
+    return int((module.main(rest, command=main) if name == "warm" else module.main(rest)) or 0)
 
 
 def _run(argv: list[str]) -> int:

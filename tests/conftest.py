@@ -166,7 +166,7 @@ def warnings_of(records) -> list[str]:
 
 # -- warm launches -------------------------------------------------------------------------------
 # The `phalanx` commands the e2e tests start (clean_env, run_command) run in forks of a server that imported
-# torch once per test process (phalanx/launch/warm_launcher.py): ~4 s of CPU less a launch, the largest cost
+# torch once per test process (`phalanx warm`, phalanx/warm.py): ~4 s of CPU less a launch, the largest cost
 # of the suite. One server per set of the variables read while torch is imported (OMP_NUM_THREADS set or
 # not, say). A command whose context differs from its server's (a network namespace, a cgroup, SLURM) runs
 # fresh and says why, as does every command under PHALANX_TEST_FRESH=1 (CONTRIBUTING.md).
@@ -200,7 +200,7 @@ def _start_warm_server(env: dict) -> tuple[subprocess.Popen, str | None]:
     folder = tempfile.mkdtemp(prefix="phalanx-warm-")
     socket_path = os.path.join(folder, "launcher.sock")
     with open(os.path.join(folder, "server.log"), "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "phalanx.launch.warm_launcher", "--socket", socket_path],
+        server = subprocess.Popen([sys.executable, "-m", "phalanx", "warm", "--socket", socket_path],
                                   env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     if len(_warm_servers) == 0:
         atexit.register(_stop_warm_servers)

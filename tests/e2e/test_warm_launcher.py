@@ -47,7 +47,7 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("warm")
     socket_path, log_path = folder / "launcher.sock", folder / "server.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "phalanx.launch.warm_launcher", "--socket", str(socket_path)],
+        process = subprocess.Popen([sys.executable, "-m", "phalanx", "warm", "--socket", str(socket_path)],
                                    env=base_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     deadline = time.monotonic() + HANG_GUARD

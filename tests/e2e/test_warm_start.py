@@ -116,8 +116,9 @@ def test_phalanx_run_starts_workers_by_either_method(tmp_path, method):
     forked from itself, spawned ones fresh interpreters; both run the script the same way."""
     script = tmp_path / "report.py"
     script.write_text(REPORT)
-    result = phalanx_run("--nproc-per-node", "2", "--start-method", method, str(script), "x",
-                         env=clean_env(PHALANX_TEST_WORKER="any"), cwd=tmp_path)
+    env = clean_env(PHALANX_TEST_WORKER="any")
+    env.pop("PHALANX_WARM_LAUNCHER", None)  # the launcher as a fresh `python -m phalanx run` (its command line)
+    result = phalanx_run("--nproc-per-node", "2", "--start-method", method, str(script), "x", env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     reports = [_forked(json.loads(line.split("] ", 1)[1])) for line in result.stdout.splitlines() if '"pid"' in line]
     assert len(reports) == 2 and all(r["argv"] == [str(script), "x"] for r in reports)

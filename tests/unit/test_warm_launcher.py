@@ -1,16 +1,16 @@
-"""What the warm launcher decides before it forks (phalanx/launch/warm_launcher.py): which commands run fresh.
+"""What the warm launcher decides before it forks (`phalanx warm`, phalanx/warm.py): which commands run fresh.
 
 The forking itself, signals and exit statuses are tests/e2e/test_warm_launcher.py's."""
 
 import os
 
-from phalanx.launch import warm_launcher
-from phalanx.launch.warm_start import _REEXECUTED
+from phalanx import warm as warm_launcher
+from phalanx.launch.warm_start import _REEXECUTED, context
 
 
 def test_a_process_has_the_context_of_itself_and_a_difference_is_named():
-    own = warm_launcher.context()
-    assert warm_launcher._difference(own, warm_launcher.context()) is None
+    own = context()
+    assert warm_launcher._difference(own, context()) is None
     assert {"python", "phalanx", "user", "limits", "umask", "net namespace", "mnt namespace"} <= set(own)
     moved = {**own, "net namespace": own["net namespace"] + 1}  # `ip netns exec`
     assert warm_launcher._difference(moved, own) == "its net namespace differs from the server's"
