@@ -25,6 +25,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import allocator
 from ..bucket.shard_levels import unsupported_with_sharding
 from ..errors import ShardingError, explain
+from ..sharding.cpu_collectives import hold_less
 from ..sharding.full_state import full_model_state, load_full_model_state, whole
 from ..sharding.meta_init import check_all_meta, has_meta_tensors, initializer, materialize
 from ..sharding.optimizer_view import OptimizerView
@@ -111,6 +112,7 @@ class ParameterShardedDDP(DistributedDataParallel, level=PARAMETERS):
         for block in self.blocks:
             fully_shard(block, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         self.module = fully_shard(module, mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        hold_less(self.blocks + [self.module], self.device, self.process_group)
         if meta:  # one module's whole tensors at a time, never the model's
             materialize(self.module, self.device, fill, self.process_group, sync=init_sync)
         trained = dict(self.module.named_parameters())

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--width", type=int, default=2048, help="width of the MLP counted and measured: "
                         "12 x Linear(w, w), 50.4M parameters at 2048 (default)")
     parser.add_argument("--rss-worlds", default="2,4", help="world sizes for the peak RSS (default 2,4)")
+    parser.add_argument("--rss-variants", default=",".join(RSS_VARIANTS), help="variants for the peak RSS (default "
+                        "all: " + ", ".join(RSS_VARIANTS) + "); torch-ddp and phalanx-none are the ratios' bases")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0, help="bucket size of phalanx DDP in the byte "
                         "count and peak RSS (default 25, as torch's)")
     parser.add_argument("--time-models", default="wide,gpt", help="models for the step times (default wide,gpt)")
@@ -225,7 +227,7 @@ def run(args) -> dict:
         params = results["params"]
         for world_size in [int(w) for w in args.rss_worlds.split(",")]:
             results["rss"][world_size] = {}
-            for variant in RSS_VARIANTS:
+            for variant in args.rss_variants:
                 _say(f"peak RSS of {variant} on {world_size} ranks ({params / 1e6:.1f}M parameters, AdamW), in fresh "
                      "processes")
                 results["rss"][world_size][variant] = spawn(_rss_rank, world_size,
@@ -261,9 +263,9 @@ def format_report(results: dict) -> str:
         peaks = {variant: max(r["peak_mb"] for r in per_rank) for variant, per_rank in variants.items()}
         for variant, per_rank in variants.items():
             above = max(r["peak_mb"] - r["baseline_mb"] for r in per_rank)
-            lines.append(f"{variant:<24} peak {peaks[variant]:8.1f}   above start-up {above:8.1f}   "
-                         f"/ torch-ddp {peaks[variant] / peaks['torch-ddp']:6.3f}   "
-                         f"/ phalanx-none {peaks[variant] / peaks['phalanx-none']:6.3f}")
+            ratios = "".join(f"   / {base} {peaks[variant] / peaks[base]:6.3f}"
+                             for base in ("torch-ddp", "phalanx-none") if base in peaks)
+            lines.append(f"{variant:<24} peak {peaks[variant]:8.1f}   above start-up {above:8.1f}{ratios}")
     for name, medians in results.get("time", {}).items():
         base = medians["phalanx-none"]
         lines.append(f"\nstep time, {name}, 2 ranks (median of the slowest rank; ratio to phalanx none)")
@@ -275,6 +277,11 @@ def format_report(results: dict) -> str:
 def main(argv: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
+        args.rss_variants = [v.strip() for v in args.rss_variants.split(",") if v.strip()]
+        unknown = [v for v in args.rss_variants if v not in RSS_VARIANTS]
+        if unknown:
+            raise BenchConfigError(explain("--rss-variants names a variant bench --memory does not know",
+                                           seen=unknown, expected=" | ".join(RSS_VARIANTS)))
         if args.steps < 1 or args.blocks < 1:
             raise BenchConfigError(explain("--steps and --blocks must be positive",
                                            seen=(args.steps, args.blocks), expected=">= 1"))
