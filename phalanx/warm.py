@@ -241,6 +241,10 @@ def _become_command(request: dict, fds: list, env: dict, command) -> None:
         signal.signal(number, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it at start: KeyboardInterrupt
     os.setsid()  # out of the server's process group: what is sent to the server is not sent to the commands
+    with contextlib.suppress(OSError, AttributeError):  # its name in top and `ps -o comm` (its command line is ours)
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, ("phalanx " + " ".join(request["argv"][:1]))[:15].encode())  # PR_SET_NAME
     for target, handle in enumerate(fds):
         os.dup2(handle, target)
         os.close(handle)

@@ -26,6 +26,7 @@ import json, os, sys, time
 rank = int(os.environ["RANK"])
 here = {"rank": rank, "argv": sys.argv[1:], "cwd": os.getcwd(), "value": os.environ.get("PHALANX_TEST_VALUE"),
         "launcher": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])}
+here["launcher_name"] = open(f"/proc/{here['launcher']}/comm").read().strip()
 print("REPORT " + json.dumps(here), flush=True)
 if "--sleep" in sys.argv:
     open(os.path.join(os.environ["PHALANX_TEST_OUT"], f"ready-{rank}"), "w").write(f"{here['launcher']} {os.getpid()}")
@@ -87,14 +88,16 @@ def test_a_warm_command_is_the_command_a_fresh_process_would_have_been(server, t
     warm = launch(tmp_path, base_env(PHALANX_TEST_VALUE="v1", PHALANX_WARM_LAUNCHER=server["socket"]),
                   "a b", "--fail")
     assert fresh.returncode == warm.returncode != 0, (fresh.stderr, warm.stderr)
-    strip = [{k: v for k, v in report.items() if k != "launcher"} for report in reports(warm.stdout)]
-    assert strip == [{k: v for k, v in report.items() if k != "launcher"} for report in reports(fresh.stdout)]
+    launchers = ("launcher", "launcher_name")
+    strip = [{k: v for k, v in report.items() if k not in launchers} for report in reports(warm.stdout)]
+    assert strip == [{k: v for k, v in report.items() if k not in launchers} for report in reports(fresh.stdout)]
     assert strip == [{"rank": r, "argv": ["a b", "--fail"], "cwd": str(tmp_path), "value": "v1"} for r in (0, 1)]
     assert "starting fresh" not in warm.stderr and "exited with code 3" in warm.stderr, warm.stderr
     entries = log_lines(server)[before:]
     started = [e for e in entries if "started" in e]
     assert len(started) == 1 and started[0]["argv"][:1] == ["run"], entries
     assert {r["launcher"] for r in reports(warm.stdout)} == {started[0]["started"]}
+    assert {r["launcher_name"] for r in reports(warm.stdout)} == {"phalanx run"}  # in top and `ps -o comm`
     assert any(e.get("ended") == started[0]["started"] and e["exit"] == warm.returncode for e in entries), entries
 
 
