@@ -97,17 +97,20 @@ def _cpu_seconds() -> float:
     except (ImportError, AttributeError, OSError, ValueError):
         pass
     for server, _ in _warm_servers.values():  # the commands they forked and reaped for this process's tests
-        total += _reaped_cpu_seconds(server.pid)
+        _reaped_cpu_seconds(server.pid)
+    total += sum(_reaped_seen.values())  # with servers that ended idle
     return total
 
 
 def _reaped_cpu_seconds(pid: int) -> float:
+    """What server `pid` reaped so far (its children's CPU), remembered once it ended."""
     try:
         with open(f"/proc/{pid}/stat") as handle:  # cutime, cstime: fields 16-17
             fields = handle.read().rsplit(")", 1)[1].split()
-        return sum(int(value) for value in fields[13:15]) / os.sysconf("SC_CLK_TCK")
+        _reaped_seen[pid] = sum(int(value) for value in fields[13:15]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        return 0.0
+        pass  # ended: what it had reaped when last read
+    return _reaped_seen.get(pid, 0.0)
 
 
 _CPU_AT_SETUP = pytest.StashKey[float]()
@@ -172,6 +175,8 @@ def warnings_of(records) -> list[str]:
 # fresh and says why, as does every command under PHALANX_TEST_FRESH=1 (CONTRIBUTING.md).
 
 _warm_servers: dict[tuple, tuple[subprocess.Popen, str | None]] = {}
+WARM_IDLE_EXIT = 600  # seconds without a command before a server ends (another starts on the next command)
+_reaped_seen: dict[int, float] = {}  # server pid -> its children's CPU when last read (kept once it ended)
 
 
 def with_warm_launcher(env: dict) -> dict:
@@ -183,7 +188,7 @@ def with_warm_launcher(env: dict) -> dict:
     from phalanx.launch.worker_entry import read_at_import  # the standard library only: no torch here
 
     key = tuple((name, env[name]) for name in read_at_import(env, {}))
-    if key not in _warm_servers:
+    if key not in _warm_servers or _warm_servers[key][0].poll() is not None:  # none yet, or it ended idle
         _warm_servers[key] = _start_warm_server(dict(key))
     socket_path = _warm_servers[key][1]
     if socket_path:
@@ -200,7 +205,9 @@ def _start_warm_server(env: dict) -> tuple[subprocess.Popen, str | None]:
     folder = tempfile.mkdtemp(prefix="phalanx-warm-")
     socket_path = os.path.join(folder, "launcher.sock")
     with open(os.path.join(folder, "server.log"), "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "phalanx", "warm", "--socket", socket_path],
+        # --idle-exit: a server whose test process died without its atexit ends on its own.
+        server = subprocess.Popen([sys.executable, "-m", "phalanx", "warm", "--socket", socket_path, "--idle-exit",
+                                   str(WARM_IDLE_EXIT)],
                                   env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     if len(_warm_servers) == 0:
         atexit.register(_stop_warm_servers)
