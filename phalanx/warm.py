@@ -48,10 +48,7 @@ def serve(path: str, command, idle_exit: float = 0.0) -> None:
 
     server_env = worker_entry._environment_at_exec()
     own = warm_start.context()
-    # phalanx's modules read the environment as they are imported: each command imports them afresh, with its
-    # own (torch's and the standard library's stay: they are what the fork is for).
-    for name in [name for name in sys.modules if name == "phalanx" or name.startswith("phalanx.")]:
-        del sys.modules[name]
+    worker_entry.forget_phalanx_modules()
     gc.collect()
     gc.freeze()  # out of the collector's sight: a command's collections leave the shared pages alone
 
@@ -265,13 +262,9 @@ def _become_command(request: dict, fds: list, env: dict, command) -> None:
     sys.argv, sys.orig_argv = list(request["sys_argv"]), list(request["orig_argv"])
     if sys.path:
         sys.path[0] = request["path0"]
-    for name in ("sitecustomize", "usercustomize"):  # run again with the command's environment
-        if sys.modules.pop(name, None) is not None:
-            importlib.import_module(name)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()  # its own seed, as a fresh process draws (Python's random reseeds itself at fork)
-    from .launch.worker_entry import _end_without_teardown, _exit_status
+    from .launch.worker_entry import _end_without_teardown, _exit_status, start_as_fresh
+
+    start_as_fresh()
 
     # The command's own imports, with its environment (the server's were dropped before it served).
     importlib.import_module(warm_start.__name__).forked_command = True  # it hands over no further

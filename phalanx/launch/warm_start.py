@@ -89,10 +89,7 @@ class WorkerServer:
             return cls(ours, pid, dict(os.environ))
         ours.close()
         os.setsid()
-        # The launcher's phalanx modules were imported with its environment: a worker's `import phalanx` is
-        # its own (torch and what torch imported stay: they are what the fork is for).
-        for name in [name for name in sys.modules if name == "phalanx" or name.startswith("phalanx.")]:
-            del sys.modules[name]
+        worker_entry.forget_phalanx_modules()  # a worker's `import phalanx` is its own
         return WorkerStart(worker_entry.serve(theirs.detach(), server_env=dict(os.environ)))
 
     def _listen(self) -> None:
@@ -388,7 +385,7 @@ def hand_over(argv: list[str]) -> int | None:
     message = channel.recv(4096)
     channel.close()
     if not message:  # the server died: the command's process runs on, its exit code is lost with the server
-        while _alive(child):
+        while _running(child):
             time.sleep(0.1)
         _tell(f"the warm launcher {path} ended before the command (pid {child}): its exit code is unknown (1)")
         return 1
@@ -401,15 +398,3 @@ def hand_over(argv: list[str]) -> int | None:
         time.sleep(1)
         return 128 - code
     return code
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-

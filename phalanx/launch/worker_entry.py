@@ -291,16 +291,30 @@ def _become_worker(request: dict, fds: list, server_env: dict) -> list:
                                   errors=sys.stdout.errors, write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding=sys.stderr.encoding,
                                   errors="backslashreplace", write_through=True)
-    # Python ran site customization when the server started, with the server's environment: run it again
-    # with the worker's, as a fresh interpreter would (a sitecustomize that reads RANK, say). Path
-    # configuration files (.pth) are not run again.
+    start_as_fresh()
+    return argv
+
+
+def start_as_fresh() -> None:
+    """In a fork of a server, after its environment became its own: what a fresh interpreter would have done
+    with that environment. Python ran site customization when the server started, with the server's: run it
+    again (a sitecustomize that reads RANK, say; path configuration files, .pth, are not run again). NumPy's
+    global generator was seeded once, in the server (torch imported it): each fork draws its own seed, as a
+    fresh process does (Python's random reseeds itself at fork)."""
     for name in ("sitecustomize", "usercustomize"):
         if sys.modules.pop(name, None) is not None:
             importlib.import_module(name)
-    numpy = sys.modules.get("numpy")  # torch imported it, and its global generator was seeded once, in the server
+    numpy = sys.modules.get("numpy")
     if numpy is not None:
-        numpy.random.seed()  # each worker draws its own seed, as a fresh process does (Python's random reseeds itself)
-    return argv
+        numpy.random.seed()
+
+
+def forget_phalanx_modules() -> None:
+    """Drop phalanx's modules from a server about to fork: they read the environment as they are imported, so
+    each fork imports them afresh with its own (torch's and what torch imported stay: they are what the fork
+    is for)."""
+    for name in [name for name in sys.modules if name == "phalanx" or name.startswith("phalanx.")]:
+        del sys.modules[name]
 
 
 if __name__ == "__main__":
