@@ -69,8 +69,16 @@ def run_stage(stage: Stage, extra: list[str], report: Path) -> tuple[int, float]
                "--dist", stage.dist, f"--junitxml={report}", *extra, *stage.paths]
     print(f"\n== stage {stage.name}: {' '.join(command[1:])}", flush=True)
     started = time.monotonic()
-    code = subprocess.call(command, cwd=ROOT)
+    code = subprocess.call(command, cwd=ROOT, env=writing_bytecode(os.environ))
     return code, time.monotonic() - started
+
+
+def writing_bytecode(environ) -> dict:
+    """`environ` without PYTHONDONTWRITEBYTECODE (which some shells and containers set): without caches, each
+    of the suite's ~1000 processes compiles phalanx's modules again, and each pytest worker rewrites the
+    assertions of every test module and of torch's big `*_test.py` files again (make test-quick: 61 s -> 46 s).
+    The caches are git-ignored __pycache__ folders."""
+    return {name: value for name, value in environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
 def read_report(path: Path) -> list[tuple[float, str, str, float]]:
