@@ -81,7 +81,8 @@ def main(argv=None) -> int:
         return 2
     nproc = args.nproc or default_nproc()
     config = WineConfig(epochs=args.epochs, out=args.out, fresh=args.fresh, progress=not args.no_progress)
-    summary = spawn(train_on_rank, nprocs=nproc, args=(config,))[0]
+    # The ranks fork from one server that imported torch and phalanx once, instead of each importing them.
+    summary = spawn(train_on_rank, nprocs=nproc, args=(config,), start_method="forkserver")[0]
 
     print(f"held-out accuracy: {summary['heldout_accuracy']:.2f}")
     print(f"checkpoint: {summary['checkpoint'] or summary['checkpoint_dir']} "

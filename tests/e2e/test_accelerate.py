@@ -3,8 +3,10 @@ torch's DDP class and then with phalanx's in its place (phalanx.patch_torch_ddp(
 each test, so that a failure of the launch shows there and a failure of phalanx's class shows alone.
 
 Launch: torchrun with ACCELERATE_USE_CPU=1 (the variable `accelerate launch --cpu` sets; that command itself
-starts one process on one host, or goes through mpirun). Without the variable, Accelerate under torchrun on
-a machine without GPUs sees no distributed run and builds no DDP model at all. The scripts run unmodified
+starts one process on one host, or goes through mpirun) for test_script.py, Accelerate's main script, as its
+users launch it; `phalanx run`, whose workers get the same torch elastic variables and start as forks, for
+the other cases. Without the variable, Accelerate under torchrun on a machine without GPUs sees no
+distributed run and builds no DDP model at all. The scripts run unmodified
 (tests/e2e/jobs/with_ddp_class.py); test_ddp_comm_hook.py passes `device_ids=[local rank]` to its
 reference model, which both classes refuse on the CPU, so there the class bound to torch's name takes
 them as None (a shim applied to both classes). Marked `trainers`: needs the trainers extra.
@@ -18,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.helpers.trainers import require, torchrun
+from tests.helpers.trainers import phalanx_run, require, torchrun
 
 pytestmark = pytest.mark.trainers
 JOBS = ROOT / "tests" / "e2e" / "jobs"
@@ -41,7 +43,8 @@ def _built(output: str, which: str) -> list[int]:
 
 
 def _run_script(which: str, script, *options) -> tuple[int, str]:
-    return torchrun([JOBS / "with_ddp_class.py", which, *options, script], env=CPU)
+    launch = torchrun if script.name == "test_script.py" else phalanx_run
+    return launch([JOBS / "with_ddp_class.py", which, *options, script], env=CPU)
 
 
 def _cases(output: str) -> dict[str, str]:
@@ -71,7 +74,7 @@ def test_sync_gradient_accumulation_cases_pass_with_both_classes():
     script = _script("test_sync.py")
     results = {}
     for which in ("torch", "phalanx"):
-        code, output = torchrun([JOBS / "accelerate_cases.py", "sync", which, script], env=CPU)
+        code, output = phalanx_run([JOBS / "accelerate_cases.py", "sync", which, script], env=CPU)
         results[which] = _cases(output)
         assert code == 0 and len(results[which]) == 15, f"{which}:\n{output}"
         assert set(results[which].values()) == {"passed"}, output
@@ -85,7 +88,7 @@ def test_ddp_comm_hook_passes_with_phalanx_wherever_it_does_with_torch():
     script = _script("test_ddp_comm_hook.py")
     cases = {}
     for which in ("torch", "phalanx"):
-        _, output = torchrun([JOBS / "accelerate_cases.py", "comm_hooks", which, script], env=CPU)
+        _, output = phalanx_run([JOBS / "accelerate_cases.py", "comm_hooks", which, script], env=CPU)
         cases[which] = _cases(output)
         assert len(cases[which]) == 10 and min(_built(output, which)) > 0, output
     torch_passed = {label for label, verdict in cases["torch"].items() if verdict == "passed"}

@@ -1,5 +1,6 @@
 """Lightning's Fabric and Trainer with strategy="phalanx_ddp" (phalanx/integrations/lightning.py) against the
-same runs with strategy="ddp" (torch's class), on 2 CPU ranks under torchrun (tests/e2e/jobs/lightning_job.py):
+same runs with strategy="ddp" (torch's class), on 2 CPU ranks under `phalanx run` (tests/e2e/jobs/lightning_job.py;
+Lightning takes it for torchrun: the same torch elastic variables):
 gradient accumulation (its first micro-batch under no_sync), a checkpoint at the half and a fresh model
 resumed from it, and for the Trainer a manual-optimization run and a run with a comm hook. The ddp run
 comes first in each test, so a failure of the launch or of Lightning shows there. Marked `trainers`: needs
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.helpers.trainers import require, torchrun
+from tests.helpers.trainers import phalanx_run, require
 
 pytestmark = pytest.mark.trainers
 JOB = ROOT / "tests" / "e2e" / "jobs" / "lightning_job.py"
@@ -22,7 +23,7 @@ STEPS, ACCUMULATE = 8, 2  # lightning_job.py's
 
 
 def _run(api: str, strategy: str, out) -> dict:
-    code, output = torchrun([JOB, api, strategy, out])
+    code, output = phalanx_run([JOB, api, strategy, out])
     assert code == 0, f"{api} with strategy={strategy!r} exited with {code}:\n{output}"
     result = torch.load(out / f"{api}-{strategy}.pt", weights_only=True)
     assert result["wrapper"] == WRAPPER[strategy] and result["ranks"] == 2, result

@@ -407,7 +407,7 @@ def _victim_or_survivor(rank: int, world: int, port: int, results, posted: bool)
 def test_a_rank_killed_mid_exchange_fails_the_others_and_leaves_no_segment(world_size, posted):
     """World sizes 2 and 3, ranks started by hand: the last rank is SIGKILLed."""
     server = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")  # ranks fork from a server that imported torch once
     results = context.Queue()
     ranks = [context.Process(target=_victim_or_survivor, args=(r, world_size, server.port, results, posted))
              for r in range(world_size)]

@@ -36,11 +36,12 @@ class TestWorld:
 
     def test_rank_helpers_logging_and_shared_cores(self, capfd, monkeypatch):
         # No OMP_NUM_THREADS and no torch.set_num_threads: init() divides the cores among local ranks.
-        """World size 2 (phalanx.spawn)."""
+        """World size 2 (phalanx.spawn, ranks forked from its server)."""
         for name in ("OMP_NUM_THREADS", "PHALANX_RANK_PREFIXED"):
             monkeypatch.delenv(name, raising=False)
         threads = max(1, phalanx.world.usable_cores() // 2)
-        results = phalanx.spawn(_describe, 2, env={"PHALANX_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+        results = phalanx.spawn(_describe, 2, env={"PHALANX_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": ""}, timeout=120,
+                                start_method="forkserver")
         assert results == [dict(rank=r, world_size=2, local_rank=r, is_main=r == 0, device="cpu", backend="gloo",
                                 threads=threads) for r in range(2)]
         # Rank 0 logs INFO, every rank logs WARNING, each line carries the rank; print0 prints once.

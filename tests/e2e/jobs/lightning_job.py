@@ -1,4 +1,4 @@
-"""One Lightning run on 2 CPU ranks: `lightning_job.py fabric|trainer STRATEGY OUT_DIR` under torchrun.
+"""One Lightning run on 2 CPU ranks: `lightning_job.py fabric|trainer STRATEGY OUT_DIR` under `phalanx run` or torchrun.
 
 The same small regression, trained with gradient accumulation (2 micro-batches per step, the first under
 no_sync), checkpointed after the first half and resumed from that checkpoint in a fresh model. Rank 0
