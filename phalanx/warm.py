@@ -10,11 +10,15 @@ server once and point the variable at its socket:
 Each `phalanx` command then hands its arguments, environment, working directory and standard streams
 to the server, which forks a process that runs the command as a fresh one would (the same code, the
 same exit status, the run's own environment) while the command stays to pass on the signals it gets
-and to exit as that process exits. A command runs fresh instead, and says why in one line, where a
+and to exit as that process exits (a command killed with SIGKILL takes the process and all it started
+along). A command runs fresh instead, and says why in one line, where a
 forked one could differ from it: an environment that differs from the server's in what is read while
 torch is imported (thread counts, the allocator, Python's settings), another Python or checkout of
-phalanx, other namespaces (`ip netns exec`, `unshare`), another cgroup (srun, a memory limit), other
-resource limits, CPU affinity, niceness, umask or user. A server that cannot be reached is skipped.
+phalanx, another cgroup (srun, a memory limit), other resource limits, CPU affinity, niceness, umask or
+user, or other namespaces. A server run by root enters a command's network, host-name, IPC and mount
+namespaces (`ip netns exec`, `unshare --net --uts`) in the forked process where the command sees the same
+Python, phalanx and torch files; other namespaces (pid, user, cgroup) run it fresh. A server that cannot
+be reached is skipped.
 The command's side is launch/warm_start.py (`hand_over`).
 """
 from __future__ import annotations
@@ -35,6 +39,9 @@ import time
 from .launch import warm_start
 
 MAX_REQUEST = 1 << 20  # bytes: argv, the environment and the process's context, as JSON
+# The namespaces a forked process enters (setns) to stand where its command stands; mnt last, as entering it
+# moves the process's root and working directory to the namespace's (the command's directory is set after).
+ENTERED = ("net", "uts", "ipc", "mnt")
 
 
 def serve(path: str, command, idle_exit: float = 0.0) -> None:
@@ -109,8 +116,7 @@ def serve(path: str, command, idle_exit: float = 0.0) -> None:
                         continue
                 if pid is not None:  # the command was killed (SIGKILL: nothing passed on): so is its process
                     killed.add(pid)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                    _kill_tree(pid)
             if listener in readable:
                 idle_since = time.monotonic()
                 started = _take(listener, server_env, own, [listener, wake_read, wake_write, *commands.values()],
@@ -128,16 +134,20 @@ def _take(listener: socket.socket, server_env: dict, own: dict, ours: list,
     """Answer one command: fork its process, or tell it to run fresh. In the forked child this never returns."""
     channel, _ = listener.accept()
     fds: list[int] = []
+    namespaces: dict[str, int] = {}
     try:
         channel.settimeout(5.0)
-        _, uid, _ = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                            struct.calcsize("3i")))
+        peer, uid, _ = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                               struct.calcsize("3i")))
         if uid != os.getuid():
             raise ValueError(f"user {uid}'s command, and this server runs as user {os.getuid()}")
         message, fds, _, _ = socket.recv_fds(channel, MAX_REQUEST, 3)
         request = json.loads(message)
         env = _as_fresh(request["env"])
-        reason = _difference(request["context"], own) or _import_time_difference(env, server_env)
+        entered = _to_enter(request["context"], own)
+        reason = _difference(request["context"], own, entered) or _import_time_difference(env, server_env)
+        if not reason:
+            namespaces = _open_namespaces(peer, entered)
     except (OSError, ValueError, KeyError) as error:
         reason, request, env = f"the request could not be read ({error})", None, None
     if reason:
@@ -155,10 +165,10 @@ def _take(listener: socket.socket, server_env: dict, own: dict, ours: list,
             for handle in ours:
                 os.close(handle if isinstance(handle, int) else handle.detach())
             channel.close()
-            _become_command(request, fds, env, command)
+            _become_command(request, fds, env, command, namespaces)
         finally:
             os._exit(70)  # only if becoming the command failed before it ran
-    for handle in fds:
+    for handle in [*fds, *namespaces.values()]:
         os.close(handle)
     print(json.dumps({"started": pid, "argv": request["argv"], "cwd": request["cwd"]}), flush=True)
     channel.settimeout(None)
@@ -167,6 +177,24 @@ def _take(listener: socket.socket, server_env: dict, own: dict, ours: list,
     except OSError:  # the command is already gone: so is the reason to run it
         os.kill(pid, signal.SIGKILL)
     return pid, channel
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process it started, and theirs: what `kill -9` of the command's process tree
+    (a node lost, in a test) ends when the command is fresh. Twice, for what was forking meanwhile."""
+    for _ in range(2):
+        below: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as handle:
+                    below.setdefault(int(handle.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+        tree, index = [pid], 0
+        while index < len(tree):
+            tree += below.get(tree[index], [])
+            index += 1
+        for member in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(member, signal.SIGKILL)
 
 
 def _as_fresh(env: dict) -> dict:
@@ -188,11 +216,50 @@ def _as_fresh(env: dict) -> dict:
     return env
 
 
-def _difference(theirs: dict, own: dict) -> str | None:
+def _to_enter(theirs: dict, own: dict) -> list[str]:
+    """The command's namespaces, of those a forked process can enter, that are not the server's: entering
+    needs CAP_SYS_ADMIN (root's server); none for another user's server, whose commands there run fresh."""
+    if os.geteuid() != 0 or not hasattr(os, "fork"):
+        return []
+    return [kind for kind in ENTERED if theirs.get(f"{kind} namespace") != own.get(f"{kind} namespace")]
+
+
+def _difference(theirs: dict, own: dict, entered: list[str] = ()) -> str | None:
+    skipped = {f"{kind} namespace" for kind in entered}
     for key in sorted(set(theirs) | set(own)):
-        if theirs.get(key) != own.get(key):
+        if key not in skipped and theirs.get(key) != own.get(key):
             return f"its {key} differs from the server's"
     return None
+
+
+def _open_namespaces(pid: int, kinds: list[str]) -> dict[str, int]:
+    """The command's namespaces of `kinds`, opened while it waits for the answer (an OSError: fresh)."""
+    opened: dict[str, int] = {}
+    try:
+        for kind in kinds:
+            opened[kind] = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        for handle in opened.values():
+            os.close(handle)
+        raise
+    return opened
+
+
+def _enter(namespaces: dict[str, int]) -> None:
+    """In the forked child (one thread, as setns into a mount namespace requires): join the command's namespaces."""
+    if not namespaces:
+        return
+    import ctypes
+    import platform
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind in ENTERED:
+        if kind in namespaces:
+            if libc.setns(namespaces[kind], 0) != 0:
+                error = ctypes.get_errno()
+                raise OSError(error, f"could not enter the command's {kind} namespace: {os.strerror(error)}")
+            os.close(namespaces[kind])
+    platform._uname_cache = None  # the host name may be the namespace's own (unshare --uts)
 
 
 # Read by the interpreter as it starts, and applied by _become_command as the command's own.
@@ -229,7 +296,7 @@ def _report_exits(commands: dict[int, socket.socket]) -> None:
             channel.close()
 
 
-def _become_command(request: dict, fds: list, env: dict, command) -> None:
+def _become_command(request: dict, fds: list, env: dict, command, namespaces: dict[str, int]) -> None:
     """In the forked child: the process `python -m phalanx ARGV` would have been, until it exits."""
     import io
 
@@ -245,6 +312,11 @@ def _become_command(request: dict, fds: list, env: dict, command) -> None:
     for target, handle in enumerate(fds):
         os.dup2(handle, target)
         os.close(handle)
+    try:
+        _enter(namespaces)
+    except OSError as error:  # after the streams: the command says why it failed
+        os.write(2, f"phalanx: the warm launcher could not start this command: {error.strerror}\n".encode())
+        os._exit(70)
     os.chdir(request["cwd"])
     from .launch.worker_entry import _replace_environment
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -177,6 +178,7 @@ def warnings_of(records) -> list[str]:
 _warm_servers: dict[tuple, tuple[subprocess.Popen, str | None]] = {}
 WARM_IDLE_EXIT = 600  # seconds without a command before a server ends (another starts on the next command)
 _reaped_seen: dict[int, float] = {}  # server pid -> its children's CPU when last read (kept once it ended)
+_warm_folders: list[str] = []  # each server's socket and log: removed with the servers at exit
 
 
 def with_warm_launcher(env: dict) -> dict:
@@ -203,13 +205,14 @@ def _start_warm_server(env: dict) -> tuple[subprocess.Popen, str | None]:
     import time
 
     folder = tempfile.mkdtemp(prefix="phalanx-warm-")
+    _warm_folders.append(folder)
     socket_path = os.path.join(folder, "launcher.sock")
     with open(os.path.join(folder, "server.log"), "w") as log:
         # --idle-exit: a server whose test process died without its atexit ends on its own.
         server = subprocess.Popen([sys.executable, "-m", "phalanx", "warm", "--socket", socket_path, "--idle-exit",
                                    str(WARM_IDLE_EXIT)],
                                   env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    if len(_warm_servers) == 0:
+    if len(_warm_folders) == 1:
         atexit.register(_stop_warm_servers)
     deadline = time.monotonic() + 120
     while not os.path.exists(socket_path) and server.poll() is None and time.monotonic() < deadline:
@@ -227,6 +230,8 @@ def _stop_warm_servers() -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+    for folder in _warm_folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- running a command -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ by what their tests wait on, then one report of the slowest tests and the total.
     python -m tests.suite -- -x -k shm    # anything after -- goes to every pytest call
 
 A stage is one pytest call with pytest-xdist.
-    compute   tests whose time is CPU work (imports, training steps): one worker per core and one
+    compute   tests whose time is CPU work (imports, training steps): one worker per core and two
               more (their launches also wait); a test file stays on one worker, so a module fixture
               that launches once serves all of the file's checks.
     waiting   tests marked `waiting` (tests/conftest.py): their time is heartbeats, grace periods,
@@ -53,14 +53,15 @@ def files_marking(marker: str) -> list[str]:
 def stages(quick: bool, cores: int) -> list[Stage]:
     if quick:  # one stage: a smoke test is never a waiting one (CONTRIBUTING.md)
         return [Stage("quick", "unit or smoke", cores, "loadfile", ["tests/unit", *files_marking("smoke")])]
-    # compute: one worker more than the cores, as its e2e tests wait on rendezvous, polls and sockets for a
-    # good part of their time. waiting: three at a time, each test dealt on its own (a file whose tests share a
+    # compute: two workers more than the cores, as its e2e tests wait on rendezvous, polls and sockets for a
+    # good part of their time (with one more, 2 cores stayed idle a fifth of the stage: 1331 s of CPU in 838 s).
+    # waiting: three at a time, each test dealt on its own (a file whose tests share a
     # module fixture keeps them together with pytest.mark.xdist_group). Six side by side failed 9 of 28 when
     # every worker started as a fresh interpreter (3 s stall timeouts fired while a rank still imported
     # torch); workers now start as forks in milliseconds (launch/warm_start.py), launchers as forks of a
     # warm launcher (tests/conftest.py), and a rank in its start-up that uses the CPU is not stalled. Four at
     # a time stretched the planted straggler (26.9 ms for 20 +- 30 %) and a fresh start in a namespace.
-    return [Stage("compute", "not waiting", cores + 1, "loadfile", ["tests"]),
+    return [Stage("compute", "not waiting", cores + 2, "loadfile", ["tests"]),
             Stage("waiting", "waiting", 3, "loadgroup", files_marking("waiting"))]
 
 

@@ -326,6 +326,10 @@ def context() -> dict:
     umask = os.umask(0)
     os.umask(umask)
     found["umask"] = umask
+    # The files themselves, not their paths: what a command in another mount namespace would load (a forked
+    # one enters it, phalanx/warm.py, and runs the server's copy of them).
+    found["code (Python, phalanx, torch files)"] = [_identity(path)
+                                                    for path in (sys.executable, __file__, _torch_origin())]
     if hasattr(os, "sched_getaffinity"):
         found["cpus"] = sorted(os.sched_getaffinity(0))
     for kind in ("net", "uts", "mnt", "ipc", "pid", "user", "cgroup"):
@@ -334,6 +338,21 @@ def context() -> dict:
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as handle:
         found["cgroup"] = handle.read()
     return found
+
+
+def _identity(path: str | None) -> list:
+    try:
+        status = os.stat(path)
+        return [status.st_dev, status.st_ino]
+    except (OSError, TypeError):
+        return [path]
+
+
+def _torch_origin() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")  # found, not imported
+    return spec.origin if spec else None
 
 
 def hand_over(argv: list[str]) -> int | None:

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..allocator import worker_preload
 from ..engine.ddp import DistributedDataParallel
@@ -73,6 +72,10 @@ def _distinct_bytes(tensors) -> int:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
+    # Imported here: at the module's top it put DTensor (and sympy, ~40 MB) in every RSS rank, torch DDP's too,
+    # where only the FSDP2 variants import it themselves.
+    from torch.distributed.tensor import DTensor
+
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 

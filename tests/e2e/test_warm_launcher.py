@@ -9,6 +9,7 @@ from the one tests/conftest.py gives the other e2e tests.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,13 +19,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, checkout_on_pythonpath
+from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
 
 HANG_GUARD = 120
 
 SCRIPT = """
-import json, os, sys, time
+import json, os, socket, sys, time
 rank = int(os.environ["RANK"])
 here = {"rank": rank, "argv": sys.argv[1:], "cwd": os.getcwd(), "value": os.environ.get("PHALANX_TEST_VALUE"),
+        "host": socket.gethostname(), "links": sorted(os.listdir("/sys/class/net")), "hosts": open("/etc/hosts").read(),
         "launcher": int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])}
 here["launcher_name"] = open(f"/proc/{here['launcher']}/comm").read().strip()
 print("REPORT " + json.dumps(here), flush=True)
@@ -65,10 +68,10 @@ def log_lines(server) -> list[dict]:
     return [json.loads(line) for line in server["log"].read_text().splitlines() if line.startswith("{")]
 
 
-def launch(tmp_path: Path, env: dict, *script_args, wait=True):
+def launch(tmp_path: Path, env: dict, *script_args, wait=True, where=()):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    command = [sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "2", str(script), *script_args]
+    command = [*where, sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "2", str(script), *script_args]
     if not wait:
         return subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
@@ -91,7 +94,8 @@ def test_a_warm_command_is_the_command_a_fresh_process_would_have_been(server, t
     launchers = ("launcher", "launcher_name")
     strip = [{k: v for k, v in report.items() if k not in launchers} for report in reports(warm.stdout)]
     assert strip == [{k: v for k, v in report.items() if k not in launchers} for report in reports(fresh.stdout)]
-    assert strip == [{"rank": r, "argv": ["a b", "--fail"], "cwd": str(tmp_path), "value": "v1"} for r in (0, 1)]
+    assert [{k: report[k] for k in ("rank", "argv", "cwd", "value")} for report in strip] == [
+        {"rank": r, "argv": ["a b", "--fail"], "cwd": str(tmp_path), "value": "v1"} for r in (0, 1)]
     assert "starting fresh" not in warm.stderr and "exited with code 3" in warm.stderr, warm.stderr
     entries = log_lines(server)[before:]
     started = [e for e in entries if "started" in e]
@@ -99,6 +103,38 @@ def test_a_warm_command_is_the_command_a_fresh_process_would_have_been(server, t
     assert {r["launcher"] for r in reports(warm.stdout)} == {started[0]["started"]}
     assert {r["launcher_name"] for r in reports(warm.stdout)} == {"phalanx run"}  # in top and `ps -o comm`
     assert any(e.get("ended") == started[0]["started"] and e["exit"] == warm.returncode for e in entries), entries
+
+
+def test_a_command_in_other_namespaces_is_forked_into_them(server, tmp_path):
+    """World size 2, the command in a network namespace with a host name and an /etc/hosts of its own (`ip netns
+    exec NS unshare --uts`, as a multi-node test makes a host): fresh and warm, the workers see the same host
+    name, network links and /etc/hosts, the namespace's; the warm one was forked (the server enters them)."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("needs root, iproute2 and unshare: a server enters a command's namespaces as root only")
+    try:
+        with veth_hosts("pxw", 219) as hosts:
+            host = hosts[1]
+            etc = Path("/etc/netns") / host["ns"]
+            etc.mkdir(parents=True)
+            try:
+                (etc / "hosts").write_text(f"{host['addr']} node-b\n")
+                where = ["ip", "netns", "exec", host["ns"], "unshare", "--uts", "sh", "-c",
+                         'hostname node-b && exec "$@"', "sh"]
+                fresh = launch(tmp_path, base_env(), where=where)
+                before = len(log_lines(server))
+                warm = launch(tmp_path, base_env(PHALANX_WARM_LAUNCHER=server["socket"]), where=where)
+            finally:
+                shutil.rmtree(etc)
+    except NamespaceUnavailable as error:
+        pytest.skip(str(error))
+    assert fresh.returncode == warm.returncode == 0, (fresh.stderr, warm.stderr)
+    assert "starting fresh" not in warm.stderr, warm.stderr
+    assert [e["argv"][:1] for e in log_lines(server)[before:] if "started" in e] == [["run"]]
+    launchers = ("launcher", "launcher_name")
+    seen = [{k: v for k, v in report.items() if k not in launchers} for report in reports(warm.stdout)]
+    assert seen == [{k: v for k, v in report.items() if k not in launchers} for report in reports(fresh.stdout)]
+    assert [(r["host"], r["links"], r["hosts"]) for r in seen] == [
+        ("node-b", sorted(["lo", host["dev"]]), f"{host['addr']} node-b\n")] * 2
 
 
 def test_a_command_whose_import_time_environment_differs_runs_fresh_and_says_why(server, tmp_path):
@@ -138,7 +174,8 @@ def alive(pid: int) -> bool:
 
 def test_a_signal_to_the_command_reaches_its_process_and_a_killed_command_takes_it_along(server, tmp_path):
     """World size 2, twice: SIGTERM to the command stops the run as it stops a fresh one (the workers are
-    stopped, the exit is not 0); SIGKILL to the command (nothing can be passed on) kills its process."""
+    stopped, the exit is not 0); SIGKILL to the command (nothing can be passed on) kills its process and the
+    workers it started, as `kill -9` of a fresh command's process tree would."""
     env = base_env(PHALANX_WARM_LAUNCHER=server["socket"], PHALANX_TEST_OUT=str(tmp_path))
     command = launch(tmp_path, env, "--sleep", wait=False)
     launcher, workers = wait_ready(tmp_path)
@@ -153,9 +190,10 @@ def test_a_signal_to_the_command_reaches_its_process_and_a_killed_command_takes_
     command.wait(timeout=HANG_GUARD)
     try:
         deadline = time.monotonic() + 10
-        while alive(launcher) and time.monotonic() < deadline:
+        while (alive(launcher) or any(map(alive, workers))) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(launcher), "the killed command's launcher runs on"
+        assert not any(map(alive, workers)), "the killed command's workers run on"
     finally:
         end_orphans(workers)
 

@@ -14,6 +14,13 @@ def test_a_process_has_the_context_of_itself_and_a_difference_is_named():
     assert {"python", "phalanx", "user", "limits", "umask", "net namespace", "mnt namespace"} <= set(own)
     moved = {**own, "net namespace": own["net namespace"] + 1}  # `ip netns exec`
     assert warm_launcher._difference(moved, own) == "its net namespace differs from the server's"
+    assert warm_launcher._difference(moved, own, ["net"]) is None  # a server that enters it (root's)
+    assert warm_launcher._to_enter(moved, own) == (["net"] if os.geteuid() == 0 else [])
+    code = "code (Python, phalanx, torch files)"
+    elsewhere = {**own, code: [[0, 1]] + own[code][1:]}  # another Python in another mount namespace
+    assert warm_launcher._difference(elsewhere, own, ["mnt"]) == f"its {code} differs from the server's"
+    other_pid = {**own, "pid namespace": own["pid namespace"] + 1}  # not entered: fresh
+    assert warm_launcher._to_enter(other_pid, own) == []
     slurm = {**own, "cgroup": "0::/slurm/job_7\n"}
     assert warm_launcher._difference(slurm, own) == "its cgroup differs from the server's"
 
