@@ -37,6 +37,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]  # the checkout: README.md, examples/, phalanx/
 TESTS = ROOT / "tests"
 TIERS = ("unit", "ranks", "e2e")
-LONGEST = ("e2e/test_stop.py", "e2e/test_examples.py")  # minutes each (21 and 13 launches): dealt out first
+LONGEST = ("e2e/test_bench.py", "e2e/test_stop.py", "e2e/test_examples.py")  # minutes each: dealt out first
 
 
 # -- the tiers -------------------------------------------------------------------------------------
@@ -127,6 +128,9 @@ def pytest_runtest_teardown(item, nextitem):
     yield
     if _CPU_AT_SETUP in item.stash:  # into the JUnit XML with the teardown's report
         item.user_properties.append(("cpu_s", round(_cpu_seconds() - item.stash[_CPU_AT_SETUP], 2)))
+        # which worker ran it and when it ended: tests/suite.py reports each worker's last test (the stage's tail)
+        item.user_properties.append(("worker", os.environ.get("PYTEST_XDIST_WORKER", "main")))
+        item.user_properties.append(("ended_at", round(time.time(), 1)))
 
 
 # -- a clean environment ---------------------------------------------------------------------------

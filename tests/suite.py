@@ -24,7 +24,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
@@ -82,34 +81,44 @@ def writing_bytecode(environ) -> dict:
     return {name: value for name, value in environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
-def read_report(path: Path) -> list[tuple[float, str, str, float]]:
-    """(seconds, test id, outcome, CPU seconds) of every test case in a JUnit XML file (tests/conftest.py
-    records the CPU)."""
+def read_report(path: Path) -> list[tuple[float, str, str, float, str, float]]:
+    """(seconds, test id, outcome, CPU seconds, worker, time it ended) of every test case in a JUnit XML file
+    (tests/conftest.py records the last three)."""
     if not path.exists():
         return []
     cases = []
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        cpu = next((float(p.get("value")) for p in case.iter("property") if p.get("name") == "cpu_s"), 0.0)
-        cases.append((float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}", outcome, cpu))
+        found = {p.get("name"): p.get("value") for p in case.iter("property")}
+        cases.append((float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}", outcome,
+                      float(found.get("cpu_s", 0.0)), found.get("worker", "?"), float(found.get("ended_at", 0.0))))
     return cases
 
 
-def summarize(results: list[tuple[Stage, int, float, list]], total: float) -> str:
+def summarize(results: list[tuple[Stage, int, float, list, float]], total: float) -> str:
     lines = [f"\n== the slowest {SLOWEST} tests of all stages"]
-    cases = sorted((case for *_, stage_cases in results for case in stage_cases), reverse=True)
+    cases = sorted((case for _, _, _, stage_cases, _ in results for case in stage_cases), reverse=True)
     lines += [f"{seconds:8.1f}s  {name}" for seconds, name, *_ in cases[:SLOWEST]]
     # On a machine of few cores the suite's wall time is its CPU over the cores: these are what to make cheaper.
     lines.append(f"== the {SLOWEST} tests that used the most CPU (the test's process and the processes it started)")
     lines += [f"{cpu:8.1f}s  {name}" for cpu, name in sorted(((c[3], c[1]) for c in cases), reverse=True)[:SLOWEST]]
+    # A stage lasts as long as its busiest worker: a long file dealt out late shows here as one worker ending last.
+    lines.append("== when each worker ended its last test (seconds into its stage)")
+    for stage, _, _, stage_cases, began in results:
+        last: dict[str, tuple[float, str]] = {}
+        for case in stage_cases:
+            if case[5] and case[5] >= last.get(case[4], (0.0, ""))[0]:
+                last[case[4]] = (case[5], case[1])
+        lines += [f"{stage.name:>16} {worker:>6}: {ended - began:6.0f}s  {name}"
+                  for worker, (ended, name) in sorted(last.items(), key=lambda item: item[1])]
     lines.append("== stages")
-    for stage, code, seconds, stage_cases in results:
+    for stage, code, seconds, stage_cases, _ in results:
         counts = {outcome: sum(1 for case in stage_cases if case[2] == outcome) for outcome in ("passed", "failure",
                                                                                                "error", "skipped")}
         lines.append(f"{stage.name:>16}: {seconds:6.0f}s wall, {stage.workers} workers, exit {code}, "
                      + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
                      + f"; {sum(case[3] for case in stage_cases):.0f}s of CPU")
-    lines.append(f"== total: {total:.0f}s wall for {sum(len(c) for *_, c in results)} tests "
+    lines.append(f"== total: {total:.0f}s wall for {sum(len(c) for _, _, _, c, _ in results)} tests "
                  f"({sum(case[0] for case in cases):.0f}s of test time, {sum(case[3] for case in cases):.0f}s of CPU)")
     return "\n".join(lines)
 
@@ -122,14 +131,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     results = []
-    with tempfile.TemporaryDirectory(prefix="phalanx-suite-") as folder:
-        for number, stage in enumerate(stages(args.quick, args.cores)):
-            report = Path(folder, f"stage-{number}.xml")
-            code, seconds = run_stage(stage, args.pytest_args, report)
-            results.append((stage, code, seconds, read_report(report)))
+    # The JUnit XML of each stage stays in pytest's (git-ignored) cache folder, to be read after the run.
+    folder = ROOT / ".pytest_cache" / "suite"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stage in stages(args.quick, args.cores):
+        report = folder / f"{stage.name}.xml"
+        report.unlink(missing_ok=True)
+        began = time.time()
+        code, seconds = run_stage(stage, args.pytest_args, report)
+        results.append((stage, code, seconds, read_report(report), began))
     print(summarize(results, time.monotonic() - started), flush=True)
     # 5: pytest found no test to run in a stage (a -k that selects only the other stage's tests)
-    return 0 if all(code in (0, 5) for _, code, _, _ in results) else 1
+    return 0 if all(code in (0, 5) for _, code, _, _, _ in results) else 1
 
 
 if __name__ == "__main__":
