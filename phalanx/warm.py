@@ -182,17 +182,10 @@ def _take(listener: socket.socket, server_env: dict, own: dict, ours: list,
 def _kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every process it started, and theirs: what `kill -9` of the command's process tree
     (a node lost, in a test) ends when the command is fresh. Twice, for what was forking meanwhile."""
+    from .diagnose.stacks import descendants
+
     for _ in range(2):
-        below: dict[int, list[int]] = {}
-        for entry in os.listdir("/proc"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat") as handle:
-                    below.setdefault(int(handle.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-        tree, index = [pid], 0
-        while index < len(tree):
-            tree += below.get(tree[index], [])
-            index += 1
-        for member in tree:
+        for member in descendants(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(member, signal.SIGKILL)
 

@@ -99,20 +99,20 @@ def _cpu_seconds() -> float:
     except (ImportError, AttributeError, OSError, ValueError):
         pass
     for server, _ in _warm_servers.values():  # the commands they forked and reaped for this process's tests
-        _reaped_cpu_seconds(server.pid)
+        _read_reaped_cpu(server.pid)
     total += sum(_reaped_seen.values())  # with servers that ended idle
     return total
 
 
-def _reaped_cpu_seconds(pid: int) -> float:
-    """What server `pid` reaped so far (its children's CPU), remembered once it ended."""
+def _read_reaped_cpu(pid: int) -> None:
+    """Note in _reaped_seen what server `pid` has reaped so far (its children's CPU); an ended server keeps
+    what it had when last read."""
     try:
         with open(f"/proc/{pid}/stat") as handle:  # cutime, cstime: fields 16-17
             fields = handle.read().rsplit(")", 1)[1].split()
         _reaped_seen[pid] = sum(int(value) for value in fields[13:15]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        pass  # ended: what it had reaped when last read
-    return _reaped_seen.get(pid, 0.0)
+        pass
 
 
 _CPU_AT_SETUP = pytest.StashKey[float]()
@@ -176,8 +176,9 @@ def warnings_of(records) -> list[str]:
 # The `phalanx` commands the e2e tests start (clean_env, run_command) run in forks of a server that imported
 # torch once per test process (`phalanx warm`, phalanx/warm.py): ~4 s of CPU less a launch, the largest cost
 # of the suite. One server per set of the variables read while torch is imported (OMP_NUM_THREADS set or
-# not, say). A command whose context differs from its server's (a network namespace, a cgroup, SLURM) runs
-# fresh and says why, as does every command under PHALANX_TEST_FRESH=1 (CONTRIBUTING.md).
+# not, say). A command in a network namespace runs forked inside it (the server, root's, enters it); one whose
+# context differs otherwise (a cgroup, SLURM, a pid namespace) runs fresh and says why, as does every command
+# under PHALANX_TEST_FRESH=1 (CONTRIBUTING.md).
 
 _warm_servers: dict[tuple, tuple[subprocess.Popen, str | None]] = {}
 WARM_IDLE_EXIT = 600  # seconds without a command before a server ends (another starts on the next command)

@@ -28,6 +28,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOWEST = 15
@@ -81,45 +82,60 @@ def writing_bytecode(environ) -> dict:
     return {name: value for name, value in environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
 
 
-def read_report(path: Path) -> list[tuple[float, str, str, float, str, float]]:
-    """(seconds, test id, outcome, CPU seconds, worker, time it ended) of every test case in a JUnit XML file
-    (tests/conftest.py records the last three)."""
+class Case(NamedTuple):
+    """One test case of a stage's JUnit XML (tests/conftest.py records cpu, worker and ended)."""
+    seconds: float
+    name: str  # the test id
+    outcome: str  # passed, failure, error or skipped
+    cpu: float  # of the test's process and the processes it started
+    worker: str
+    ended: float  # time.time() when it ended
+
+
+class StageResult(NamedTuple):
+    stage: Stage
+    code: int
+    seconds: float
+    cases: list[Case]
+    began: float  # time.time() when the stage started
+
+
+def read_report(path: Path) -> list[Case]:
     if not path.exists():
         return []
     cases = []
     for case in ElementTree.parse(path).getroot().iter("testcase"):
         outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
         found = {p.get("name"): p.get("value") for p in case.iter("property")}
-        cases.append((float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}", outcome,
-                      float(found.get("cpu_s", 0.0)), found.get("worker", "?"), float(found.get("ended_at", 0.0))))
+        cases.append(Case(float(case.get("time", 0)), f"{case.get('classname')}::{case.get('name')}", outcome,
+                          float(found.get("cpu_s", 0.0)), found.get("worker", "?"), float(found.get("ended_at", 0.0))))
     return cases
 
 
-def summarize(results: list[tuple[Stage, int, float, list, float]], total: float) -> str:
+def summarize(results: list[StageResult], total: float) -> str:
     lines = [f"\n== the slowest {SLOWEST} tests of all stages"]
-    cases = sorted((case for _, _, _, stage_cases, _ in results for case in stage_cases), reverse=True)
-    lines += [f"{seconds:8.1f}s  {name}" for seconds, name, *_ in cases[:SLOWEST]]
+    cases = sorted((case for result in results for case in result.cases), reverse=True)
+    lines += [f"{case.seconds:8.1f}s  {case.name}" for case in cases[:SLOWEST]]
     # On a machine of few cores the suite's wall time is its CPU over the cores: these are what to make cheaper.
     lines.append(f"== the {SLOWEST} tests that used the most CPU (the test's process and the processes it started)")
-    lines += [f"{cpu:8.1f}s  {name}" for cpu, name in sorted(((c[3], c[1]) for c in cases), reverse=True)[:SLOWEST]]
+    lines += [f"{case.cpu:8.1f}s  {case.name}" for case in sorted(cases, key=lambda c: c.cpu, reverse=True)[:SLOWEST]]
     # A stage lasts as long as its busiest worker: a long file dealt out late shows here as one worker ending last.
     lines.append("== when each worker ended its last test (seconds into its stage)")
-    for stage, _, _, stage_cases, began in results:
-        last: dict[str, tuple[float, str]] = {}
-        for case in stage_cases:
-            if case[5] and case[5] >= last.get(case[4], (0.0, ""))[0]:
-                last[case[4]] = (case[5], case[1])
-        lines += [f"{stage.name:>16} {worker:>6}: {ended - began:6.0f}s  {name}"
-                  for worker, (ended, name) in sorted(last.items(), key=lambda item: item[1])]
+    for result in results:
+        last: dict[str, Case] = {}
+        for case in sorted((case for case in result.cases if case.ended), key=lambda case: case.ended):
+            last[case.worker] = case
+        lines += [f"{result.stage.name:>16} {worker:>6}: {case.ended - result.began:6.0f}s  {case.name}"
+                  for worker, case in sorted(last.items(), key=lambda item: item[1].ended)]
     lines.append("== stages")
-    for stage, code, seconds, stage_cases, _ in results:
-        counts = {outcome: sum(1 for case in stage_cases if case[2] == outcome) for outcome in ("passed", "failure",
-                                                                                               "error", "skipped")}
-        lines.append(f"{stage.name:>16}: {seconds:6.0f}s wall, {stage.workers} workers, exit {code}, "
-                     + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
-                     + f"; {sum(case[3] for case in stage_cases):.0f}s of CPU")
-    lines.append(f"== total: {total:.0f}s wall for {sum(len(c) for _, _, _, c, _ in results)} tests "
-                 f"({sum(case[0] for case in cases):.0f}s of test time, {sum(case[3] for case in cases):.0f}s of CPU)")
+    for result in results:
+        counts = {outcome: sum(1 for case in result.cases if case.outcome == outcome)
+                  for outcome in ("passed", "failure", "error", "skipped")}
+        lines.append(f"{result.stage.name:>16}: {result.seconds:6.0f}s wall, {result.stage.workers} workers, "
+                     f"exit {result.code}, " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
+                     + f"; {sum(case.cpu for case in result.cases):.0f}s of CPU")
+    lines.append(f"== total: {total:.0f}s wall for {len(cases)} tests ({sum(case.seconds for case in cases):.0f}s "
+                 f"of test time, {sum(case.cpu for case in cases):.0f}s of CPU)")
     return "\n".join(lines)
 
 
@@ -139,10 +155,10 @@ def main(argv=None) -> int:
         report.unlink(missing_ok=True)
         began = time.time()
         code, seconds = run_stage(stage, args.pytest_args, report)
-        results.append((stage, code, seconds, read_report(report), began))
+        results.append(StageResult(stage, code, seconds, read_report(report), began))
     print(summarize(results, time.monotonic() - started), flush=True)
     # 5: pytest found no test to run in a stage (a -k that selects only the other stage's tests)
-    return 0 if all(code in (0, 5) for _, code, _, _, _ in results) else 1
+    return 0 if all(result.code in (0, 5) for result in results) else 1
 
 
 if __name__ == "__main__":

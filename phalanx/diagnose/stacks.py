@@ -115,6 +115,20 @@ def stat_fields(pid: int) -> list[str] | None:
         return None
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, by /proc's parent links, parents before their children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        fields = stat_fields(int(entry)) if entry.isdigit() else None
+        if fields and len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, index = [pid], 0
+    while index < len(found):
+        found += children.get(found[index], [])
+        index += 1
+    return found
+
+
 def fallback(pid: int, why: str) -> str:
     """What /proc says about a process that gave no Python stack."""
     fields = stat_fields(pid)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phalanx.diagnose.stacks import descendants
 from phalanx.errors import StoreLostError
 from phalanx.testing import free_port
 from phalanx.world.membership import ElasticRendezvous
@@ -78,25 +79,6 @@ def final_params(run_dir: Path) -> list:
 def assert_same_params(run_dir: Path, reference: Path) -> None:
     for got, expected in zip(final_params(run_dir), final_params(reference), strict=True):
         assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
-
-
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (by /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        found.append(current)
-        todo.extend(children.get(current, []))
-    return found
 
 
 def kill_node(launcher: subprocess.Popen) -> None:

@@ -61,7 +61,7 @@ ALLOWED = {
                  "integrations", "observe"},
     "tools": {"errors", "log", "world", "shm", "engine", "exchange", "data", "checkpoint", "launch", "hooks", "nn",
               "testing", "diagnose", "allocator", "__init__"},
-    "warm": {"errors", "allocator", "launch"},  # `phalanx warm`: forks the command it is handed (cli.py)
+    "warm": {"errors", "allocator", "launch", "diagnose"},  # `phalanx warm`: forks the command it is handed (cli.py)
     "metrics": {"data"},  # phalanx.metrics is phalanx.data.metrics, under its old name
     # `phalanx --version` reads phalanx.__version__; commands are found by name, except `run`, whose launcher
     # is prepared before torch is imported (launch/warm_start.py)
