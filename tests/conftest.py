@@ -21,7 +21,8 @@ One folder per tier; every test is marked with its folder's tier (pytest_collect
 
 Across the tiers, a test file may carry a marker of its own: `trainers` (tests/e2e/test_accelerate.py,
 test_lightning.py; they skip without the trainers extra, except under CI), `torch_suite`; and a test may be
-marked `waiting` (its time is heartbeats, timeouts, links or daemons: tests/suite.py runs these apart) or
+marked `waiting` (it checks a bound on time: tests/suite.py runs these alone), `latency` (its time is SLURM's
+daemons waiting, with no bound on time checked: run beside the compute stage) or
 `smoke` (the one test of its capability that `make test-quick` runs). CONTRIBUTING.md says which to run when.
 
 tests/helpers/ holds modules that test files of several tiers import, tests/e2e/jobs/ the scripts the

@@ -6,15 +6,20 @@ by what their tests wait on, then one report of the slowest tests and the total.
                                           # (make test-quick)
     python -m tests.suite -- -x -k shm    # anything after -- goes to every pytest call
 
-A stage is one pytest call with pytest-xdist.
+A stage is one pytest call with pytest-xdist; the stages of a phase run at once, the phases one after another.
+  phase 1
     compute   tests whose time is CPU work (imports, training steps): one worker per core and two
               more (their launches also wait); a test file stays on one worker, so a module fixture
               that launches once serves all of the file's checks.
-    waiting   tests marked `waiting` (tests/conftest.py): their time is heartbeats, grace periods,
-              shaped links and SLURM's daemons, and they check that something happened within a
-              bound, or measure a time. Three at a time, each dealt on its own, never beside the
-              compute stage, so a busy machine does not stretch the times they check.
-The report comes from each stage's JUnit XML: pytest's own --durations sees one stage only.
+    latency   beside compute: tests marked `latency` (tests/conftest.py), whose time is another
+              program's waiting (SLURM's daemons scheduling and requeueing jobs) and which check no
+              bound on time. Their output is printed when they end.
+  phase 2
+    waiting   tests marked `waiting`: their time is heartbeats, grace periods, shaped links, and they
+              check that something happened within a bound, or measure a time. Three at a time, each
+              dealt on its own, alone on the machine, so that load does not stretch the times they check.
+The report comes from each stage's JUnit XML: pytest's own --durations sees one stage only. It also says
+how busy the machine's cores were in each phase (/proc/stat): on 2 cores the suite is bound by its CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Stage:
     workers: int
     dist: str  # how pytest-xdist deals the tests: loadfile (a file to one worker), loadgroup (a test each)
     paths: list[str]  # where to collect: each worker imports every test module there (~17 s of CPU for all)
+    quiet: bool = False  # beside another stage: its output goes to a file, printed when it ends
 
 
 def files_marking(marker: str) -> list[str]:
@@ -50,28 +56,47 @@ def files_marking(marker: str) -> list[str]:
                   if pattern.search(path.read_text()))
 
 
-def stages(quick: bool, cores: int) -> list[Stage]:
+def phases(quick: bool, cores: int) -> list[list[Stage]]:
     if quick:  # one stage: a smoke test is never a waiting one (CONTRIBUTING.md)
-        return [Stage("quick", "unit or smoke", cores, "loadfile", ["tests/unit", *files_marking("smoke")])]
+        return [[Stage("quick", "unit or smoke", cores, "loadfile", ["tests/unit", *files_marking("smoke")])]]
     # compute: two workers more than the cores, as its e2e tests wait on rendezvous, polls and sockets for a
     # good part of their time (with one more, 2 cores stayed idle a fifth of the stage: 1331 s of CPU in 838 s).
+    # latency: SLURM's tests spent ~360 s of the waiting stage's ~900 s of test time on SLURM's own intervals
+    # (a requeue alone is two minutes) with ~20 s of CPU of their own; one worker per xdist_group, so that
+    # each requeue test gets its own cluster.
     # waiting: three at a time, each test dealt on its own (a file whose tests share a
     # module fixture keeps them together with pytest.mark.xdist_group). Six side by side failed 9 of 28 when
     # every worker started as a fresh interpreter (3 s stall timeouts fired while a rank still imported
     # torch); workers now start as forks in milliseconds (launch/warm_start.py), launchers as forks of a
     # warm launcher (tests/conftest.py), and a rank in its start-up that uses the CPU is not stalled. Four at
     # a time stretched the planted straggler (26.9 ms for 20 +- 30 %) and a fresh start in a namespace.
-    return [Stage("compute", "not waiting", cores + 2, "loadfile", ["tests"]),
-            Stage("waiting", "waiting", 3, "loadgroup", files_marking("waiting"))]
+    return [[Stage("compute", "not waiting and not latency", cores + 2, "loadfile", ["tests"]),
+             Stage("latency", "latency", 3, "loadgroup", files_marking("latency"), quiet=True)],
+            [Stage("waiting", "waiting", 3, "loadgroup", files_marking("waiting"))]]
 
 
-def run_stage(stage: Stage, extra: list[str], report: Path) -> tuple[int, float]:
+def start_stage(stage: Stage, extra: list[str], report: Path, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pytest", "-q", "-m", stage.marks, "-n", str(stage.workers),
                "--dist", stage.dist, f"--junitxml={report}", *extra, *stage.paths]
-    print(f"\n== stage {stage.name}: {' '.join(command[1:])}", flush=True)
-    started = time.monotonic()
-    code = subprocess.call(command, cwd=ROOT, env=writing_bytecode(os.environ))
-    return code, time.monotonic() - started
+    print(f"\n== stage {stage.name}: {' '.join(command[1:])}" + (f" (output: {log})" if stage.quiet else ""),
+          flush=True)
+    if not stage.quiet:
+        return subprocess.Popen(command, cwd=ROOT, env=writing_bytecode(os.environ))
+    with open(log, "w") as output:
+        return subprocess.Popen(command, cwd=ROOT, env=writing_bytecode(os.environ), stdout=output,
+                                stderr=subprocess.STDOUT)
+
+
+def busy_cores() -> tuple[float, float]:
+    """(seconds the machine's cores were busy, seconds they were idle) since boot, from /proc/stat's cpu line;
+    (0, 0) where there is no /proc/stat."""
+    try:
+        fields = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return (sum(fields[:8]) - idle) / ticks, idle / ticks  # guest time is already in user
 
 
 def writing_bytecode(environ) -> dict:
@@ -100,6 +125,13 @@ class StageResult(NamedTuple):
     began: float  # time.time() when the stage started
 
 
+class PhaseLoad(NamedTuple):
+    names: str  # its stages
+    seconds: float
+    busy: float  # of the machine's cores, in seconds
+    idle: float
+
+
 def read_report(path: Path) -> list[Case]:
     if not path.exists():
         return []
@@ -112,7 +144,7 @@ def read_report(path: Path) -> list[Case]:
     return cases
 
 
-def summarize(results: list[StageResult], total: float) -> str:
+def summarize(results: list[StageResult], loads: list[PhaseLoad], total: float) -> str:
     lines = [f"\n== the slowest {SLOWEST} tests of all stages"]
     cases = sorted((case for result in results for case in result.cases), reverse=True)
     lines += [f"{case.seconds:8.1f}s  {case.name}" for case in cases[:SLOWEST]]
@@ -134,6 +166,11 @@ def summarize(results: list[StageResult], total: float) -> str:
         lines.append(f"{result.stage.name:>16}: {result.seconds:6.0f}s wall, {result.stage.workers} workers, "
                      f"exit {result.code}, " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items() if n)
                      + f"; {sum(case.cpu for case in result.cases):.0f}s of CPU")
+    lines.append("== how busy the machine's cores were (all processes, /proc/stat)")
+    for load in loads:
+        share = load.busy / (load.busy + load.idle) if load.busy + load.idle else 0.0
+        lines.append(f"{load.names:>16}: {load.seconds:6.0f}s wall, cores busy {share:4.0%} "
+                     f"({load.busy:.0f}s of CPU)")
     lines.append(f"== total: {total:.0f}s wall for {len(cases)} tests ({sum(case.seconds for case in cases):.0f}s "
                  f"of test time, {sum(case.cpu for case in cases):.0f}s of CPU)")
     return "\n".join(lines)
@@ -146,17 +183,32 @@ def main(argv=None) -> int:
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to every pytest call")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    results = []
+    results, loads = [], []
     # The JUnit XML of each stage stays in pytest's (git-ignored) cache folder, to be read after the run.
     folder = ROOT / ".pytest_cache" / "suite"
     folder.mkdir(parents=True, exist_ok=True)
-    for stage in stages(args.quick, args.cores):
-        report = folder / f"{stage.name}.xml"
-        report.unlink(missing_ok=True)
-        began = time.time()
-        code, seconds = run_stage(stage, args.pytest_args, report)
-        results.append(StageResult(stage, code, seconds, read_report(report), began))
-    print(summarize(results, time.monotonic() - started), flush=True)
+    for phase in phases(args.quick, args.cores):
+        began, busy_before, start = time.time(), busy_cores(), time.monotonic()
+        running = []
+        for stage in phase:
+            if not stage.paths:  # no file marks its tests (pytest would collect every file to find none)
+                continue
+            report, log = folder / f"{stage.name}.xml", folder / f"{stage.name}.log"
+            report.unlink(missing_ok=True)
+            running.append((stage, report, log, start_stage(stage, args.pytest_args, report, log)))
+        while running:
+            for entry in [entry for entry in running if entry[3].poll() is not None]:
+                running.remove(entry)
+                stage, report, log, process = entry
+                if stage.quiet:
+                    print(f"\n== stage {stage.name}'s output\n{log.read_text(errors='replace')}", flush=True)
+                results.append(StageResult(stage, process.returncode, time.monotonic() - start,
+                                           read_report(report), began))
+            time.sleep(0.2)
+        busy_after = busy_cores()
+        loads.append(PhaseLoad(" + ".join(stage.name for stage in phase), time.monotonic() - start,
+                               busy_after[0] - busy_before[0], busy_after[1] - busy_before[1]))
+    print(summarize(results, loads, time.monotonic() - started), flush=True)
     # 5: pytest found no test to run in a stage (a -k that selects only the other stage's tests)
     return 0 if all(result.code in (0, 5) for result in results) else 1
 

@@ -26,10 +26,11 @@ from tests.e2e.test_launch import clean_env, is_gone
 from tests.e2e.test_stop import final, resumed_step, steps_log
 from tests.helpers.slurm_cluster import ClusterUnavailable, SlurmCluster
 
-# tests/suite.py: the time goes to SLURM's daemons (registering nodes, scheduling, requeues)
+# tests/suite.py: the time goes to SLURM's daemons (registering nodes, scheduling, requeues), and no test
+# checks a bound on time (only guards against a stuck job), so they run beside the compute stage.
 # A cluster per test process: the examples' tests share one; each requeue test (two minutes of SLURM's own
 # waiting) is a group of its own, so that it gets a cluster of its own beside the others.
-pytestmark = [pytest.mark.waiting, pytest.mark.xdist_group("slurm-cluster")]
+pytestmark = [pytest.mark.latency, pytest.mark.xdist_group("slurm-cluster")]
 
 SLURM_EXAMPLES = ROOT / "examples" / "slurm"
 JOBS = ROOT / "tests" / "e2e" / "jobs"
