@@ -24,13 +24,19 @@ HANG_GUARD = 240  # seconds; a run that needs this long is stuck
 
 def clean_env(**extra) -> dict:
     """The test runner's environment without any world variables, with this checkout importable."""
+    return with_warm_launcher(fresh_env(**extra))  # `phalanx` commands fork from a server that imported torch
+
+
+def fresh_env(**extra) -> dict:
+    """clean_env() for commands that start fresh wherever they run (a SLURM job's): no warm launcher named,
+    and none started for it (~6 s of CPU, tests/conftest.py)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_", "PHALANX_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                          "OMP_NUM_THREADS", "GROUP_RANK")}
     env["PYTHONPATH"] = checkout_on_pythonpath()
     env.update(extra)
-    return with_warm_launcher(env)  # `phalanx` commands fork from a server that imported torch (tests/conftest.py)
+    return env
 
 
 def phalanx_run(*args, env=None, cwd=None) -> subprocess.CompletedProcess:

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.e2e.test_launch import clean_env, is_gone
-from tests.e2e.test_stop import final, resumed_step, steps_log
+from tests.e2e.test_launch import fresh_env, is_gone
+from tests.e2e.test_stop import final, phalanx_run, resumed_step, steps_log
 from tests.helpers.slurm_cluster import ClusterUnavailable, SlurmCluster
 
 # tests/suite.py: the time goes to SLURM's daemons (registering nodes, scheduling, requeues), and no test
@@ -53,8 +53,7 @@ def cluster():
 def job_env() -> dict:
     """The submitter's environment: this checkout importable, this Python's `python` and `phalanx` first on
     PATH, one thread per rank; no world variables and no interface named."""
-    env = clean_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    env.pop("PHALANX_WARM_LAUNCHER", None)  # a job runs in its node's namespaces and cgroup: always fresh
+    env = fresh_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")  # a job: its node's cgroup
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         env.pop(name, None)
@@ -157,14 +156,13 @@ STOP_JOB = "tests/e2e/jobs/stop_job.py {run_dir} --step-seconds 0.1"
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(cluster, tmp_path_factory) -> Path:
-    """stop_job.py's 80 steps in one job that nothing stops (world size 2: 2 nodes x 1 task)."""
-    tmp_path = tmp_path_factory.mktemp("uninterrupted")
-    run_dir = tmp_path / "run"
-    script = with_script("train_cpu.sbatch", tmp_path, STOP_JOB.format(run_dir=run_dir))
-    job, output = submit(cluster, script, tmp_path, flags=("--ntasks-per-node=1",))
-    fields, text = finished(cluster, job, output)
-    assert (fields["JobState"], fields["Restarts"]) == ("COMPLETED", "0"), text
+def uninterrupted(tmp_path_factory) -> Path:
+    """stop_job.py's 80 steps that nothing stops, at world size 2 under `phalanx run` on this machine: the
+    bits a job of 2 nodes x 1 task gives (test_stop.py holds torchrun's runs to the same reference). Outside
+    SLURM it costs one launch instead of a job's two fresh ranks and SLURM's scheduling."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    code, output, _ = phalanx_run(run_dir, env=job_env())
+    assert code == 0, output
     return run_dir
 
 
