@@ -37,7 +37,10 @@ HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 32 (with timestamps): what a pa
 
 
 def run_job(hosts: Hosts, nproc: int, worker_args: list[str], out: str, timeout: float) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCHELASTIC_", "SLURM_"))}
+    # No phalanx or world settings of the caller's, but a warm launcher it names (docs/launching.md "Warm
+    # launches"): each host's launcher is then forked from it, inside the host's namespace, in milliseconds.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PHALANX_", "TORCHELASTIC_", "SLURM_")) or k == "PHALANX_WARM_LAUNCHER"}
     env["PYTHONPATH"] = str(ROOT)
     port = str(29600 + secrets.randbelow(300))
     procs = []

@@ -7,6 +7,7 @@ one launch serves the cases of TestTwoHostsTwoRanks, each test reading its own.
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, with_warm_launcher
 from tests.e2e.test_launch import HANG_GUARD, _on_each_host, two_hosts  # noqa: F401 - a fixture, used by name
 from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
 
@@ -167,10 +168,13 @@ class TestBench:
         if shutil.which("ip") is None or shutil.which("tc") is None:
             pytest.skip("the bench needs iproute2 (ip, tc)")
         out = tmp_path / "bench.json"
+        # The environment the bench gives its launchers, with a warm launcher named for it: they are forked.
+        env = with_warm_launcher({**{k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")},
+                                  "PYTHONPATH": str(ROOT)})
         result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "xhost_bench.py"), "--hosts", "2",
                                  "--models", "gpt", "--variants", "flat,hier,compute", "--blocks", "1", "--steps", "2",
                                  "--link", "100mbit", "--json", str(out)], capture_output=True, text=True,
-                                timeout=HANG_GUARD, cwd=ROOT)
+                                timeout=HANG_GUARD, cwd=ROOT, env=env)
         if result.returncode and "Operation not permitted" in result.stderr:
             pytest.skip(f"cannot create network namespaces here: {result.stderr[-300:]}")
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
