@@ -33,6 +33,7 @@ This file is not a test module: it runs nothing at import.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -82,7 +83,8 @@ def _tier(item) -> str | None:
 # -- what each test costs in CPU ------------------------------------------------------------------
 # The suite is bound by the machine's cores, not by waiting: tests/suite.py reports the tests that use
 # the most CPU. Counted: this process, the children it waited for (a launch and everything under it),
-# and the ranks run_ranks forked (multiprocessing's fork server reaps them: its children's CPU).
+# and the ranks run_ranks forked (multiprocessing's fork server reaps them: its children's CPU). Not
+# counted: the commands the warm servers fork, shared by the workers (below); the report's busy cores are.
 
 def _cpu_seconds() -> float:
     import resource
@@ -99,21 +101,7 @@ def _cpu_seconds() -> float:
             total += sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
     except (ImportError, AttributeError, OSError, ValueError):
         pass
-    for server, _ in _warm_servers.values():  # the commands they forked and reaped for this process's tests
-        _read_reaped_cpu(server.pid)
-    total += sum(_reaped_seen.values())  # with servers that ended idle
     return total
-
-
-def _read_reaped_cpu(pid: int) -> None:
-    """Note in _reaped_seen what server `pid` has reaped so far (its children's CPU); an ended server keeps
-    what it had when last read."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:  # cutime, cstime: fields 16-17
-            fields = handle.read().rsplit(")", 1)[1].split()
-        _reaped_seen[pid] = sum(int(value) for value in fields[13:15]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        pass
 
 
 _CPU_AT_SETUP = pytest.StashKey[float]()
@@ -175,69 +163,131 @@ def warnings_of(records) -> list[str]:
 
 # -- warm launches -------------------------------------------------------------------------------
 # The `phalanx` commands the e2e tests start (clean_env, run_command) run in forks of a server that imported
-# torch once per test process (`phalanx warm`, phalanx/warm.py): ~4 s of CPU less a launch, the largest cost
-# of the suite. One server per set of the variables read while torch is imported (OMP_NUM_THREADS set or
-# not, say). A command in a network namespace runs forked inside it (the server, root's, enters it); one whose
-# context differs otherwise (a cgroup, SLURM, a pid namespace) runs fresh and says why, as does every command
-# under PHALANX_TEST_FRESH=1 (CONTRIBUTING.md).
+# torch once (`phalanx warm`, phalanx/warm.py): ~4 s of CPU less a launch, the largest cost of the suite. One
+# server per set of the variables read while torch is imported (OMP_NUM_THREADS set or not, say), shared by
+# the pytest-xdist workers of a run: pytest's main process makes the run's folder (pytest_configure), the
+# first worker to need a set starts its server there under a lock, and the main process stops them all at the
+# end (pytest_unconfigure). A server costs ~6 s of CPU: one per worker and set was ~14 servers a stage.
+# A command in a network namespace runs forked inside it (the server, root's, enters it); one whose context
+# differs otherwise (a cgroup, SLURM, a pid namespace) runs fresh and says why, as does every command under
+# PHALANX_TEST_FRESH=1 (CONTRIBUTING.md).
 
-_warm_servers: dict[tuple, tuple[subprocess.Popen, str | None]] = {}
+WARM_FOLDER = "PHALANX_TEST_WARM_FOLDER"  # the run's servers: a folder per set, with its socket, log and pid
 WARM_IDLE_EXIT = 600  # seconds without a command before a server ends (another starts on the next command)
-_reaped_seen: dict[int, float] = {}  # server pid -> its children's CPU when last read (kept once it ended)
-_warm_folders: list[str] = []  # each server's socket and log: removed with the servers at exit
+# Variables of pytest's own: no command reads them, and a server serves every worker.
+_PYTEST_VARIABLES = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
+                     "PYTEST_XDIST_TESTRUNUID")
+_OWN_WARM_FOLDER = pytest.StashKey[str]()
+_started_servers: list[subprocess.Popen] = []  # the servers this process started (reaped when they end)
+
+
+def pytest_configure(config):
+    if WARM_FOLDER not in os.environ and not hasattr(config, "workerinput"):  # pytest's main process
+        import tempfile
+
+        os.environ[WARM_FOLDER] = tempfile.mkdtemp(prefix="phalanx-warm-")  # its workers inherit it
+        config.stash[_OWN_WARM_FOLDER] = os.environ[WARM_FOLDER]
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(_OWN_WARM_FOLDER, None)
+    if folder is not None:
+        stop_warm_servers(folder)
+        os.environ.pop(WARM_FOLDER, None)
 
 
 def with_warm_launcher(env: dict) -> dict:
     """`env` for a `phalanx` command, with PHALANX_WARM_LAUNCHER naming the server for its import-time
     variables (started on first use); unchanged under PHALANX_TEST_FRESH=1 or when the server did not start."""
-    env.pop("PYTEST_CURRENT_TEST", None)  # pytest's own, per test: no command reads it
+    for name in _PYTEST_VARIABLES:
+        env.pop(name, None)
     if os.environ.get("PHALANX_TEST_FRESH") == "1":
         return env
     from phalanx.launch.worker_entry import read_at_import  # the standard library only: no torch here
 
     key = tuple((name, env[name]) for name in read_at_import(env, {}))
-    if key not in _warm_servers or _warm_servers[key][0].poll() is not None:  # none yet, or it ended idle
-        _warm_servers[key] = _start_warm_server(dict(key))
-    socket_path = _warm_servers[key][1]
+    socket_path = _warm_server(dict(key))
     if socket_path:
         env["PHALANX_WARM_LAUNCHER"] = socket_path
     return env
 
 
-def _start_warm_server(env: dict) -> tuple[subprocess.Popen, str | None]:
-    import atexit
+def _warm_server(env: dict) -> str | None:
+    """The socket of the run's server for `env` (the variables read at import), started if none runs."""
+    import fcntl
+    import hashlib
+    import json
     import sys
-    import tempfile
-    import time
 
-    folder = tempfile.mkdtemp(prefix="phalanx-warm-")
-    _warm_folders.append(folder)
-    socket_path = os.path.join(folder, "launcher.sock")
-    with open(os.path.join(folder, "server.log"), "w") as log:
-        # --idle-exit: a server whose test process died without its atexit ends on its own.
-        server = subprocess.Popen([sys.executable, "-m", "phalanx", "warm", "--socket", socket_path, "--idle-exit",
-                                   str(WARM_IDLE_EXIT)],
-                                  env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    if len(_warm_folders) == 1:
-        atexit.register(_stop_warm_servers)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(socket_path) and server.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return server, socket_path if os.path.exists(socket_path) else None
+    folder = os.environ.get(WARM_FOLDER)
+    if folder is None:  # not under pytest (a script that imports this file): a folder of this process's own
+        import atexit
+        import tempfile
+
+        folder = os.environ[WARM_FOLDER] = tempfile.mkdtemp(prefix="phalanx-warm-")
+        atexit.register(stop_warm_servers, folder)
+    server_dir = os.path.join(folder, hashlib.sha1(json.dumps(sorted(env.items())).encode()).hexdigest()[:16])
+    socket_path = os.path.join(server_dir, "launcher.sock")
+    with open(f"{server_dir}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one worker starts it; the others wait for its socket
+        if _running_server(server_dir) and os.path.exists(socket_path):
+            return socket_path
+        os.makedirs(server_dir, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)  # a server that ended idle
+        with open(os.path.join(server_dir, "server.log"), "a") as log:
+            # --idle-exit: a server whose run ended without pytest_unconfigure ends on its own.
+            server = subprocess.Popen([sys.executable, "-m", "phalanx", "warm", "--socket", socket_path,
+                                       "--idle-exit", str(WARM_IDLE_EXIT)],
+                                      env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        _started_servers.append(server)
+        with open(os.path.join(server_dir, "pid"), "w") as handle:
+            handle.write(str(server.pid))
+        deadline = time.monotonic() + 120
+        while not os.path.exists(socket_path) and server.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return socket_path if os.path.exists(socket_path) else None
 
 
-def _stop_warm_servers() -> None:
-    for server, _ in _warm_servers.values():
-        if server.poll() is None:
-            server.terminate()  # it ends once the commands it runs have ended
-    for server, _ in _warm_servers.values():
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    for folder in _warm_folders:
-        shutil.rmtree(folder, ignore_errors=True)
+def _running_server(server_dir: str) -> int | None:
+    """The pid of the server in `server_dir` while it runs (not ended, not a zombie), else None."""
+    for server in _started_servers:
+        server.poll()  # reap ours that ended
+    try:
+        with open(os.path.join(server_dir, "pid")) as handle:
+            pid = int(handle.read())
+    except (OSError, ValueError):
+        return None
+    return pid if _alive(pid) else None
+
+
+def stop_warm_servers(folder: str) -> None:
+    """End the servers of `folder` (each ends once the commands it runs have ended), then remove it."""
+    import glob
+
+    pids = [pid for pid in map(_running_server, glob.glob(os.path.join(folder, "*", ""))) if pid]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    for server in _started_servers:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=max(0.1, deadline - time.monotonic()))
+    while time.monotonic() < deadline and any(map(_alive, pids)):
+        time.sleep(0.1)
+    for pid in filter(_alive, pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 # -- running a command -----------------------------------------------------------------------------
