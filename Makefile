@@ -37,7 +37,8 @@ install: $(STAMP)
 # most of it for files nothing imports). Instead torch's files compile on the second core while pip installs
 # the rest, and then two imports of what phalanx's commands and the tests use write the rest's caches (with
 # PYTHONDONTWRITEBYTECODE, which some shells set, a file with no cache is compiled again at every import).
-# torch's py312_intrinsics.py is Python 3.12 syntax that no 3.11 import reads.
+# torch's py312_intrinsics.py is Python 3.12 syntax that no 3.11 import reads. The venv's own pip is used as
+# it comes (Python 3.10's or newer installs an editable pyproject package): upgrading it cost a download.
 EXTRAS ?= dev,examples,trainers,log
 WARM_IMPORTS ?= "torch._dynamo, torch.distributed.run, phalanx.cli, tqdm" \
 	"matplotlib.pyplot, sklearn.datasets, sklearn.model_selection, sklearn.preprocessing, lightning, accelerate, tensorboardX"
@@ -46,7 +47,6 @@ export IMPORT_PRESENT := import importlib, importlib.util, sys; \
 	[importlib.import_module(m) for m in sys.argv[1].split(", ") if importlib.util.find_spec(m.split(".")[0])]
 $(STAMP): pyproject.toml setup.py phalanx/shm/_reduce_kernels.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
 	$(PY) -m compileall -q -x 'py31[2-9]_' "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])')" \
 		> $(VENV)/compileall.log & compiling=$$!; \
