@@ -178,7 +178,7 @@ WARM_IDLE_EXIT = 600  # seconds without a command before a server ends (another 
 _PYTEST_VARIABLES = ("PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
                      "PYTEST_XDIST_TESTRUNUID")
 _OWN_WARM_FOLDER = pytest.StashKey[str]()
-_started_servers: list[subprocess.Popen] = []  # the servers this process started (reaped when they end)
+_started_servers: list[subprocess.Popen] = []  # the servers this process started (reaped at the end)
 
 
 def pytest_configure(config):
@@ -252,8 +252,6 @@ def _warm_server(env: dict) -> str | None:
 
 def _running_server(server_dir: str) -> int | None:
     """The pid of the server in `server_dir` while it runs (not ended, not a zombie), else None."""
-    for server in _started_servers:
-        server.poll()  # reap ours that ended
     try:
         with open(os.path.join(server_dir, "pid")) as handle:
             pid = int(handle.read())
@@ -283,6 +281,7 @@ def stop_warm_servers(folder: str) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """phalanx.diagnose.recorder.pid_alive, without its import of torch into pytest's main process."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")

@@ -144,7 +144,7 @@ def test_unreachable_master_is_named_within_the_rendezvous_timeout(tmp_path, two
     """1 host of 2: --master-addr is an address of the hosts' network that nobody serves."""
     host = two_hosts[1]
     nobody = host["addr"].rsplit(".", 1)[0] + ".9"
-    job_env()  # starts this test process's warm launcher if none runs yet: its start is not the command's
+    job_env()  # starts the run's warm launcher for this environment if none runs yet: its start is not the command's
     started = time.monotonic()
     node = start(host, nobody, 29571, tmp_path, flags=("--rdzv-timeout", "5"))
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.diagnose.recorder import pid_alive
 from tests.conftest import ROOT, checkout_on_pythonpath, with_warm_launcher
 from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
 
@@ -55,11 +56,7 @@ def sums_by_rank(stdout: str) -> dict:
 
 def is_gone(pid: int) -> bool:
     """True when no process `pid` runs (a zombie awaiting its reaper counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+    return not pid_alive(pid)
 
 
 class TestAllReduceUnderEachLauncher:

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from phalanx.diagnose import stacks
+from phalanx.diagnose.recorder import pid_alive
 from phalanx.observe.outputs import read_records
 from tests.conftest import ROOT
 from tests.e2e.test_launch import clean_env, two_hosts  # noqa: F401 - two_hosts is a fixture
@@ -262,17 +263,11 @@ def all_gone(run_dir: Path) -> list[int]:
     """The workers (pids the job wrote) still running a few seconds after the launcher ended."""
     pids = [int(path.read_text()) for path in run_dir.glob("pid-*")]
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(is_running(pid) for pid in pids):
+    while time.monotonic() < deadline and any(pid_alive(pid) for pid in pids):
         time.sleep(0.1)
-    return [pid for pid in pids if is_running(pid)]
+    return [pid for pid in pids if pid_alive(pid)]
 
 
-def is_running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 # tests/suite.py: these check that a stop ends within seconds

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.diagnose.recorder import pid_alive
 from tests.conftest import ROOT, checkout_on_pythonpath
 from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
 
@@ -164,12 +165,6 @@ def wait_ready(out: Path, ranks: int = 2) -> tuple[int, list[int]]:
     return found[0][0], [worker for _, worker in found]
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_signal_to_the_command_reaches_its_process_and_a_killed_command_takes_it_along(server, tmp_path):
@@ -183,17 +178,17 @@ def test_a_signal_to_the_command_reaches_its_process_and_a_killed_command_takes_
     command.send_signal(signal.SIGTERM)
     _, err = command.communicate(timeout=HANG_GUARD)
     assert command.returncode not in (0, -signal.SIGTERM), err
-    assert not alive(launcher) and not any(map(alive, workers)), err
+    assert not pid_alive(launcher) and not any(map(pid_alive, workers)), err
     command = launch(tmp_path, env, "--sleep", wait=False)
     launcher, workers = wait_ready(tmp_path)
     command.kill()
     command.wait(timeout=HANG_GUARD)
     try:
         deadline = time.monotonic() + 10
-        while (alive(launcher) or any(map(alive, workers))) and time.monotonic() < deadline:
+        while (pid_alive(launcher) or any(map(pid_alive, workers))) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not alive(launcher), "the killed command's launcher runs on"
-        assert not any(map(alive, workers)), "the killed command's workers run on"
+        assert not pid_alive(launcher), "the killed command's launcher runs on"
+        assert not any(map(pid_alive, workers)), "the killed command's workers run on"
     finally:
         end_orphans(workers)
 
@@ -201,7 +196,7 @@ def test_a_signal_to_the_command_reaches_its_process_and_a_killed_command_takes_
 def end_orphans(workers: list[int]) -> None:
     """A launcher killed with SIGKILL leaves its workers running, fresh or warm: this test's own, ended by pid."""
     for pid in workers:
-        if alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
