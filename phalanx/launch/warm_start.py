@@ -293,6 +293,16 @@ def _forked_handler(server: WorkerServer) -> type:
                     return worker
             return super()._popen(args, env)
 
+        def close(self, death_sig=None) -> None:
+            try:
+                super().close(death_sig)
+            except ProcessLookupError:
+                # The server reaped the worker before its exit message reached this launcher (poll() still said
+                # running): its process group is already gone, as close wanted.
+                for stream in (self._stdout, self._stderr):
+                    if stream:
+                        stream.close()
+
     return ForkedHandler
 
 

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from phalanx.launch.warm_start import WORKER_ENTRY, WorkerServer
+from phalanx.launch.warm_start import WORKER_ENTRY, ForkedWorker, WorkerServer, _forked_handler
 from tests.e2e.test_launch import clean_env, phalanx_run
 
 REPORT = textwrap.dedent("""
@@ -108,6 +108,25 @@ def test_a_wait_that_runs_out_raises_timeout_expired(server, tmp_path):
         worker.wait(0.2)
     worker.kill()
     assert worker.wait(30) == -signal.SIGKILL
+
+
+def test_closing_a_worker_the_server_reaped_before_its_exit_message_came(server, tmp_path):
+    """World size 1: torch elastic closes every worker that poll() calls running when another fails. A forked
+    worker's exit reaches the launcher as a message after the server reaped it: closed in between, its process
+    group is gone. The close must still succeed (it raised ProcessLookupError and failed the launcher)."""
+    script = tmp_path / "quick.py"
+    script.write_text("")
+    handler = _forked_handler(server)(sys.executable, ("-u", WORKER_ENTRY, str(script)), server.environment,
+                                      str(tmp_path / "out"), str(tmp_path / "err"), 0, None)
+    worker = handler.proc
+    assert isinstance(worker, ForkedWorker), "the worker was not forked from the server"
+    assert worker.wait(60) == 0
+    with server._changed:  # back to the moment before its exit message arrived
+        server._exits.pop(worker.pid)
+    worker.returncode = None
+    assert worker.poll() is None
+    handler.close(signal.SIGTERM)
+    assert handler._stdout.closed and handler._stderr.closed
 
 
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
