@@ -33,24 +33,34 @@ install: $(STAMP)
 # runs; `make install EXTRAS=dev,examples` leaves it out (those tests then skip: -m "not trainers"). The log
 # extra (tensorboardX) is for StepLog's TensorBoard files; without it the tests that read them skip.
 #
-# Bytecode: pip compiles every installed file on one core after each install (~60 s of a ~2-minute set-up,
-# most of it for files nothing imports). Instead torch's files compile on the second core while pip installs
-# the rest, and then two imports of what phalanx's commands and the tests use write the rest's caches (with
-# PYTHONDONTWRITEBYTECODE, which some shells set, a file with no cache is compiled again at every import).
-# torch's py312_intrinsics.py is Python 3.12 syntax that no 3.11 import reads. The venv's own pip is used as
-# it comes (Python 3.10's or newer installs an editable pyproject package): upgrading it cost a download.
+# Set-up time (measured on 2 cores: ~90 s with pip alone, ~45 s this way):
+# - The venv is made without pip (ensurepip: 9 s); this machine's pip works on it (`--python`, pip >= 22.3),
+#   or, where that pip cannot, the venv gets its own.
+# - pip fetches torch's wheel, so that pip's configuration (a local file, an index, a constraint) decides
+#   where torch comes from; uv installs it and the extras (in parallel, from its own cache: the extras in
+#   ~11 s, 50 s with pip), with torch held at the installed version so that no extra can replace it.
+# - Bytecode: torch's files compile on the second core while the extras install, and then two imports of
+#   what phalanx's commands and the tests use write the rest's caches (with PYTHONDONTWRITEBYTECODE, which
+#   some shells set, a file with no cache is compiled again at every import). torch's py312_intrinsics.py is
+#   Python 3.12 syntax that no 3.11 import reads.
 EXTRAS ?= dev,examples,trainers,log
 WARM_IMPORTS ?= "torch._dynamo, torch.distributed.run, phalanx.cli, tqdm" \
 	"matplotlib.pyplot, sklearn.datasets, sklearn.model_selection, sklearn.preprocessing, lightning, accelerate, tensorboardX"
 # Imports each of argv[1]'s comma-separated modules whose package is installed (the extras are optional).
 export IMPORT_PRESENT := import importlib, importlib.util, sys; \
 	[importlib.import_module(m) for m in sys.argv[1].split(", ") if importlib.util.find_spec(m.split(".")[0])]
+UV := $(VENV)/bin/uv pip install -q --python $(PY)
+WHEELS := $(VENV)/wheels
 $(STAMP): pyproject.toml setup.py phalanx/shm/_reduce_kernels.c
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
+	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
+	rm -rf $(WHEELS); pip="$(PYTHON) -m pip --python $(PY)"; \
+	$$pip --version > /dev/null 2>&1 || { $(PY) -m ensurepip -q && pip="$(PY) -m pip"; }; \
+	$$pip install -q uv && $$pip download -q --no-deps -d $(WHEELS) "$(TORCH_SPEC)"
+	$(UV) $(WHEELS)/torch-*.whl && rm -rf $(WHEELS)
+	$(PY) -c 'import importlib.metadata as m; print("torch==" + m.version("torch"))' > $(VENV)/torch-pin.txt
 	$(PY) -m compileall -q -x 'py31[2-9]_' "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])')" \
 		> $(VENV)/compileall.log & compiling=$$!; \
-	$(PY) -m pip install -q --no-compile -e ".[$(EXTRAS)]" && wait $$compiling
+	$(UV) --constraint $(VENV)/torch-pin.txt -e ".[$(EXTRAS)]" && wait $$compiling
 	for modules in $(WARM_IMPORTS); do env -u PYTHONDONTWRITEBYTECODE $(PY) -c "$$IMPORT_PRESENT" "$$modules" & done; wait
 	touch $(STAMP)
 

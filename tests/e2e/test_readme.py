@@ -134,7 +134,7 @@ class TestOpening:
                                      cwd=ROOT, capture_output=True, text=True, check=True).stdout
             steps = printed.splitlines()
             venv = next(i for i, s in enumerate(steps) if "-m venv" in s)
-            torch_first = next(i for i, s in enumerate(steps) if "pip install" in s and '"torch==2.6.0"' in s)
+            torch_first = next(i for i, s in enumerate(steps) if '"torch==2.6.0"' in s)  # fetched, then installed
             editable = next(i for i, s in enumerate(steps) if "pip install" in s and "-e " in s)
             assert venv < torch_first < editable, f"make {target}: venv, then torch, then phalanx:\n{printed}"
             assert last in steps[-1], f"make {target} ends by running `{last}`:\n{printed}"
