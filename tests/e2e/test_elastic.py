@@ -4,7 +4,8 @@ tests/e2e/jobs/elastic_job.py trains at a global batch of 8 and logs the sample 
 optimizer step. 2 hosts x 1 worker (world size 2, then 1, then 2 again): host B's launcher and workers are
 SIGKILLed mid-epoch; host A goes on alone from the newest checkpoint; the same command on host B brings it
 back, and the group grows at a step boundary (the agreed save). The final parameters match an
-uninterrupted 2-host run's, and every epoch uses each sample exactly once over the steps that count (a step
+uninterrupted run's at the same global batch (one process: the run at 1, 2 and 4 ranks, below, holds 2 hosts
+to it), and every epoch uses each sample exactly once over the steps that count (a step
 lost with the crash and redone counts once: the later line is the lineage's). The same global batch at 1,
 2 and 4 ranks (1 process; 2 hosts x 1; 2 hosts x 2) averages the same samples in every step and ends at
 the same parameters.
@@ -162,9 +163,10 @@ def test_unreachable_master_is_named_within_the_rendezvous_timeout(tmp_path, two
 
 def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
     """World size 2 -> 1 -> 2: 2 hosts x 1 worker, --nnodes 1:2, host B SIGKILLed mid-epoch, then started again;
-    against an uninterrupted run of 2 hosts x 1 worker."""
+    against an uninterrupted run at the same global batch (one process, as test_same_global_batch_at_1_2_and_4_ranks
+    holds 2 hosts x 1 worker to it)."""
     reference = tmp_path / "uninterrupted"
-    fixed_run(two_hosts, reference, 29573)
+    fixed_run(None, reference, 0)
     run_dir = tmp_path / "run"
     master = two_hosts[0]["addr"]
     job = ("--wait-alone", "4")
@@ -207,9 +209,10 @@ def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
 def test_a_failing_worker_restarts_every_node(tmp_path, two_hosts):  # noqa: F811
     """World size 2 (2 hosts x 1) on a fixed set of nodes, `--nnodes 2 --max-restarts 1`: host B's worker raises
     once, mid-epoch. Every node's workers restart together (a node's restarted workers must not wait for peers
-    that never restart), from the newest checkpoint, and the run ends at the uninterrupted run's parameters."""
+    that never restart), from the newest checkpoint, and the run ends at the uninterrupted run's parameters (one
+    process at the same global batch, as in test_node_lost_then_back)."""
     reference = tmp_path / "uninterrupted"
-    fixed_run(two_hosts, reference, 29576)
+    fixed_run(None, reference, 0)
     run_dir = tmp_path / "run"
     outputs = fixed_run(two_hosts, run_dir, 29577, "--fail-once-at", "5", flags=("--max-restarts", "1"))
     assert (run_dir / "failed-once").exists()
