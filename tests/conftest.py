@@ -212,13 +212,8 @@ def with_warm_launcher(env: dict) -> dict:
     return env
 
 
-def _warm_server(env: dict) -> str | None:
-    """The socket of the run's server for `env` (the variables read at import), started if none runs."""
-    import fcntl
-    import hashlib
-    import json
-    import sys
-
+def _run_folder() -> str:
+    """The folder of this test run's warm servers, removed at its end (pytest_unconfigure)."""
     folder = os.environ.get(WARM_FOLDER)
     if folder is None:  # not under pytest (a script that imports this file): a folder of this process's own
         import atexit
@@ -226,6 +221,26 @@ def _warm_server(env: dict) -> str | None:
 
         folder = os.environ[WARM_FOLDER] = tempfile.mkdtemp(prefix="phalanx-warm-")
         atexit.register(stop_warm_servers, folder)
+    return folder
+
+
+def run_temp_dir() -> str:
+    """TMPDIR for commands that may be SIGKILLed before they remove their temporary files: a folder of the
+    run's, removed at its end. One for the whole run, not one per test: TMPDIR is read while torch is
+    imported, so each value would need a warm server of its own (~6 s of CPU to start)."""
+    path = os.path.join(_run_folder(), "tmp")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _warm_server(env: dict) -> str | None:
+    """The socket of the run's server for `env` (the variables read at import), started if none runs."""
+    import fcntl
+    import hashlib
+    import json
+    import sys
+
+    folder = _run_folder()
     server_dir = os.path.join(folder, hashlib.sha1(json.dumps(sorted(env.items())).encode()).hexdigest()[:16])
     socket_path = os.path.join(server_dir, "launcher.sock")
     with open(f"{server_dir}.lock", "w") as lock:

@@ -26,8 +26,8 @@ from phalanx.diagnose.stacks import descendants
 from phalanx.errors import StoreLostError
 from phalanx.testing import free_port
 from phalanx.world.membership import ElasticRendezvous
-from tests.conftest import ROOT
-from tests.e2e.test_launch import clean_env, two_hosts  # noqa: F401 - two_hosts is a fixture
+from tests.conftest import ROOT, run_temp_dir, with_warm_launcher
+from tests.e2e.test_launch import fresh_env, two_hosts  # noqa: F401 - two_hosts is a fixture
 
 # tests/suite.py: the time goes to heartbeats, and to noticing a lost node
 pytestmark = pytest.mark.waiting
@@ -39,7 +39,9 @@ STEPS_PER_EPOCH = 12  # a global batch of 8, at any world size
 
 
 def job_env() -> dict:
-    return clean_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    # The launchers' temporary folders in the run's (a SIGKILLed launcher cannot remove its own), the same for
+    # every test, so that one warm launcher serves them all (it forks each command into its host's namespaces).
+    return with_warm_launcher(fresh_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TMPDIR=run_temp_dir()))
 
 
 def start(host: dict | None, master: str, port: int, run_dir: Path, *job_args, nnodes="1:2", node_rank=None,
@@ -50,10 +52,7 @@ def start(host: dict | None, master: str, port: int, run_dir: Path, *job_args, n
     command = [*where, sys.executable, "-m", "phalanx", "run", "--nnodes", nnodes, *rank, "--nproc-per-node",
                str(nproc), "--master-addr", master, "--master-port", str(port), *flags, str(JOB), str(run_dir),
                *job_args]
-    # The launchers' temporary folders under the test's: a SIGKILLed launcher cannot remove its own.
-    temp = run_dir.parent / "tmp"
-    temp.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(command, env={**job_env(), "TMPDIR": str(temp), **(env or {})}, cwd=ROOT,
+    return subprocess.Popen(command, env={**job_env(), **(env or {})}, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
