@@ -72,6 +72,23 @@ def pytest_collection_modifyitems(config, items):
                                  item.path.relative_to(TESTS).as_posix() not in LONGEST if _tier(item) else True))
 
 
+class _GroupInNodeId:
+    """pytest-xdist 3.8's `--dist loadgroup` deals tests out by the xdist_group it appends to each node id, which
+    it writes to `item._nodeid`; pytest 9.2 reads node ids from `item._id` instead, so the group never reached
+    the scheduler: every test went to any worker, and a module fixture meant to run once for its group ran
+    on each (test_steplog.py's run three times, test_slurm.py's clusters). Last of the collection hooks, after
+    xdist's: the id xdist wrote becomes the item's."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            grouped = item.__dict__.get("_nodeid")
+            if isinstance(grouped, str) and grouped != item.nodeid and hasattr(item, "_id"):
+                item._id = NodeId.parse(grouped)
+
+
 def _tier(item) -> str | None:
     try:
         parts = item.path.relative_to(TESTS).parts
@@ -182,6 +199,8 @@ _started_servers: list[subprocess.Popen] = []  # the servers this process starte
 
 
 def pytest_configure(config):
+    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):  # a pytest-xdist worker, --dist loadgroup
+        config.pluginmanager.register(_GroupInNodeId(), "phalanx-group-in-node-id")
     if WARM_FOLDER not in os.environ and not hasattr(config, "workerinput"):  # pytest's main process
         import tempfile
 
