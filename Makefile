@@ -35,7 +35,8 @@ install: $(STAMP)
 #
 # Set-up time (measured on 2 cores: ~90 s with pip alone, ~45 s this way):
 # - The venv is made without pip (ensurepip: 9 s); this machine's pip works on it (`--python`, pip >= 22.3),
-#   or, where that pip cannot, the venv gets its own.
+#   or, where that pip cannot, the venv gets its own. uv gives the venv its pip in the end (in 1 s: a user's
+#   `pip install` in the activated venv must not reach the system's Python).
 # - pip fetches torch's wheel, so that pip's configuration (a local file, an index, a constraint) decides
 #   where torch comes from; uv installs it and the extras (in parallel, from its own cache: the extras in
 #   ~11 s, 50 s with pip), with torch held at the installed version so that no extra can replace it.
@@ -60,7 +61,7 @@ $(STAMP): pyproject.toml setup.py phalanx/shm/_reduce_kernels.c
 	$(PY) -c 'import importlib.metadata as m; print("torch==" + m.version("torch"))' > $(VENV)/torch-pin.txt
 	$(PY) -m compileall -q -x 'py31[2-9]_' "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])')" \
 		> $(VENV)/compileall.log & compiling=$$!; \
-	$(UV) --constraint $(VENV)/torch-pin.txt -e ".[$(EXTRAS)]" && wait $$compiling
+	$(UV) --constraint $(VENV)/torch-pin.txt pip -e ".[$(EXTRAS)]" && wait $$compiling
 	for modules in $(WARM_IMPORTS); do env -u PYTHONDONTWRITEBYTECODE $(PY) -c "$$IMPORT_PRESENT" "$$modules" & done; wait
 	touch $(STAMP)
 
