@@ -29,11 +29,14 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+from tests.conftest import WARM_FOLDER, stop_warm_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOWEST = 15
@@ -187,6 +190,25 @@ def main(argv=None) -> int:
     # The JUnit XML of each stage stays in pytest's (git-ignored) cache folder, to be read after the run.
     folder = ROOT / ".pytest_cache" / "suite"
     folder.mkdir(parents=True, exist_ok=True)
+    # One folder of warm launchers for every stage (tests/conftest.py): a server one stage started serves the
+    # next stage's commands too, instead of each stage importing torch again into servers of its own (~6 s of
+    # CPU each, and the first command of a waiting test would wait for it). Ended and removed at the end.
+    own_warm_folder = None
+    if WARM_FOLDER not in os.environ:
+        own_warm_folder = os.environ[WARM_FOLDER] = tempfile.mkdtemp(prefix="phalanx-warm-")
+    try:
+        run_phases(args, folder, results, loads)
+    finally:
+        if own_warm_folder is not None:
+            stop_warm_servers(own_warm_folder)
+            os.environ.pop(WARM_FOLDER, None)
+    print(summarize(results, loads, time.monotonic() - started), flush=True)
+    # 5: pytest found no test to run in a stage (a -k that selects only the other stage's tests)
+    return 0 if all(result.code in (0, 5) for result in results) else 1
+
+
+def run_phases(args, folder: Path, results: list, loads: list) -> None:
+    """Each phase's stages side by side, one phase after another; appends to `results` and `loads`."""
     for phase in phases(args.quick, args.cores):
         began, busy_before, start = time.time(), busy_cores(), time.monotonic()
         running = []
@@ -208,9 +230,6 @@ def main(argv=None) -> int:
         busy_after = busy_cores()
         loads.append(PhaseLoad(" + ".join(stage.name for stage in phase), time.monotonic() - start,
                                busy_after[0] - busy_before[0], busy_after[1] - busy_before[1]))
-    print(summarize(results, loads, time.monotonic() - started), flush=True)
-    # 5: pytest found no test to run in a stage (a -k that selects only the other stage's tests)
-    return 0 if all(result.code in (0, 5) for result in results) else 1
 
 
 if __name__ == "__main__":
