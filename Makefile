@@ -40,8 +40,8 @@ install: $(STAMP)
 # - pip fetches torch's wheel, so that pip's configuration (a local file, an index, a constraint) decides
 #   where torch comes from; uv installs it and the extras (in parallel, from its own cache: the extras in
 #   ~11 s, 50 s with pip), with torch held at the installed version so that no extra can replace it.
-# - Bytecode: torch's files compile on the second core while the extras install, and then two imports of
-#   what phalanx's commands and the tests use write the rest's caches (with PYTHONDONTWRITEBYTECODE, which
+# - Bytecode: torch's files compile on the second core while the extras install, and then (while torch's
+#   last files compile) two imports of what phalanx's commands and the tests use write the rest's caches (with PYTHONDONTWRITEBYTECODE, which
 #   some shells set, a file with no cache is compiled again at every import). torch's py312_intrinsics.py is
 #   Python 3.12 syntax that no 3.11 import reads.
 EXTRAS ?= dev,examples,trainers,log
@@ -56,13 +56,14 @@ $(STAMP): pyproject.toml setup.py phalanx/shm/_reduce_kernels.c
 	test -x $(PY) || $(PYTHON) -m venv --without-pip $(VENV)
 	rm -rf $(WHEELS); pip="$(PYTHON) -m pip --python $(PY)"; \
 	$$pip --version > /dev/null 2>&1 || { $(PY) -m ensurepip -q && pip="$(PY) -m pip"; }; \
-	$$pip install -q uv && $$pip download -q --no-deps -d $(WHEELS) "$(TORCH_SPEC)"
+	$$pip install -q uv & getting_uv=$$!; $$pip download -q --no-deps -d $(WHEELS) "$(TORCH_SPEC)" && wait $$getting_uv
 	$(UV) $(WHEELS)/torch-*.whl && rm -rf $(WHEELS)
 	$(PY) -c 'import importlib.metadata as m; print("torch==" + m.version("torch"))' > $(VENV)/torch-pin.txt
 	$(PY) -m compileall -q -x 'py31[2-9]_' "$$($(PY) -c 'import importlib.util as u; print(u.find_spec("torch").submodule_search_locations[0])')" \
 		> $(VENV)/compileall.log & compiling=$$!; \
-	$(UV) --constraint $(VENV)/torch-pin.txt pip -e ".[$(EXTRAS)]" && wait $$compiling
-	for modules in $(WARM_IMPORTS); do env -u PYTHONDONTWRITEBYTECODE $(PY) -c "$$IMPORT_PRESENT" "$$modules" & done; wait
+	$(UV) --constraint $(VENV)/torch-pin.txt pip -e ".[$(EXTRAS)]" && \
+	for modules in $(WARM_IMPORTS); do env -u PYTHONDONTWRITEBYTECODE $(PY) -c "$$IMPORT_PRESENT" "$$modules" & done && \
+	wait $$compiling && wait
 	touch $(STAMP)
 
 clean:
