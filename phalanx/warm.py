@@ -332,7 +332,7 @@ def _become_command(request: dict, fds: list, env: dict, command, namespaces: di
     start_as_fresh()
 
     # The command's own imports, with its environment (the server's were dropped before it served).
-    importlib.import_module(warm_start.__name__).forked_command = True  # it hands over no further
+    importlib.import_module(warm_start.__name__).forked_command = os.getpid()  # it hands over no further
     main = getattr(importlib.import_module(command.__module__), command.__name__)
     try:
         code = main(request["argv"])

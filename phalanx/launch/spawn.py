@@ -29,6 +29,7 @@ START_METHODS = ("spawn", "forkserver")
 # torch._dynamo: torch imports it at a training loop's first optimizer.zero_grad() or step (~2 s of CPU).
 _SERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "phalanx"]
 _WHOLE_ENVIRONMENT = "_PHALANX_WHOLE_ENVIRONMENT"
+_FORKED = "_PHALANX_FORKED_RANK"  # a rank forked from a process that had imported torch: freeze its heap
 _server_preload_env: list = []  # [LD_PRELOAD the fork server started with], once it has started
 
 
@@ -51,8 +52,9 @@ def _adopt_streams(stdout, stderr) -> None:
 def _child(fn, rank: int, nprocs: int, args: tuple, env: dict, results, do_init: bool, streams=None) -> None:
     if env.pop(_WHOLE_ENVIRONMENT, None):  # forked from the server: its environment is the server's, not ours
         os.environ.clear()
-        # The server's objects out of the collector's sight: a full collection would write to every one of
-        # them, and so copy every page of the heap the rank shares with the server (~18,000 page faults and
+    if env.pop(_FORKED, None):
+        # The parent's objects out of the collector's sight: a full collection would write to every one of
+        # them, and so copy every page of the heap the rank shares with its parent (~18,000 page faults and
         # 0.3 s of CPU in a rank that has imported torch, per collection; 650 frozen).
         gc.freeze()
     os.environ.update(env)
@@ -103,6 +105,7 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
     `"forkserver"` forks each from a server process that has imported torch and phalanx once, which
     saves each rank that import (~3 s of CPU); the rank gets this process's environment all the same.
     Where the server runs another C allocator than this call's ranks would get (allocator.py), it spawns.
+    In a command a warm launcher forked, the ranks fork from the command itself (`_context`).
 
     >>> def work(rank):                     # doctest: +SKIP
     ...     t = torch.tensor([rank]); dist.all_reduce(t); return t.item()
@@ -120,11 +123,13 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
     processes = []
     with _preloaded(base) as preload:  # the allocator is chosen as a process starts: the children inherit it
         base[CHOSEN_BY_LAUNCHER] = preload or "system"  # so that init() gives no torchrun advice (allocator.py)
-        context = _context(start_method)
+        context = _context(start_method, preload)
         results = context.Queue()
         forked = context.get_start_method() == "forkserver"
         if forked:
             base = {**os.environ, **base, _WHOLE_ENVIRONMENT: "1"}
+        if context.get_start_method() != "spawn":
+            base[_FORKED] = "1"
         for rank in range(nprocs):
             child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             # Unpickling it in the child puts this process's stdout and stderr in place (_CallersStreams).
@@ -144,9 +149,13 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
         del server
 
 
-def _context(start_method: str):
-    """The multiprocessing context to start ranks with, called with LD_PRELOAD as the ranks should have it.
-    The fork server keeps the allocator it started with, for as long as it runs: another is spawned."""
+def _context(start_method: str, preload: str):
+    """The multiprocessing context to start ranks with, called with LD_PRELOAD as the ranks should have it
+    (`preload`). The fork server keeps the allocator it started with, for as long as it runs: another is
+    spawned. A command that a warm launcher forked (phalanx/warm.py) is already what the server would be:
+    its ranks fork from it, and no server imports torch again (~7 s of CPU)."""
+    if start_method == "forkserver" and _a_warm_command_that_can_fork(preload):
+        return mp.get_context("fork")
     if start_method == "forkserver":
         preload = os.environ.get("LD_PRELOAD")
         if not _server_preload_env:
@@ -155,6 +164,25 @@ def _context(start_method: str):
         if _server_preload_env[0] == preload:
             return mp.get_context("forkserver")
     return mp.get_context("spawn")
+
+
+def _a_warm_command_that_can_fork(preload: str) -> bool:
+    """This process was forked from a warm launcher that imported torch, runs one thread, holds no GPU context
+    and no process group (what a fork would carry into the ranks), and its allocator is the ranks' (a process
+    keeps the one it started with: the launcher's, whose environment at its start /proc/self/environ keeps)."""
+    import sys
+    import threading
+
+    from .warm_start import forked_command
+    from .worker_entry import _environment_at_exec
+
+    if forked_command != os.getpid() or threading.active_count() != 1 or "torch" not in sys.modules:
+        return False
+    import torch
+
+    if torch.cuda.is_initialized() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return _environment_at_exec().get("LD_PRELOAD", "") == (preload or "")
 
 
 @contextmanager

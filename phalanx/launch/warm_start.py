@@ -309,7 +309,7 @@ def _forked_handler(server: WorkerServer) -> type:
 # -- a command handed to a warm launcher (`phalanx warm`, phalanx/warm.py) ------------------------------------
 
 WARM_LAUNCHER = "PHALANX_WARM_LAUNCHER"  # the socket of a `phalanx warm` server
-forked_command = False  # True in a command forked from that server: it hands over no further
+forked_command = 0  # in a command forked from that server, its pid: it (and what it forks) hands over no further
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 _WARM_REPLY_TIMEOUT = 30.0  # s for the server to fork or decline: past it the command runs fresh
 _LIMITS = ("RLIMIT_NOFILE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_STACK", "RLIMIT_CORE", "RLIMIT_NPROC",
