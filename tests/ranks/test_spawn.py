@@ -126,8 +126,8 @@ def test_import_phalanx_loads_no_torch_until_a_name_needs_it():
 
 
 FORKING_COMMAND = """
-import os, sys, torch, torch.distributed as dist, phalanx
-from phalanx.launch import warm_start
+import os, torch, torch.distributed as dist, phalanx
+from phalanx.launch import spawn, warm_start
 
 def rank_sees(rank):
     total = torch.tensor([float(rank + 1)])
@@ -135,26 +135,23 @@ def rank_sees(rank):
     return os.getppid(), int(total.item()), os.environ.get("PHALANX_TEST_CALLER")
 
 if __name__ == "__main__":
-    warm_start.forked_command = os.getpid() if sys.argv[1] == "warm" else 0  # as phalanx/warm.py marks a command
+    plain = spawn._a_warm_command_that_can_fork("")
+    warm_start.forked_command = os.getpid()  # as phalanx/warm.py marks a command it forked
     os.environ["PHALANX_TEST_CALLER"] = "set before the call"
     env = {"PHALANX_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     seen = phalanx.spawn(rank_sees, 2, env=env, timeout=120, start_method="forkserver")
-    print([ppid == os.getpid() for ppid, _, _ in seen], [total for _, total, _ in seen], seen[0][2])
+    print(plain, [ppid == os.getpid() for ppid, _, _ in seen], [total for _, total, _ in seen], seen[0][2])
 """
 
 
-@pytest.mark.parametrize("command", ["warm", "plain"])
-def test_a_command_a_warm_launcher_forked_forks_its_ranks_itself(tmp_path, command):
-    """World size 2 (spawn(start_method="forkserver")) in a command: forked by a warm launcher (phalanx/warm.py,
-    which has imported torch already), the ranks are forks of the command itself, and no fork server imports
-    torch again; in a plain process, they are forks of the fork server. Either way they meet and all-reduce,
-    with the caller's environment at the call. Both on glibc's malloc (PHALANX_ALLOCATOR=system), so that the
-    command's allocator is the ranks'."""
+def test_a_command_a_warm_launcher_forked_forks_its_ranks_itself(tmp_path):
+    """World size 2 (spawn(start_method="forkserver")) in a command forked by a warm launcher (phalanx/warm.py, which
+    has imported torch already): the ranks are forks of the command itself, no fork server imports torch again,
+    and they meet, all-reduce and see the caller's environment at the call. A plain process would start the
+    server (the tests above). On glibc's malloc (PHALANX_ALLOCATOR=system): the command's allocator is the ranks'."""
     script = tmp_path / "command.py"
     script.write_text(FORKING_COMMAND)
-    done = subprocess.run([sys.executable, str(script), command], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "PYTHONPATH": checkout_on_pythonpath(),
-                                            "PHALANX_ALLOCATOR": "system"})
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": checkout_on_pythonpath(), "PHALANX_ALLOCATOR": "system"})
     assert done.returncode == 0, done.stdout + done.stderr
-    forked_by_command = "[True, True]" if command == "warm" else "[False, False]"
-    assert done.stdout.strip() == f"{forked_by_command} [3, 3] set before the call", done.stdout + done.stderr
+    assert done.stdout.strip() == "False [True, True] [3, 3] set before the call", done.stdout + done.stderr
