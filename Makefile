@@ -41,9 +41,9 @@ install: $(STAMP)
 #   where torch comes from; uv installs it and the extras (in parallel, from its own cache: the extras in
 #   ~11 s, 50 s with pip), with torch held at the installed version so that no extra can replace it.
 # - Bytecode: torch's files compile on the second core while the extras install, and then (while torch's
-#   last files compile) two imports of what phalanx's commands and the tests use write the rest's caches (with PYTHONDONTWRITEBYTECODE, which
-#   some shells set, a file with no cache is compiled again at every import). torch's py312_intrinsics.py is
-#   Python 3.12 syntax that no 3.11 import reads.
+#   last files compile) two imports of what phalanx's commands and the tests use write the rest's caches
+#   (with PYTHONDONTWRITEBYTECODE, which some shells set, a file with no cache is compiled again at every
+#   import). torch's py312_intrinsics.py is Python 3.12 syntax that no 3.11 import reads.
 EXTRAS ?= dev,examples,trainers,log
 WARM_IMPORTS ?= "torch._dynamo, torch.distributed.run, phalanx.cli, tqdm" \
 	"matplotlib.pyplot, sklearn.datasets, sklearn.model_selection, sklearn.preprocessing, lightning, accelerate, tensorboardX"

@@ -154,14 +154,14 @@ def _context(start_method: str, preload: str):
     (`preload`). The fork server keeps the allocator it started with, for as long as it runs: another is
     spawned. A command that a warm launcher forked (phalanx/warm.py) is already what the server would be:
     its ranks fork from it, and no server imports torch again (~7 s of CPU)."""
-    if start_method == "forkserver" and _a_warm_command_that_can_fork(preload):
-        return mp.get_context("fork")
     if start_method == "forkserver":
-        preload = os.environ.get("LD_PRELOAD")
+        if _a_warm_command_that_can_fork(preload):
+            return mp.get_context("fork")
+        server_preload = os.environ.get("LD_PRELOAD")  # what the server starts with: this process's, right now
         if not _server_preload_env:
             mp.set_forkserver_preload(_SERVER_PRELOAD)
-            _server_preload_env.append(preload)  # the server starts with the first rank, inside _preloaded
-        if _server_preload_env[0] == preload:
+            _server_preload_env.append(server_preload)  # the server starts with the first rank, inside _preloaded
+        if _server_preload_env[0] == server_preload:
             return mp.get_context("forkserver")
     return mp.get_context("spawn")
 

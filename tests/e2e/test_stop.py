@@ -268,8 +268,6 @@ def all_gone(run_dir: Path) -> list[int]:
     return [pid for pid in pids if pid_alive(pid)]
 
 
-
-
 # tests/suite.py: these check that a stop ends within seconds
 @pytest.mark.waiting
 class TestLauncherEdges:

@@ -165,8 +165,6 @@ def wait_ready(out: Path, ranks: int = 2) -> tuple[int, list[int]]:
     return found[0][0], [worker for _, worker in found]
 
 
-
-
 def test_a_signal_to_the_command_reaches_its_process_and_a_killed_command_takes_it_along(server, tmp_path):
     """World size 2, twice: SIGTERM to the command stops the run as it stops a fresh one (the workers are
     stopped, the exit is not 0); SIGKILL to the command (nothing can be passed on) kills its process and the
