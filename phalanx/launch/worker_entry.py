@@ -161,11 +161,13 @@ def _end_without_teardown(code: int) -> None:
 
 # What a worker's environment may hold differently from the fork server's: variables read when a worker
 # starts its process group or its device, never while torch is imported. The names torch elastic sets per
-# worker (torch/distributed/elastic/agent/server/local_elastic_agent.py) and phalanx's own.
+# worker (torch/distributed/elastic/agent/server/local_elastic_agent.py) and phalanx's own; SLURM's (phalanx
+# reads them as the world starts, torch never) and Accelerate's (read as it is imported: no server imports it).
 _READ_LATER = {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
                "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
                "PWD", "OLDPWD", "SHLVL", "_"}  # and the shell's own bookkeeping
-_READ_LATER_PREFIXES = ("TORCHELASTIC_", "PHALANX_", "TORCH_NCCL_", "NCCL_", "GLOO_", "TP_SOCKET_IFNAME")
+_READ_LATER_PREFIXES = ("TORCHELASTIC_", "PHALANX_", "TORCH_NCCL_", "NCCL_", "GLOO_", "TP_SOCKET_IFNAME", "SLURM_",
+                        "ACCELERATE_")
 MAX_REQUEST = 1 << 20  # bytes of one request: argv, cwd and the whole environment, as JSON
 
 

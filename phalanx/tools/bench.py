@@ -329,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] launching {config.nproc} process(es) x {config.threads} thread(s) on {config.device}: "
                   f"models {','.join(config.models)}, variants {','.join(config.variants)}, {config.blocks} blocks "
                   f"x {config.steps} steps", flush=True)
+            # Forked from a server that imported torch once (or from this command, under a warm launcher):
+            # every variant is timed in the same ranks, so how they started weighs on none of the ratios.
             results = spawn(run_rank, config.nproc, args=(config,), timeout=config.timeout,
-                            env=_rank_env(config))[0]
+                            env=_rank_env(config), start_method="forkserver")[0]
     except PhalanxError as exc:
         print(f"phalanx bench: {exc}", file=sys.stderr, flush=True)
         return 1

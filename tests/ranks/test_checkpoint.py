@@ -6,12 +6,8 @@ a failed write on rank 0, a world size that changes between save and restore, an
 during a save. The single-process tests are in tests/unit/test_checkpoint.py.
 """
 
-import os
 import random
 import signal
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -19,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 import phalanx as px
+from phalanx.errors import RankFailedError
 from phalanx.testing import run_ranks
-from tests.conftest import ROOT, warnings_of
-from tests.helpers.checkpoint_state import make_state
+from tests.conftest import warnings_of
+from tests.helpers.checkpoint_state import make_state, save_and_die
 
 
 def make_net(seed=0):
@@ -144,72 +141,20 @@ def test_ranks_follow_rank0_fallback_and_all_raise_when_rank0_cannot_write(tmp_p
 
 # -- a process killed during a save --------------------------------------------------------------------
 
-CRASHING_SAVE = textwrap.dedent("""
-    import os, signal, sys, time
-    import torch
-    import phalanx as px
-    from phalanx.checkpoint import atomic_files
-    from tests.helpers.checkpoint_state import make_state, train_step
-
-    where, directory, mode = sys.argv[1], sys.argv[2], sys.argv[3]
-    trainer = os.getpid()
-
-    def die():
-        # The training process dies (in the background writer too: that one then dies with it), mid-save.
-        os.kill(trainer, signal.SIGKILL)
-        time.sleep(60)
-
-    def second(name):
-        return "ckpt-00000002" in str(name)
-
-    # Patched before the first save: a background writer, forked then, inherits the patches.
-    if where == "mid_write":              # the process dies with half a file on disk
-        write = atomic_files._HashingWriter.write
-        def write_then_die(self, data):
-            written = write(self, data)
-            if self.size > 4096 and second(getattr(self.file, "name", "")):
-                self.file.flush()
-                die()
-            return written
-        atomic_files._HashingWriter.write = write_then_die
-    else:                                 # between a complete temporary file and its rename
-        replace = os.replace
-        def die_before(src, dst):
-            name = os.path.basename(dst)
-            if where == "before_rename" and second(name):
-                die()
-            if where == "before_manifest_rename" and name == "manifest.json" and second(os.listdir(directory)):
-                die()
-            replace(src, dst)
-        os.replace = die_before
-
-    state = make_state(hidden=256)
-    train_step(state)
-    ckpt = px.Checkpointer(directory, async_save=mode == "background")
-    ckpt.save(state)                      # the complete checkpoint that must survive
-    ckpt.wait()
-    train_step(state)
-    ckpt.save(state)
-    ckpt.wait()
-    sys.exit("the crash was not injected")
-""")
-
-
 class TestCrashDuringSave:
-    # Each case starts Python and torch: the synchronous save (async_save=False) is killed at one point only.
+    # The process that saves forks from the fork server of this test's process (phalanx.spawn), which has
+    # imported torch: a fresh interpreter per case cost ~6 s of CPU. The synchronous save is killed at one point.
     @pytest.mark.parametrize("where, mode", [("mid_write", "background"), ("before_rename", "background"),
                                              ("before_manifest_rename", "background"), ("mid_write", "sync")])
     def test_sigkill_during_save_leaves_the_previous_checkpoint(self, tmp_path, where, mode, log_records):
         """World size 1, no process group: a child process saves, and is SIGKILLed in the middle of its second
         save (in the background: while its writer writes); this process then restores the first checkpoint and
         saves over the debris."""
-        script = tmp_path / "crash.py"
-        script.write_text(CRASHING_SAVE)
         directory = tmp_path / "run"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        done = subprocess.run([sys.executable, str(script), where, str(directory), mode], env=env,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == -signal.SIGKILL, done.stderr
+        with pytest.raises(RankFailedError) as crashed:
+            px.spawn(save_and_die, 1, (where, str(directory), mode == "background"), init=False, timeout=120,
+                     env={"OMP_NUM_THREADS": "1"}, start_method="forkserver")
+        assert crashed.value.exitcode == -signal.SIGKILL, str(crashed.value)
         if where != "before_manifest_rename":
             assert list(directory.glob(".ckpt-00000002.pt.*.tmp")), "the crash left no partial file behind"
 

@@ -5,6 +5,7 @@ reads the sources with ast, imports nothing)."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
@@ -123,7 +124,11 @@ def _imports(module: str) -> set[str]:
     return found - {module}
 
 
-GRAPH = {module: _imports(module) for module in MODULES}
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    """{module: the phalanx modules it imports}; parsed when a test asks (~1 s), not as every pytest worker
+    collects this file."""
+    return {module: _imports(module) for module in MODULES}
 
 
 def _layer(part: str) -> int:
@@ -144,7 +149,7 @@ def test_what_each_part_may_import_lies_below_it():
 
 def test_every_module_imports_only_what_its_part_may():
     wrong = []
-    for module, imported in GRAPH.items():
+    for module, imported in graph().items():
         part = _part(module)
         for other in sorted(imported):
             if _part(other) != part and _part(other) not in ALLOWED[part]:
@@ -162,7 +167,7 @@ def test_no_module_imports_itself_through_others():
             raise AssertionError("import circle: " + " -> ".join(cycle))
         if module in done:
             return
-        for imported in sorted(GRAPH[module]):
+        for imported in sorted(graph()[module]):
             visit(imported, trail + [module])
         done.add(module)
 
@@ -171,14 +176,14 @@ def test_no_module_imports_itself_through_others():
 
 
 def test_the_shared_memory_transport_knows_nothing_of_ddp():
-    for module, imported in GRAPH.items():
+    for module, imported in graph().items():
         if _part(module) == "shm":
             assert not {"engine", "exchange", "sharding", "bucket", "hooks"} & {_part(m) for m in imported}, module
 
 
 def test_the_ddp_front_names_no_exchange_but_the_chooser():
     """A new transport edits exchange/choose.py, not the front."""
-    front = {m for m in GRAPH["phalanx.engine.ddp"] if _part(m) == "exchange"} - {"phalanx.exchange"}
+    front = {m for m in graph()["phalanx.engine.ddp"] if _part(m) == "exchange"} - {"phalanx.exchange"}
     assert front == {"phalanx.exchange.choose"}, front
 
 

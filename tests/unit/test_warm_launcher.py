@@ -28,7 +28,8 @@ def test_a_process_has_the_context_of_itself_and_a_difference_is_named():
 def test_only_the_variables_read_while_torch_is_imported_make_a_command_run_fresh():
     server = {"PATH": "/bin", "OMP_NUM_THREADS": "1", "HOME": "/root"}
     per_run = {**server, "RANK": "0", "PHALANX_STOP_INTERVAL": "0", "MASTER_PORT": "1234", "PYTHONUNBUFFERED": "1",
-               "PWD": "/tmp", "SHLVL": "2", "TORCHELASTIC_RUN_ID": "x", "CUDA_VISIBLE_DEVICES": ""}
+               "PWD": "/tmp", "SHLVL": "2", "TORCHELASTIC_RUN_ID": "x", "CUDA_VISIBLE_DEVICES": "",
+               "SLURM_JOB_ID": "4242", "SLURM_PROCID": "1", "ACCELERATE_USE_CPU": "1"}
     assert warm_launcher._import_time_difference(per_run, server) is None
     threads = warm_launcher._import_time_difference({**server, "OMP_NUM_THREADS": "2"}, server)
     assert threads == "its environment differs from the server's in OMP_NUM_THREADS (read while torch is imported)"
