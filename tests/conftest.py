@@ -345,14 +345,18 @@ def run_in_session(command: list, cwd: Path, env: dict, timeout: float) -> tuple
     return process.returncode, output
 
 
-def run_command(command: list, cwd: Path, *, env: dict | None = None, timeout: float = 60) -> str:
+def run_command(command: list, cwd: Path, *, env: dict | None = None, timeout: float = 60,
+                warm: bool = True) -> str:
     """Run `command`; return stdout+stderr; fail with the output on a non-zero exit or a timeout.
 
     Used by the tests that drive phalanx as a user does: `phalanx run`, `phalanx demo`, the examples
-    and the README's commands.
+    and the README's commands. `warm=False`: the command runs no `phalanx` command, itself or in a script
+    it starts, so no warm launcher is named, nor started for its import-time variables (~6 s of CPU).
     """
-    environment = with_warm_launcher({**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                                      "PYTHONPATH": checkout_on_pythonpath(), **(env or {})})
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": checkout_on_pythonpath(), **(env or {})}
+    if warm:
+        environment = with_warm_launcher(environment)
     returncode, output = run_in_session(command, cwd, environment, timeout)
     assert returncode == 0, f"{command} exited with {returncode}; output:\n{output}"
     return output

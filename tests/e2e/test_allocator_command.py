@@ -15,13 +15,15 @@ def test_the_printed_preload_starts_a_process_with_the_shipped_allocator(tmp_pat
     assert shipped is not None or not sys.platform.startswith("linux"), "cmeel-mimalloc is a dependency on Linux"
     if shipped is None:
         return  # off Linux: nothing is preloaded (tests/unit/test_allocator.py)
-    printed = run_command([sys.executable, "-m", "phalanx.allocator"], tmp_path, env=FRESH_MACHINE)
+    # No `phalanx` command runs here: no warm launcher (one per LD_PRELOAD below) is started for nothing.
+    printed = run_command([sys.executable, "-m", "phalanx.allocator"], tmp_path, env=FRESH_MACHINE, warm=False)
     assert f"LD_PRELOAD={shipped.path}\n" in printed, printed
     assert "# mimalloc from the cmeel-mimalloc wheel; this process has glibc" in printed, printed
     name, value = next(line for line in printed.splitlines() if line.startswith("LD_PRELOAD=")).split("=", 1)
-    assert "malloc: mimalloc" in run_command(WHICH, tmp_path, env={**FRESH_MACHINE, name: value}).splitlines()
-    assert "malloc: glibc" in run_command(WHICH, tmp_path, env=FRESH_MACHINE).splitlines()
+    assert "malloc: mimalloc" in run_command(WHICH, tmp_path, env={**FRESH_MACHINE, name: value},
+                                               warm=False).splitlines()
+    assert "malloc: glibc" in run_command(WHICH, tmp_path, env=FRESH_MACHINE, warm=False).splitlines()
     # export $(python -m phalanx.allocator): an LD_PRELOAD already there is kept, after it, as one word
     kept = run_command([sys.executable, "-m", "phalanx.allocator"], tmp_path,
-                       env={**FRESH_MACHINE, "LD_PRELOAD": "libm.so.6"})
+                       env={**FRESH_MACHINE, "LD_PRELOAD": "libm.so.6"}, warm=False)
     assert f"LD_PRELOAD={shipped.path}:libm.so.6\n" in kept, kept
