@@ -5,8 +5,9 @@ buffers to all, and builds the reducer (reducer.py) with the exchange that excha
 (shared memory on one host, else the process group); forward broadcasts buffers and arms the
 reducer, which has the exchange average gradients during backward. Four surfaces are mixed in
 from modules of their own: pickling and deepcopy (pickling.py), state dicts (state_dict.py),
-`join()` for ranks with fewer batches (join.py), and what libraries built on torch's class reach for
-(`.reducer`, `_set_static_graph`, `_get_ddp_logging_data`, ...: torch_surface.py). While the module
+`join()` for ranks with fewer batches (join.py), what libraries built on torch's class reach for
+(`.reducer`, `_set_static_graph`, `_get_ddp_logging_data`, ...: torch_surface.py), and `regroup()` onto
+the ranks left after a loss (regroup.py). While the module
 runs, torch.compile's Dynamo sees this DDP as torch DDP's, so compiled graphs are split at bucket
 boundaries and backward still overlaps communication.
 """
@@ -27,7 +28,7 @@ from ..bucket.buckets import FIRST_BUCKET_BYTES, sparse_indices
 from ..bucket.shard_levels import OPTIMIZER, check_shard, unsupported_with_sharding
 from ..bucket.step_guard import StepGuard
 from ..diagnose import recorder
-from ..errors import NoTrainableParametersError, WorldConfigError, explain
+from ..errors import NoTrainableParametersError, explain
 from ..exchange.choose import choose_exchange
 from ..log import logger
 from ..nn.sync_batchnorm import replace_torch_sync_batchnorm
@@ -42,9 +43,10 @@ from .dist_autograd import current_context
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, JoinMixin, announce_sync, count_active_ranks, find_common_rank
 from .pickling import PicklingMixin
 from .reducer import Reducer, unused_parameters_error
-from .replicas import broadcast_coalesced, check_same_signature
+from .regroup import RegroupMixin
+from .replicas import broadcast_coalesced, check_same_signature, shared_states, synced_buffers, trained
 from .state_dict import StateDictMixin
-from .torch_surface import TorchSurfaceMixin, check_device_ids, ignored_names, move_to
+from .torch_surface import TorchSurfaceMixin, check_device_ids, check_ready_to_wrap, ignored_names, move_to
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # names each DDP's keys in the store; same order on every rank
@@ -55,8 +57,8 @@ _LEVELS: dict[str, type] = {}
 _LEVEL_MODULES = {"parameters": "phalanx.engine.fully_sharded"}
 
 
-class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSurfaceMixin, torch.nn.Module,
-                              Joinable):
+class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSurfaceMixin, RegroupMixin,
+                              torch.nn.Module, Joinable):
     """Synchronous data parallelism: every rank holds a replica, gradients are averaged in backward.
 
     Drop-in for `torch.nn.parallel.DistributedDataParallel` (same arguments, same behaviour).
@@ -90,7 +92,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self._ignored = ignored_names(module)  # torch's _ddp_params_and_buffers_to_ignore
-        named = self._trained(module)
+        named = trained(module, self._ignored)
         if not named:
             raise NoTrainableParametersError(explain(
                 "DistributedDataParallel is not needed when a module doesn't have any parameter that requires "
@@ -122,18 +124,20 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._control_device = collective_device(self.process_group, next(iter(devices)))
         check_same_signature(module, self.process_group, self._control_device)
         if init_sync:
-            broadcast_coalesced([t for _, t in self._states(module)], self._group_rank0, self.process_group)
+            broadcast_coalesced([t for _, t in shared_states(module, self._ignored)], self._group_rank0,
+                                self.process_group)
         self._first_cap_bytes = first_cap
         self._user_cap = bucket_cap_mb is not None  # else the exchange may plan buckets of its own size
         self._hook_registered = False
+        self._comm_hook = None  # (state, hook): registered again on an engine rebuilt by regroup()
         # Listing buffers walks every submodule: skip it on each forward of a model that has none.
-        self._has_buffers = any(True for _ in self._synced_buffers())
+        self._has_buffers = bool(synced_buffers(module, self._ignored))
         self._divide_by_initial_world_size = True
         self._build_engine()
 
     def _build_engine(self) -> None:
         """The step guard, the exchange and the reducer (collective when the exchange shares memory)."""
-        named = self._trained(self.module)
+        named = trained(self.module, self._ignored)
         self._guard = StepGuard(self.process_group, next(_instances))
         params = [p for _, p in named]
         if getattr(self, "_hosts", None) is None and self.process_group.size() > 1:
@@ -208,22 +212,8 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         finally:
             _TorchDDP._active_ddp_module = previous
 
-    def _trained(self, module: torch.nn.Module) -> list:
-        """(name, parameter) for the parameters DDP averages: trainable, not ignored."""
-        ignored = getattr(self, "_ignored", frozenset())
-        return [(name, p) for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
-
-    def _states(self, module: torch.nn.Module) -> list:
-        """(name, tensor) for the parameters and buffers replicas share: all but the ignored ones."""
-        ignored = getattr(self, "_ignored", frozenset())
-        return [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in ignored]
-
-    def _synced_buffers(self) -> list:
-        ignored = getattr(self, "_ignored", frozenset())
-        return [b for name, b in self.module.named_buffers() if name not in ignored]
-
     def _sync_buffers(self, joining: bool, src: int | None = None) -> None:
-        buffers = self._synced_buffers()
+        buffers = synced_buffers(self.module, self._ignored)
         if not buffers:
             return
         self._guard.begin()
@@ -264,7 +254,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         check_comm_hook(hook, self._hook_registered)
         if self._reducer is None:
             self._ensure_engine()
-        self._hook_registered = True
+        self._hook_registered, self._comm_hook = True, (state, hook)
         self._reducer.set_exchange(choose_exchange(self.process_group, self._guard, self._reducer.params, owner=self,
                                                    comm_hook=(state, hook)))
 
@@ -305,14 +295,4 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
 
 
 DDP = DistributedDataParallel
-
-
-def check_ready_to_wrap(unsupported: dict) -> None:
-    """No argument torch's DDP lacks and phalanx does not take, and a process group to wrap for."""
-    if unsupported:
-        raise TypeError(f"phalanx.DistributedDataParallel does not support {sorted(unsupported)}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise WorldConfigError(explain(
-            "DistributedDataParallel needs a process group", seen="torch.distributed not initialized",
-            fix="Call phalanx.init() (or torch.distributed.init_process_group) before wrapping the model."))
 

@@ -31,8 +31,8 @@ from ..sharding.meta_init import check_all_meta, has_meta_tensors, initializer, 
 from ..sharding.optimizer_view import OptimizerView
 from ..sharding.param_retarget import retarget
 from ..sharding.stray_optimizers import forbid
-from .ddp import DistributedDataParallel, check_ready_to_wrap
-from .torch_surface import check_device_ids, move_to
+from .ddp import DistributedDataParallel
+from .torch_surface import check_device_ids, check_ready_to_wrap, move_to
 
 PARAMETERS = "parameters"
 

@@ -15,7 +15,7 @@ from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 
 from ..bucket.shard_levels import unsupported_with_sharding
 from ..diagnose import recorder
-from .replicas import broadcast_coalesced
+from .replicas import broadcast_coalesced, shared_states
 
 SYNCS_GRADIENTS, SYNCS_BUFFERS = 1, 2
 
@@ -70,7 +70,7 @@ class DDPJoinHook(JoinHook):
         """After join: every rank adopts the model of the (highest) last rank to finish."""
         ddp = self.ddp
         src, step = all_reduce_max(ddp, [dist.get_rank() if is_last_joiner else -1, ddp._guard.step])
-        broadcast_coalesced([t for _, t in ddp._states(ddp.module)], src,
+        broadcast_coalesced([t for _, t in shared_states(ddp.module, ddp._ignored)], src,
                             ddp.process_group, wait=ddp._guard.wait_work)
         ddp._guard.step = step
         ddp._guard.end()

@@ -19,6 +19,20 @@ from ..errors import ParameterMismatchError, explain
 BROADCAST_CAP_BYTES = 250 * 1024 * 1024  # per flat chunk: bounds the extra memory of a broadcast
 
 
+def trained(module: torch.nn.Module, ignored=frozenset()) -> list:
+    """(name, parameter) for the parameters DDP averages: trainable, not ignored."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
+
+
+def shared_states(module: torch.nn.Module, ignored=frozenset()) -> list:
+    """(name, tensor) for the parameters and buffers replicas share: all but the ignored ones."""
+    return [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if n not in ignored]
+
+
+def synced_buffers(module: torch.nn.Module, ignored=frozenset()) -> list:
+    return [b for name, b in module.named_buffers() if name not in ignored]
+
+
 def replica_signature(module: torch.nn.Module) -> list[str]:
     """One line per parameter and buffer: what must agree across ranks for DDP to be meaningful."""
     lines = [f"parameter {name} {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"

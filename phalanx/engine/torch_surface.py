@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from ..diagnose import recorder
-from ..errors import TorchInternalError, explain
+from ..errors import TorchInternalError, WorldConfigError, explain
 from .dist_autograd import current_context
 
 IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"  # torch's name, set on the module before wrapping
@@ -198,3 +198,13 @@ class TorchSurfaceMixin:
     def _update_process_group(self, new_process_group) -> None:
         raise torch_internal("DistributedDataParallel._update_process_group", "the exchange is built for the "
                              "group it was constructed with", "Wrap the module again on the new group.")
+
+
+def check_ready_to_wrap(unsupported: dict) -> None:
+    """No argument torch's DDP lacks and phalanx does not take, and a process group to wrap for."""
+    if unsupported:
+        raise TypeError(f"phalanx.DistributedDataParallel does not support {sorted(unsupported)}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise WorldConfigError(explain(
+            "DistributedDataParallel needs a process group", seen="torch.distributed not initialized",
+            fix="Call phalanx.init() (or torch.distributed.init_process_group) before wrapping the model."))

@@ -35,11 +35,18 @@ class BucketExchange(ABC):
     """
 
     keeps_plan = False  # True: the bucket plan must not change once built (the one-time rebuild is skipped)
+    closing = None  # a weakref.finalize that closes what the exchange holds beyond tensors (choose.py)
 
     def __init__(self, guard: StepGuard):
         self.guard = guard
         self.divisor = guard.world_size  # averaged over this many ranks (join may change it)
         self.timer = PhaseTimer()  # off unless a profiler (phalanx bench --profile) turns it on
+
+    def close(self) -> None:
+        """Release what this exchange holds besides its tensors (a shared-memory worker thread), before the
+        engine is rebuilt on another process group; not collective. It is not used again."""
+        if self.closing is not None:
+            self.closing()
 
     # -- storage and plan -------------------------------------------------------------------------
 

@@ -64,10 +64,8 @@ def choose_exchange(group, guard: StepGuard, params: list[torch.Tensor], *, owne
     elif group.size() > 1 and cpu_floats:
         comm = shm_communicator(group, host=key)
         if comm is not None:
-            weakref.finalize(owner, comm.close)
-            if shard != "none":
-                return ShmShardedExchange(comm, guard, shard)
-            return ShmExchange(comm, guard)
+            exchange = ShmShardedExchange(comm, guard, shard) if shard != "none" else ShmExchange(comm, guard)
+            return _closed_with(exchange, owner, comm)
     if shard != "none":
         return ShardedExchange(group, guard, shard)
     return AllReduceExchange(group, guard)
@@ -95,8 +93,16 @@ def _hierarchical(hosts, group, guard: StepGuard, owner: object, shard: str) -> 
             comm.close()
         log.logger.info("the exchange across hosts is flat: shared memory is off on some host")
         return None
-    weakref.finalize(owner, comm.close)
     if shard != "none":
-        return HierShardedExchange(comm, groups.network, group, guard, shard, hosts.topology.hosts)
+        return _closed_with(HierShardedExchange(comm, groups.network, group, guard, shard, hosts.topology.hosts),
+                            owner, comm)
     # PHALANX_XHOST=hier: every bucket in two levels; unset: each bucket by its size (hierarchical.two_level).
-    return HierarchicalExchange(comm, groups.network, group, guard, per_bucket=hosts.topology.xhost != "hier")
+    return _closed_with(HierarchicalExchange(comm, groups.network, group, guard,
+                                             per_bucket=hosts.topology.xhost != "hier"), owner, comm)
+
+
+def _closed_with(exchange: BucketExchange, owner: object, comm) -> BucketExchange:
+    """`exchange`, whose communicator is closed when `owner` (the DDP model) is collected, or sooner by
+    `exchange.close()` (the engine rebuilt on a new process group)."""
+    exchange.closing = weakref.finalize(owner, comm.close)
+    return exchange

@@ -1,0 +1,59 @@
+"""A DDP model moved in-process onto the next generation of the world: the ranks left after a loss.
+
+Data parallelism keeps a whole replica on every rank, bitwise equal after each step, so ranks that
+survive the loss of others need no restart and no checkpoint read: they meet on a new process group
+(the old one cannot be trusted: a Gloo collective on it may wait on a dead peer, and cannot be
+aborted) and go on. `regroup(group)` rebuilds what was built from the old group (the host topology,
+the step guard, the exchange, shared memory among the ranks left included, and the reducer's buckets)
+and drops the gradients of the step in flight, which the survivors redo. The parameters do not move.
+
+Sharded levels keep a part of the state on each rank: a lost rank takes its part with it (a copy on
+another host is the way back, not built yet), so they refuse and the run falls back to its checkpoint.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..bucket.shard_levels import unsupported_with_sharding
+from ..errors import WorldConfigError, explain
+from ..exchange.choose import choose_exchange
+from ..world.group import collective_device
+from .replicas import check_same_signature
+
+
+class RegroupMixin:
+    """`regroup`, mixed into DistributedDataParallel (which provides `_build_engine` and the engine's state)."""
+
+    def regroup(self, process_group) -> None:
+        """Train on `process_group` from the next forward on, in place of the group the model had.
+
+        Collective over `process_group`: each of its ranks calls it, in the same order with respect to other
+        DDP models. The gradients of a step not yet applied are dropped (set to None): redo that step on the
+        new group. A comm hook registered before is registered again on the new engine.
+
+        >>> survivors = torch.distributed.new_group([0, 1], use_local_synchronization=True)  # doctest: +SKIP
+        >>> model.regroup(survivors)
+        """
+        if process_group is None or process_group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise WorldConfigError(explain(
+                "regroup needs the process group this rank trains on next", rank=dist.get_rank(),
+                seen=repr(process_group), expected="a group this rank is a member of",
+                fix="Pass the group every surviving rank made (dist.new_group(survivors, ...)), on each survivor."))
+        if self.shard != "none":
+            raise unsupported_with_sharding("regroup()", self.shard, "A lost rank took its shards with it: restart "
+                                            "from the newest checkpoint (phalanx run does), or use shard='none'.")
+        if self._reducer is not None:
+            self._reducer.remove()  # the old hooks would launch buckets on the old group
+            self._reducer.exchange.close()
+        self.process_group = process_group
+        self._group_rank0 = dist.get_global_rank(process_group, 0)
+        self._control_device = collective_device(process_group, self._named_params[0][1].device)
+        self._hosts = None  # which ranks share a host: asked again of the ranks left
+        check_same_signature(self.module, process_group, self._control_device)
+        for _, parameter in self._named_params:
+            parameter.grad = None  # the step in flight is redone on the new group
+        self._build_engine()
+        if self._comm_hook is not None:
+            self._reducer.set_exchange(choose_exchange(process_group, self._guard, self._reducer.params, owner=self,
+                                                       comm_hook=self._comm_hook))
