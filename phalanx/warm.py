@@ -327,7 +327,7 @@ def _become_command(request: dict, fds: list, env: dict, command, namespaces: di
     sys.argv, sys.orig_argv = list(request["sys_argv"]), list(request["orig_argv"])
     if sys.path:
         sys.path[0] = request["path0"]
-    from .launch.worker_entry import _end_without_teardown, _exit_status, start_as_fresh
+    from .launch.worker_entry import _end_without_teardown, exit_status, start_as_fresh
 
     start_as_fresh()
 
@@ -337,7 +337,7 @@ def _become_command(request: dict, fds: list, env: dict, command, namespaces: di
     try:
         code = main(request["argv"])
     except SystemExit as exc:
-        code = _exit_status(exc.code)
+        code = exit_status(exc.code)
     except KeyboardInterrupt:
         import traceback
 
@@ -348,7 +348,7 @@ def _become_command(request: dict, fds: list, env: dict, command, namespaces: di
 
         traceback.print_exc()
         code = 1
-    _end_without_teardown(_exit_status(code))
+    _end_without_teardown(exit_status(code))
 
 
 def main(argv: list[str], command) -> int:

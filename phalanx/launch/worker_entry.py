@@ -124,11 +124,11 @@ def run_forked(argv: list) -> None:
         main(argv)
         code = 0
     except SystemExit as exc:
-        code = _exit_status(exc.code)
+        code = exit_status(exc.code)
     _end_without_teardown(code)
 
 
-def _exit_status(code) -> int:
+def exit_status(code) -> int:
     """What the interpreter exits with for `sys.exit(code)`: None is 0, an int itself, anything else printed to
     stderr and 1."""
     if code is None:
@@ -143,6 +143,12 @@ def _exit_status(code) -> int:
 
 
 def _end_without_teardown(code: int) -> None:
+    finish_as_python_does()
+    os._exit(code)
+
+
+def finish_as_python_does() -> None:
+    """What the interpreter does at the end of `python script.py`, short of tearing down its heap."""
     import threading
 
     threading._shutdown()  # what Py_Finalize does first: wait for the non-daemon threads
@@ -156,7 +162,6 @@ def _end_without_teardown(code: int) -> None:
         ctypes.CDLL(None).fflush(None)  # C's stdio buffers (a C++ library's output), which exit() would flush
     except (OSError, AttributeError):
         pass
-    os._exit(code)
 
 
 # What a worker's environment may hold differently from the fork server's: variables read when a worker

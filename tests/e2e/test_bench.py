@@ -16,6 +16,7 @@ import pytest
 from phalanx.testing import run_ranks
 from phalanx.tools import bench
 from tests.conftest import ROOT, checkout_on_pythonpath, with_warm_launcher
+from tests.helpers.forked_python import run_python
 
 QUICK = ["--quick", "--models", "deep"]
 
@@ -126,9 +127,8 @@ def test_gpu_bench_smoke_runs_every_section_on_the_cpu(tmp_path):
     """World size 1: benchmarks/gpu_bench.py --smoke, the GPU benchmark's logic at toy sizes on the CPU: every
     section gives its figures, the goals are evaluated, the JSON and the markdown table are written."""
     script = ROOT / "benchmarks" / "gpu_bench.py"
-    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": checkout_on_pythonpath()})
+    done = run_python([script, "--smoke", "--out", tmp_path], cwd=ROOT, timeout=600,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": checkout_on_pythonpath()})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert results["smoke"] is True and results["errors"] == {}
@@ -150,9 +150,8 @@ def test_gpu_small_profile_smoke_gives_every_reading_on_the_cpu(tmp_path):
     """World size 1: benchmarks/gpu_small_profile.py --smoke (the small-batch diagnosis of issue 36 at toy sizes
     on the CPU): per variant the thread CPU, process CPU and wall time per step, and the profiler's counts."""
     script = ROOT / "benchmarks" / "gpu_small_profile.py"
-    done = subprocess.run([sys.executable, str(script), "--smoke", "--rounds", "2", "--steps", "1", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": checkout_on_pythonpath()})
+    done = run_python([script, "--smoke", "--rounds", "2", "--steps", "1", "--out", tmp_path], cwd=ROOT, timeout=300,
+                      env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": checkout_on_pythonpath()})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads((tmp_path / "small_profile.json").read_text())
     assert set(results["summary"]) == {"plain", "torch", "phalanx", "phalanx-view"}

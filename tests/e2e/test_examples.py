@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from phalanx.testing import free_port
-from tests.conftest import ROOT, run_command
+from tests.conftest import ROOT, checkout_on_pythonpath, run_command
+from tests.helpers.forked_python import run_python
 from tests.helpers.trainers import require
 
 EXAMPLES = ROOT / "examples"
@@ -104,8 +105,11 @@ def test_global_batch_example_resumes_at_another_world_size_on_the_uninterrupted
                    "--out", tmp_path / "resumed.pt", "--epochs", "2"], cwd=tmp_path)
     assert "global batch 64 = 3 ranks x 2 micro-batches of at most 11" in second
     assert "from step 6 of epoch 1" in second  # 16 steps per epoch: step 22 is the 6th of the second
-    alone = _run([sys.executable, script, "--checkpoints", tmp_path / "alone", "--out", tmp_path / "alone.pt",
-                  "--epochs", "2"], cwd=tmp_path)
+    done = run_python([script, "--checkpoints", tmp_path / "alone", "--out", tmp_path / "alone.pt", "--epochs", "2"],
+                      cwd=tmp_path, timeout=150, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+                                                      "PYTHONPATH": checkout_on_pythonpath()})
+    alone = done.stdout + done.stderr
+    assert done.returncode == 0, alone
     assert "global batch 64 = 1 rank x 4 micro-batches x 16" in alone
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
     for name, value in torch.load(tmp_path / "alone.pt", weights_only=True).items():

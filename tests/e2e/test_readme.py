@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_command
+from tests.conftest import ROOT, checkout_on_pythonpath, run_command
+from tests.helpers.forked_python import run_python
 
 README = ROOT / "README.md"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("phalanx")
@@ -98,6 +99,14 @@ def shell_commands() -> list[list[str]]:
 # -- running commands --------------------------------------------------------------------------------
 
 run = run_command  # the README tests read as the commands they run
+
+
+def run_alone(script: str, cwd: Path) -> str:
+    """`python script` in `cwd` (forked: tests/helpers/forked_python.py); its output, once it ended with 0."""
+    done = run_python([script], cwd=cwd, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
+                                             "PYTHONPATH": checkout_on_pythonpath()}, timeout=120)
+    assert done.returncode == 0, f"python {script} exited with {done.returncode}:\n{done.stdout}{done.stderr}"
+    return done.stdout + done.stderr
 
 
 def epoch_losses(output: str) -> dict[int, list[str]]:
@@ -214,9 +223,9 @@ class TestPythonBlocks:
     def test_training_script_runs_alone_under_python(self, tmp_path):
         """World size 1: train.py under plain python, twice (the second run resumes at the end)."""
         (tmp_path / "train.py").write_text(python_block("train.py"))
-        output = run([sys.executable, "train.py"], tmp_path)
+        output = run_alone("train.py", tmp_path)
         assert sorted(epoch_losses(output)) == [1, 2, 3, 4, 5], output
-        again = run([sys.executable, "train.py"], tmp_path)  # everything done: resumes at the end
+        again = run_alone("train.py", tmp_path)  # everything done: resumes at the end
         assert "resumed from" in again and not epoch_losses(again), again
 
     def test_torch_ddp_with_the_shared_memory_hook(self, tmp_path):
