@@ -67,9 +67,17 @@ def pytest_collection_modifyitems(config, items):
         if tier == "e2e":
             item.add_marker("slow")
     # The longest files first (e2e, then ranks, then the many short unit tests): under pytest-xdist a long
-    # file dealt out last would leave the other workers idle while it runs alone (tests/suite.py).
-    items.sort(key=lambda item: (-TIERS.index(_tier(item)) if _tier(item) in TIERS else 0,
+    # file dealt out last would leave the other workers idle while it runs alone (tests/suite.py). The waiting
+    # stage deals its tests one by one: those marked `waiting(seconds=N)`, the longest first (~10 s less).
+    items.sort(key=lambda item: (-_seconds(item),
+                                 -TIERS.index(_tier(item)) if _tier(item) in TIERS else 0,
                                  item.path.relative_to(TESTS).as_posix() not in LONGEST if _tier(item) else True))
+
+
+def _seconds(item) -> float:
+    """How long a `waiting` test takes, as its mark says (`pytest.mark.waiting(seconds=20)`); 0 if unsaid."""
+    mark = item.get_closest_marker("waiting")
+    return float(mark.kwargs.get("seconds", 0)) if mark is not None else 0.0
 
 
 class _GroupInNodeId:

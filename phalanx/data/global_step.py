@@ -97,6 +97,13 @@ class GlobalStep:
         self._taken = 0
         self._started = False
         self._finished = False
+        self._restarted = False
+
+    def _restart(self, layout: StepLayout, batches, world_size: int, rank: int) -> None:
+        """This step again from its first micro-batch, split as `layout` (DataLoader.regroup: another world)."""
+        self.samples, self.sizes, self.weights = layout.samples, layout.sizes, layout.weights
+        self._batches, self._world_size, self._rank = batches, world_size, rank
+        self.loss, self._taken, self._restarted = 0.0, 0, self._started
 
     @property
     def num_micro_batches(self) -> int:
@@ -117,13 +124,15 @@ class GlobalStep:
                 fix="Take the next step from the loader (for step in loader: ...)."))
         self._started = True
         sync_off = _sync_off(model, self._world_size, self._rank)
-        last = len(self.sizes) - 1
+        j = 0
         try:
-            for j in range(len(self.sizes)):
+            while j < len(self.sizes):
                 batch = self._next_batch()
                 self.weight = self.weights[j]
-                with sync_off() if j < last else nullcontext():
+                with sync_off() if j < len(self.sizes) - 1 else nullcontext():
                     yield batch
+                j = 0 if self._restarted else j + 1  # re-split by DataLoader.regroup: the loop starts over
+                self._restarted = False
         finally:
             self.weight = None
         self._finish()
@@ -164,6 +173,21 @@ class StepIterator:
 
     def __iter__(self):
         return self
+
+    def in_flight(self) -> GlobalStep | None:
+        """The step handed out last, if its micro-batch loop has not ended."""
+        return self._current if self._current is not None and not self._current.done else None
+
+    def adopt(self, other: StepIterator, in_flight: GlobalStep | None) -> None:
+        """Go on as `other`, the same pass re-split (DataLoader.regroup); `in_flight`, the step `other` starts at,
+        starts its micro-batch loop over on the new split instead of being handed out again."""
+        self._plan, self._rank, self._offset = other._plan, other._rank, other._offset
+        self._next_step, self._batches, self._on_done = other._next_step, other._batches, other._on_done
+        self._current = None
+        if in_flight is not None:
+            in_flight._restart(self._plan.step(self._next_step, self._rank, self._offset), self._batches,
+                               self._plan.world_size, self._rank)
+            self._current, self._next_step = in_flight, self._next_step + 1
 
     def __next__(self) -> GlobalStep:
         if self._current is not None and not self._current.done:

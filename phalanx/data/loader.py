@@ -10,6 +10,7 @@ keeps its position in steps of the epoch, which mean the same samples at any wor
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections import deque
 
 import torch
@@ -20,6 +21,7 @@ from ..errors import DataConfigError, ResumeStateError, explain
 from ..log import logger
 from .global_plan import GlobalBatchPlan
 from .global_step import MicroBatchSampler, StepIterator
+from .regroup import regroup_loader
 from .sampler import LAYOUT_KEYS, DistributedSampler
 
 _TORCH_ARGUMENTS = inspect.signature(torch.utils.data.DataLoader.__init__)
@@ -108,6 +110,7 @@ class DataLoader(torch.utils.data.DataLoader):
         sampler = self.resumable_sampler()
         self._position = _fresh(sampler.epoch if sampler is not None else 0)
         self._resume_pending = False
+        self._live_steps = lambda: None  # the StepIterator of the pass under way, weakly (_iter_steps)
         if self.plan is not None:
             progress.plan(**self.plan.as_dict())
             if sampler.rank == 0:
@@ -226,7 +229,20 @@ class DataLoader(torch.utils.data.DataLoader):
         self._micro_sampler.first_step = first
         sizes = self._recorder.sizes = deque()
         batches = _CountingIterator(self._start_pass(resuming), sizes, self._position)
-        return StepIterator(plan, sampler.rank, offset, first, batches, self._step_done)
+        steps = StepIterator(plan, sampler.rank, offset, first, batches, self._step_done)
+        self._live_steps = weakref.ref(steps)  # the pass DataLoader.regroup re-splits
+        return steps
+
+    def regroup(self, rank: int, world_size: int, step: int | None = None) -> None:
+        """Deal the rest of the epoch over `world_size` ranks, this process being `rank`, from step `step` on
+        (default: the step in flight, else the next one), in place. Each step keeps its samples, as on a resume
+        at another world size, so none is lost or used twice. The pass in progress (`for step in loader:`)
+        goes on at that step, re-split; a step whose micro-batch loop is under way starts it over on the new
+        split. With a global batch only. Live recovery calls it on each rank left, after the model's `regroup`.
+
+        >>> loader.regroup(rank=survivors.index(old_rank), world_size=len(survivors))   # doctest: +SKIP
+        """
+        regroup_loader(self, rank, world_size, step)
 
     def _step_done(self, step: int) -> None:
         self._position["steps"] = step + 1

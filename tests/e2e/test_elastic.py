@@ -140,6 +140,7 @@ def stop_all(processes) -> None:
             kill_node(process)
 
 
+@pytest.mark.waiting(seconds=10)
 def test_unreachable_master_is_named_within_the_rendezvous_timeout(tmp_path, two_hosts):  # noqa: F811
     """1 host of 2: --master-addr is an address of the hosts' network that nobody serves."""
     host = two_hosts[1]
@@ -160,6 +161,7 @@ def test_unreachable_master_is_named_within_the_rendezvous_timeout(tmp_path, two
         assert cpp not in output, output
 
 
+@pytest.mark.waiting(seconds=20)
 def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
     """World size 2 -> 1 -> 2: 2 hosts x 1 worker, --nnodes 1:2, host B SIGKILLed mid-epoch, then started again;
     against an uninterrupted run at the same global batch (one process, as test_same_global_batch_at_1_2_and_4_ranks
@@ -205,6 +207,7 @@ def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
     assert_same_params(run_dir, reference)
 
 
+@pytest.mark.waiting(seconds=9)
 def test_a_failing_worker_restarts_every_node(tmp_path, two_hosts):  # noqa: F811
     """World size 2 (2 hosts x 1) on a fixed set of nodes, `--nnodes 2 --max-restarts 1`: host B's worker raises
     once, mid-epoch. Every node's workers restart together (a node's restarted workers must not wait for peers
@@ -222,6 +225,7 @@ def test_a_failing_worker_restarts_every_node(tmp_path, two_hosts):  # noqa: F81
     assert_same_params(run_dir, reference)
 
 
+@pytest.mark.waiting(seconds=15)
 def test_same_global_batch_at_1_2_and_4_ranks(tmp_path, two_hosts):  # noqa: F811
     """World sizes 1 (one process), 2 (2 hosts x 1) and 4 (2 hosts x 2), a global batch of 8."""
     one = tmp_path / "one"

@@ -160,6 +160,7 @@ class TestStraggler:
 class TestWatchdogUnderTorchrun:
     """World size 2 under torchrun: the workers' own watchdog reports (no phalanx launcher)."""
 
+    @pytest.mark.waiting(seconds=20)
     def test_the_watchdog_names_the_stuck_rank_and_the_group_exits(self, tmp_path):
         """World size 2: rank 1 sleeps in its data loading; rank 0's watchdog prints the verdict."""
         result = subprocess.run(

@@ -294,6 +294,7 @@ class TestLauncherEdges:
         assert "during the rendezvous, before any worker started: nothing to save" in output
         assert ended - asked < 5, output
 
+    @pytest.mark.waiting(seconds=10)
     def test_a_second_ctrl_c_kills_at_once(self, tmp_path):
         """World size 2, steps of 3 s: Ctrl-C asks, a second Ctrl-C kills before the agreed step."""
         launcher = start_launcher(tmp_path, "--step-seconds", "3", flags=("--nproc-per-node", "2"))

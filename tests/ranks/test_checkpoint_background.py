@@ -232,7 +232,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-@pytest.mark.waiting  # a bound on how long a rank waits for a dead writer's part
+@pytest.mark.waiting(seconds=7)  # a bound on how long a rank waits for a dead writer's part
 def test_a_full_disk_and_a_dead_writer_are_typed_errors_and_the_previous_checkpoint_stays(small_disk):
     """World size 2 on a 16 MB tmpfs: rank 0's write runs out of space, then rank 1's writer is SIGKILLed
     mid-write; every rank raises CheckpointWriteError at wait() (naming the path and the cause), the newest

@@ -19,6 +19,7 @@ from tests.conftest import ROOT, checkout_on_pythonpath
 pytestmark = pytest.mark.waiting
 
 
+@pytest.mark.waiting(seconds=10)
 def test_shutdown_does_not_wait_for_a_dead_peer(tmp_path):
     """World size 2: rank 1 dies by SIGKILL; rank 0's shutdown() takes seconds, not SHUTDOWN_WAIT."""
     port = free_port()

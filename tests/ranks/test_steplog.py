@@ -15,7 +15,7 @@ import phalanx as px
 from phalanx.testing import run_ranks
 
 # tests/suite.py: the straggler check measures time (a 50 ms sleep, +- 10 ms), not beside CPU-heavy tests
-pytestmark = [pytest.mark.waiting, pytest.mark.xdist_group("steplog-run")]  # one run for the file
+pytestmark = [pytest.mark.waiting(seconds=15), pytest.mark.xdist_group("steplog-run")]  # one run for the file
 
 # 200 ms: large against what a busy 2-core machine adds to a step (tens of ms), so that the measured skew
 # is checked to 20 % without the check turning on the machine's load (50 ms +- 10 failed at 62 ms, loaded).

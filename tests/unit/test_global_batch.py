@@ -324,3 +324,63 @@ def test_the_plan_is_logged_once_by_rank_0_and_recorded_for_the_launcher(tmp_pat
                          "micro_batches_per_rank": 4, "global_batch_size": GLOBAL_BATCH, "steps_per_epoch": 4,
                          "text": logged[0]}
     assert record.last("plan") == events[-1]
+
+
+# -- a live re-split: DataLoader.regroup --------------------------------------------------------------
+
+@pytest.mark.parametrize("before, after", [(3, 2), (4, 1), (2, 3)], ids=["3-to-2", "4-to-1", "2-to-3"])
+def test_regroup_re_splits_the_pass_in_progress_from_the_step_in_flight(before, after):
+    """`before` simulated ranks take steps 0 and 1 and the first micro-batch of step 2 (its loss counted);
+    then the world becomes `after` ranks: the first of them regroup their loaders in place, a rank that
+    joins loads their position. Step 2 starts its micro-batch loop over on the new split (its loss
+    back at zero) and every step of the epoch averages the reference's samples, each sample once."""
+    _, expected = reference_run(epochs=1)
+    model = make_model()
+    rank_loaders = loaders(before)
+    iterators = [iter(loader) for loader in rank_loaders]
+    seen = {index: step_ids([next(it) for it in iterators]) for index in range(2)}
+    in_flight = [next(it) for it in iterators]
+    loops = [step.micro_batches() for step in in_flight]
+    for step, loop in zip(in_flight, loops):
+        _, x, y = next(loop)
+        step.backward(F.mse_loss(model(x), y))
+    kept = min(before, after)
+    for rank in range(kept):
+        rank_loaders[rank].regroup(rank, after)
+    joined = loaders(after)[kept:]
+    for loader in joined:  # a new rank takes the position from the ranks it joins (their state, not a file)
+        loader.load_state_dict(round_trip(rank_loaders[0].state_dict()))
+    plan = GlobalBatchPlan.build(global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, world_size=after,
+                                 dataset_len=SIZE)
+    ids = []
+    for rank, (step, loop) in enumerate(zip(in_flight[:kept], loops[:kept])):
+        offset = rank_loaders[rank].sampler.offset  # step 2's first entry: the rest of the epoch is re-dealt
+        assert offset == 2 * GLOBAL_BATCH
+        assert (step.index, step.sizes, step.loss) == (2, plan.step(2, rank, offset).sizes, 0.0), rank
+        ids += [i for index, _, _ in loop if step.weight for i in index.tolist()]
+    joined_iterators = [iter(loader) for loader in joined]
+    joined_steps = [next(it) for it in joined_iterators]
+    assert [step.index for step in joined_steps] == [2] * len(joined)
+    seen[2] = sorted(ids + step_ids(joined_steps))
+    live = iterators[:kept] + joined_iterators
+    for index in range(3, len(expected)):
+        seen[index] = step_ids([next(it) for it in live])
+    for it in live:
+        with pytest.raises(StopIteration):
+            next(it)
+    assert seen == {step: ids for (_, step), ids in expected.items()}
+    assert rank_loaders[0].state_dict()["num_replicas"] == after and rank_loaders[0].plan.world_size == after
+
+
+def test_regroup_refuses_what_it_cannot_re_split_exactly():
+    plain = DataLoader(Indexed(), batch_size=MICRO_BATCH,
+                       sampler=DistributedSampler(Indexed(), num_replicas=2, rank=0, seed=SEED))
+    with pytest.raises(DataConfigError, match="needs a global batch"):
+        plain.regroup(0, 1)
+    loader = loaders(2)[0]
+    with pytest.raises(DataConfigError, match="rank outside the world"):
+        loader.regroup(2, 2)
+    steps = iter(loader)  # the pass under way: `for step in loader` holds it as this does
+    next(next(steps).micro_batches())
+    with pytest.raises(DataConfigError, match="another step than the one in flight"):
+        loader.regroup(0, 1, step=1)
