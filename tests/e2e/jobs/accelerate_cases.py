@@ -51,6 +51,10 @@ if __name__ == "__main__":
             say(f"case {label}: passed")
         except Exception as error:  # every case reports; the run fails at the end
             failed += 1
-            say(f"case {label}: failed: {type(error).__name__}: {str(error).splitlines()[0]}")
+            first, *rest = str(error).splitlines() or [""]
+            say(f"case {label}: failed: {type(error).__name__}: {first}")
+            # The rest (Accelerate's messages hold both models' gradients): whether a failure is a roundoff
+            # next to zero or a step not averaged at all. One case failed once in a full run, never alone.
+            say("\n".join(f"    {line}" for line in rest[:40]))
     close_world()
     sys.exit(1 if failed else 0)
