@@ -48,8 +48,7 @@ def regroup_loader(loader, rank: int, world_size: int, step: int | None) -> None
     if not 0 <= first <= plan.steps_per_epoch:
         raise DataConfigError(explain("DataLoader.regroup's step is outside the epoch", rank=rank,
                                       seen=f"step={first}", expected=f"0..{plan.steps_per_epoch}"))
-    state = loader.state_dict()  # the epoch, the layout, the pass's seed: what a resume would load
-    state.update(steps=first, samples=min(first * plan.global_batch_size, plan.dataset_len))
+    state = {**loader.state_dict(), "steps": first}  # the epoch, the layout, the pass's seed: what a resume loads
     new_plan = GlobalBatchPlan.build(global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
                                      world_size=world_size, dataset_len=plan.dataset_len, drop_last=plan.drop_last,
                                      rank=rank)

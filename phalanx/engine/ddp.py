@@ -128,8 +128,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
                                 self.process_group)
         self._first_cap_bytes = first_cap
         self._user_cap = bucket_cap_mb is not None  # else the exchange may plan buckets of its own size
-        self._hook_registered = False
-        self._comm_hook = None  # (state, hook): registered again on an engine rebuilt by regroup()
+        self._comm_hook = None  # (state, hook) once registered: again on an engine rebuilt by regroup()
         # Listing buffers walks every submodule: skip it on each forward of a model that has none.
         self._has_buffers = bool(synced_buffers(module, self._ignored))
         self._divide_by_initial_world_size = True
@@ -251,10 +250,10 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         if self.shard != "none":
             raise unsupported_with_sharding(f"register_comm_hook({getattr(hook, '__name__', hook)})", self.shard,
                                             "Leave the exchange to phalanx (it reduce-scatters), or use shard='none'.")
-        check_comm_hook(hook, self._hook_registered)
+        check_comm_hook(hook, self._comm_hook is not None)
         if self._reducer is None:
             self._ensure_engine()
-        self._hook_registered, self._comm_hook = True, (state, hook)
+        self._comm_hook = (state, hook)
         self._reducer.set_exchange(choose_exchange(self.process_group, self._guard, self._reducer.params, owner=self,
                                                    comm_hook=(state, hook)))
 

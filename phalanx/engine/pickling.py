@@ -39,7 +39,7 @@ class PicklingMixin:
         super().__setstate__(state)
         self.process_group = _default_group()
         self._guard = self._reducer = self._hosts = None
-        self._hook_registered, self._comm_hook = False, None
+        self._comm_hook = None
 
     def _ensure_engine(self) -> None:
         if self.process_group is None:
