@@ -23,6 +23,7 @@ pytest.importorskip("expecttest", reason="torch's test harness (torch.testing._i
 
 import torch
 import torch.distributed as dist
+import torch.distributed.rpc as rpc
 import torch.multiprocessing
 from torch.testing._internal.common_distributed import MultiProcessTestCase
 
@@ -130,17 +131,33 @@ class TestDistributedTest(_PhalanxProcesses, distributed_test.TestDistBackend,
     pass
 
 
+class _RpcOverLoopback(TensorPipeRpcAgentTestFixture):
+    """torch's RPC agent between the test processes on loopback TCP, not TensorPipe's shared-memory transport.
+
+    That transport intermittently fails these suites in torch's own CI with "eof (this error originated at
+    tensorpipe/transport/shm/connection_impl.cc:259)" (pytorch#64518, open), and did once in ours: in an RPC
+    call from a trainer to the remote worker, mid-training. What these tests check is phalanx's DDP under
+    distributed autograd, whose gradients still go through phalanx's shared memory or Gloo (the classes
+    below); which transport carries torch's RPC messages is not part of it.
+    """
+
+    @property
+    def rpc_backend_options(self):
+        return rpc.backend_registry.construct_rpc_backend_options(
+            self.rpc_backend, init_method=self.init_method, _transports=["uv"])
+
+
 class TestDdpUnderDistAutograd(_PhalanxProcesses, ddp_under_dist_autograd_test.DdpUnderDistAutogradTest,
-                               TensorPipeRpcAgentTestFixture, MultiProcessTestCase):
+                               _RpcOverLoopback, MultiProcessTestCase):
     pass
 
 
 class TestDdpComparison(_PhalanxProcesses, ddp_under_dist_autograd_test.DdpComparisonTest,
-                        TensorPipeRpcAgentTestFixture, MultiProcessTestCase):
+                        _RpcOverLoopback, MultiProcessTestCase):
     pass
 
 
-class TestRpc(_PhalanxProcesses, rpc_test.RpcTest, TensorPipeRpcAgentTestFixture, MultiProcessTestCase):
+class TestRpc(_PhalanxProcesses, rpc_test.RpcTest, _RpcOverLoopback, MultiProcessTestCase):
     pass
 
 
