@@ -23,6 +23,7 @@ from .errors import (
     CollectiveMismatchError,
     DataConfigError,
     MasterUnreachableError,
+    MembershipError,
     NoTrainableParametersError,
     ParameterMismatchError,
     PeerDiedError,

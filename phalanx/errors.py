@@ -171,6 +171,11 @@ class PeerDiedError(PeerFailedError):
     """A peer rank's process ended (crash, SIGKILL, out of memory) while this rank waited for it."""
 
 
+class MembershipError(PhalanxError):
+    """After a loss, the run cannot go on in-process with this rank: too few ranks are left, or the others
+    went on without it (phalanx/world/generation.py)."""
+
+
 class CollectiveMismatchError(PhalanxError, ValueError):
     """Ranks issued different collectives (another size, dtype or order) at the same point."""
 

@@ -15,7 +15,7 @@ DEFAULT_TIMEOUT = 120.0
 
 
 def run_ranks(fn, world_size: int, args: tuple = (), *, timeout: float = DEFAULT_TIMEOUT,
-              env: dict | None = None) -> list:
+              env: dict | None = None, min_world_size: int | None = None) -> list:
     """Run `fn(rank, *args)` on `world_size` CPU ranks over Gloo and return the results in rank order.
 
     >>> from phalanx.testing import run_ranks          # doctest: +SKIP
@@ -27,7 +27,8 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout: float = DEFAULT
     # One thread per rank: ranks share the cores, and oversubscription turns timings into noise.
     settings = {"OMP_NUM_THREADS": "1", "PHALANX_BACKEND": "gloo", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
     # Forked from a server that imported torch once: a test of many small runs starts ranks in ~0.1 s, not ~3 s.
-    return spawn(fn, world_size, args, timeout=timeout, env=settings, start_method="forkserver")
+    return spawn(fn, world_size, args, timeout=timeout, env=settings, start_method="forkserver",
+                 min_world_size=min_world_size)
 
 
 def free_port() -> int:

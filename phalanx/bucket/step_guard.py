@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from ..diagnose import step_clock
-from ..errors import PhalanxError, UnevenInputsError, explain
+from ..errors import PeerDiedError, PhalanxError, UnevenInputsError, explain
+from ..world import generation
 
 DEFAULT_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (PHALANX_DDP_STALL_TIMEOUT)
 PRESENCE_AFTER_SECONDS = 1.0  # a wait this long is unusual: note in the store that this rank is in the step
+WATCH_EVERY_SECONDS = 0.1  # with live recovery: how often a wait asks whether the step was given up
 NAMING_GRACE_SECONDS = 1.0  # how long a rank that detected the problem waits for the others' notes
 
 
@@ -75,6 +77,9 @@ class StepGuard:
             step_clock.add_exchange_wait(step_clock.now_ns() - started)
 
     def _wait_until(self, ready, what: str) -> None:
+        if generation.live_recovery():
+            self._wait_watching(ready, what)
+            return
         if ready(min(PRESENCE_AFTER_SECONDS, self.timeout)):
             return
         # Slow, so the store round trip costs nothing noticeable; should this end in an error, the
@@ -82,6 +87,22 @@ class StepGuard:
         self._note_presence()
         if not ready(max(0.0, self.timeout - PRESENCE_AFTER_SECONDS)):
             self.fail(what, f"no answer within {self.timeout:.0f}s")
+
+    def _wait_watching(self, ready, what: str) -> None:
+        """_wait_until with live recovery: between short waits, ask whether the step was given up. A peer that
+        lost its own connection to a dead rank leaves the collective, and this rank, waiting for that peer's
+        part, would otherwise wait for the whole timeout (a Gloo collective cannot be aborted: it is
+        abandoned, and the model's regroup never touches its buffers again)."""
+        deadline = time.monotonic() + self.timeout
+        while not ready(min(WATCH_EVERY_SECONDS, max(0.0, deadline - time.monotonic()))):
+            if generation.step_abandoned():
+                raise PeerDiedError(explain(
+                    f"{what} of DDP step {self.step} was given up", rank=dist.get_rank(),
+                    seen="a peer gone, or another rank's exchange failed",
+                    expected=f"all {self.world_size} ranks in step {self.step}",
+                    fix="The ranks left regroup and redo the step (live recovery)."))
+            if time.monotonic() >= deadline:
+                self.fail(what, f"no answer within {self.timeout:.0f}s")
 
     def wait(self, future, what: str):
         """future.wait(), but a stall past the timeout or a failed collective raises UnevenInputsError.
@@ -151,6 +172,12 @@ class StepGuard:
 
     def fail(self, what: str, cause: str):
         me = dist.get_rank()
+        if _peer_gone(cause) and generation.live_recovery():  # a loss the ranks left recover from
+            raise PeerDiedError(explain(
+                f"{what} of DDP step {self.step} lost a peer", rank=me, seen=cause,
+                expected=f"all {self.world_size} ranks in step {self.step}",
+                fix="A rank's process ended (killed, out of memory) or its host went away: its log and the "
+                    "launcher's exit codes say which."))
         missing = self._absent_ranks(me)
         who = (f"ranks {missing} did not take part" if missing
                else "another rank was not in step (could not ask the store which)")
@@ -203,6 +230,14 @@ def tag_modulus(dtype: torch.dtype, world_size: int = 1) -> int:
     else:
         exact = 2 ** (torch.iinfo(dtype).bits - 2)
     return max(1, min(exact // max(1, world_size), 2 ** 30))
+
+
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+
+
+def _peer_gone(cause: str) -> bool:
+    """Whether a collective's failure says a peer's connection went away (Gloo's words for a dead peer)."""
+    return any(words in cause.lower() for words in _PEER_GONE)
 
 
 def _failure(exc: Exception) -> str:

@@ -14,7 +14,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from ..errors import DataConfigError, explain
+from ..errors import DataConfigError, PeerDiedError, PeerFailedError, explain
+from ..world import generation
 from .global_plan import GlobalBatchPlan, StepLayout
 
 
@@ -85,15 +86,20 @@ class GlobalStep:
     `index`: the step's number in the epoch; `samples`: how many samples it averages over all ranks;
     `sizes` / `weights`: this rank's micro-batches (a size of 0 is a padding micro-batch, weight 0);
     `weight`: the current micro-batch's; `loss`: this rank's part of the step's mean loss (the sum over
-    ranks, e.g. `phalanx.metrics.all_reduce_sum(step.loss)`, is the mean over the step's samples).
+    ranks, e.g. `phalanx.metrics.all_reduce_sum(step.loss)`, is the mean over the step's samples);
+    `attempt`: 0, or how many times the micro-batch loop started over on another world (a rank was lost).
     """
 
-    def __init__(self, layout: StepLayout, batches, world_size: int, rank: int, on_done) -> None:
+    def __init__(self, layout: StepLayout, batches, world_size: int, rank: int, on_done, recover=None) -> None:
         self.index, self.samples = layout.index, layout.samples
         self.sizes, self.weights = layout.sizes, layout.weights
         self.weight: float | None = None
         self.loss: torch.Tensor | float = 0.0
         self._batches, self._world_size, self._rank, self._on_done = batches, world_size, rank, on_done
+        # With live recovery (world/generation.py): recover(model, cause) regroups the model and the loader
+        # after a loss, and this step's micro-batch loop starts over on the ranks left.
+        self._recover, self._model = recover, None
+        self.attempt = 0
         self._taken = 0
         self._started = False
         self._finished = False
@@ -104,6 +110,7 @@ class GlobalStep:
         self.samples, self.sizes, self.weights = layout.samples, layout.sizes, layout.weights
         self._batches, self._world_size, self._rank = batches, world_size, rank
         self.loss, self._taken, self._restarted = 0.0, 0, self._started
+        self.attempt += 1
 
     @property
     def num_micro_batches(self) -> int:
@@ -123,6 +130,7 @@ class GlobalStep:
                 seen="a second call", expected="one pass over a step's micro-batches",
                 fix="Take the next step from the loader (for step in loader: ...)."))
         self._started = True
+        self._model = model if hasattr(model, "regroup") else None
         sync_off = _sync_off(model, self._world_size, self._rank)
         j = 0
         try:
@@ -145,8 +153,21 @@ class GlobalStep:
                 seen=f"step {self.index}, no current micro-batch",
                 expected="a call inside `for batch in step.micro_batches(model):`",
                 fix="Call step.backward(loss) once per micro-batch, inside the micro-batch loop."))
-        weight = self.weight
-        (loss * weight).backward(**kwargs)
+        weight, last = self.weight, self._taken == len(self.sizes)
+        recovering = self._recover is not None and self._model is not None
+        try:
+            (loss * weight).backward(**kwargs)
+            # The last backward exchanged the gradients: the step is applied only if every rank may apply it.
+            failed_elsewhere = recovering and last and not generation.commit_step()
+        except PeerFailedError as lost:
+            if not recovering:
+                raise
+            generation.fail_step()
+            self._recover(self._model, lost)
+            return
+        if failed_elsewhere:
+            self._recover(self._model, PeerDiedError(f"another rank could not apply step {self.index}"))
+            return
         self.loss = loss.detach() * (weight / self._world_size) + self.loss  # stays on the loss's device
 
     def _next_batch(self):
@@ -166,9 +187,11 @@ class GlobalStep:
 class StepIterator:
     """Yields a `GlobalStep` per optimizer step of the pass; a step left unfinished is skipped past first."""
 
-    def __init__(self, plan: GlobalBatchPlan, rank: int, offset: int, first_step: int, batches, on_done) -> None:
+    def __init__(self, plan: GlobalBatchPlan, rank: int, offset: int, first_step: int, batches, on_done,
+                 recover=None) -> None:
         self._plan, self._rank, self._offset = plan, rank, offset
         self._next_step, self._batches, self._on_done = first_step, batches, on_done
+        self._recover = recover
         self._current: GlobalStep | None = None
 
     def __iter__(self):
@@ -183,7 +206,7 @@ class StepIterator:
         starts its micro-batch loop over on the new split instead of being handed out again."""
         self._plan, self._rank, self._offset = other._plan, other._rank, other._offset
         self._next_step, self._batches, self._on_done = other._next_step, other._batches, other._on_done
-        self._current = None
+        self._recover, self._current = other._recover, None
         if in_flight is not None:
             in_flight._restart(self._plan.step(self._next_step, self._rank, self._offset), self._batches,
                                self._plan.world_size, self._rank)
@@ -195,6 +218,7 @@ class StepIterator:
         if self._next_step >= self._plan.steps_per_epoch:
             raise StopIteration
         layout = self._plan.step(self._next_step, self._rank, self._offset)
-        self._current = GlobalStep(layout, self._batches, self._plan.world_size, self._rank, self._on_done)
+        self._current = GlobalStep(layout, self._batches, self._plan.world_size, self._rank, self._on_done,
+                                   self._recover)
         self._next_step += 1
         return self._current

@@ -21,7 +21,7 @@ from ..errors import DataConfigError, ResumeStateError, explain
 from ..log import logger
 from .global_plan import GlobalBatchPlan
 from .global_step import MicroBatchSampler, StepIterator
-from .regroup import regroup_loader
+from .regroup import live_recovery, regroup_loader
 from .sampler import LAYOUT_KEYS, DistributedSampler
 
 _TORCH_ARGUMENTS = inspect.signature(torch.utils.data.DataLoader.__init__)
@@ -229,7 +229,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._micro_sampler.first_step = first
         sizes = self._recorder.sizes = deque()
         batches = _CountingIterator(self._start_pass(resuming), sizes, self._position)
-        steps = StepIterator(plan, sampler.rank, offset, first, batches, self._step_done)
+        steps = StepIterator(plan, sampler.rank, offset, first, batches, self._step_done, live_recovery(self))
         self._live_steps = weakref.ref(steps)  # the pass DataLoader.regroup re-splits
         return steps
 

@@ -13,6 +13,8 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import signal
+import sys
 import time
 import traceback
 from contextlib import contextmanager
@@ -20,6 +22,7 @@ from multiprocessing import reduction
 
 from ..allocator import CHOSEN_BY_LAUNCHER, worker_preload
 from ..errors import RankFailedError, RanksTimedOutError, explain
+from ..world.generation import MIN_WORLD_ENV
 from ..world.rendezvous import LOOPBACK, host_store
 
 _GRACE_SECONDS = 3.0
@@ -98,8 +101,12 @@ def _stop(processes, patient: bool = False) -> None:
 
 
 def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, env: dict | None = None,
-          init: bool = True, start_method: str = "spawn") -> list:
+          init: bool = True, start_method: str = "spawn", min_world_size: int | None = None) -> list:
     """Run `fn(rank, *args)` in `nprocs` new processes and return their results in rank order.
+
+    `min_world_size`: live recovery (docs/elastic.md): a rank killed by a signal is lost, not a failure, while at
+    least that many ranks are left; the others go on in-process (a global-batch loop needs no change), and
+    its result is None.
 
     `start_method="spawn"` starts each rank in a new interpreter, as torch's `mp.spawn` does.
     `"forkserver"` forks each from a server process that has imported torch and phalanx once, which
@@ -120,6 +127,11 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
     server = host_store(LOOPBACK, 0, nprocs, rank=None)
     base = {"WORLD_SIZE": str(nprocs), "LOCAL_WORLD_SIZE": str(nprocs), "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(server.port), "PHALANX_STORE_HOSTED": "1", **(env or {})}
+    if min_world_size is not None:
+        if not 1 <= min_world_size <= nprocs:
+            raise ValueError(explain("spawn's min_world_size is outside the world", seen=f"{min_world_size}",
+                                     expected=f"1..{nprocs}", fix="Pass the fewest ranks the run may go on with."))
+        base[MIN_WORLD_ENV] = str(min_world_size)
     processes = []
     with _preloaded(base) as preload:  # the allocator is chosen as a process starts: the children inherit it
         base[CHOSEN_BY_LAUNCHER] = preload or "system"  # so that init() gives no torchrun advice (allocator.py)
@@ -141,7 +153,7 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
             processes.append(process)
     finished = False
     try:
-        values = _collect(processes, results, timeout)
+        values = _collect(processes, results, timeout, min_world_size)
         finished = True
         return values
     finally:
@@ -205,7 +217,22 @@ def _preloaded(env: dict):
             os.environ["LD_PRELOAD"] = before
 
 
-def _collect(processes, results, timeout: float | None) -> list:
+def _lost(rank: int, exitcode: int, values: dict, nprocs: int, min_world_size: int | None) -> bool:
+    """Whether a rank that ended without a result counts as lost (live recovery goes on without it): killed by
+    a signal, with enough ranks left."""
+    lost = sum(1 for value in values.values() if value is None) + 1
+    if min_world_size is None or exitcode >= 0 or nprocs - lost < min_world_size:
+        return False
+    try:
+        how = f"killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        how = f"killed by signal {-exitcode}"
+    print(f"phalanx.spawn: rank {rank} was lost ({how}); {nprocs - lost} ranks go on.",
+          file=sys.stderr, flush=True)
+    return True
+
+
+def _collect(processes, results, timeout: float | None, min_world_size: int | None = None) -> list:
     nprocs = len(processes)
     values: dict[int, object] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -221,6 +248,9 @@ def _collect(processes, results, timeout: float | None) -> list:
                         rank, status, payload = results.get(timeout=0.5)
                         break
                     except queue_module.Empty:
+                        if _lost(rank, process.exitcode, values, nprocs, min_world_size):
+                            values[rank] = None
+                            continue
                         raise RankFailedError(explain(
                             f"rank {rank} ended without reporting a result", seen=f"exit code {process.exitcode}",
                             expected="a normal return",

@@ -1,0 +1,251 @@
+"""Generations of the world: the ranks that train together, renewed in-process when some are lost.
+
+Generation 0 is the world `init()` made. When a rank is lost (its process killed, its host gone) the
+survivors do not restart: they agree through the rendezvous store on who is left, and meet on a new
+process group, generation g+1, with their old ranks in their old order. The old group is abandoned,
+never destroyed or reused: a Gloo collective on it cannot be aborted, and may still write its buffers.
+
+Live recovery is asked for with a minimum world size (`PHALANX_MIN_WORLD_SIZE`, or
+`phalanx.spawn(..., min_world_size=)`): a loss that leaves fewer ranks ends the run as before.
+
+Three store protocols, all under `generation/<g>/` in phalanx's namespace of the store:
+- who: each rank's process (host, pid, start time), so that a peer on the same host can tell at once
+  that it is gone; `lost` lists ranks another party (the launcher) knows are gone.
+- commit: after each step's exchange, every rank says it is ready to apply the step; the step is
+  applied only if all are (the last to say so writes "ok"), else a rank that saw a peer fail, or that
+  found one gone while waiting, writes "failed" and every rank redoes the step at the next generation.
+  The first writer wins (compare-and-set), so every rank reads the same outcome.
+- agreement: after a loss every survivor says it is alive; once each member has either said so or is
+  known gone (or the membership timeout passed), the first proposal stored is the next generation.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..diagnose.stacks import stat_fields
+from ..errors import MembershipError, explain
+from ..log import logger
+from . import group as world
+
+MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
+MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
+DEFAULT_MEMBERSHIP_TIMEOUT = 60.0  # seconds for the survivors to agree: above the step's, below the launcher's
+LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
+
+
+def min_world_size() -> int | None:
+    """The fewest ranks a run may go on with after a loss (None: live recovery off, a loss ends the run)."""
+    value = os.environ.get(MIN_WORLD_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        minimum = int(value)
+    except ValueError:
+        minimum = 0
+    if minimum < 1:
+        raise MembershipError(explain(f"{MIN_WORLD_ENV} is not a positive whole number", seen=repr(value),
+                                      expected="e.g. 2", fix=f"Set {MIN_WORLD_ENV} to the fewest ranks to go on with."))
+    return minimum
+
+
+def live_recovery() -> bool:
+    """Whether a lost rank is recovered from in-process: asked for, in a world of several ranks."""
+    return min_world_size() is not None and world.is_initialized() and world.world_size() > 1
+
+
+def _membership_timeout() -> float:
+    return float(os.environ.get(MEMBERSHIP_TIMEOUT_ENV, DEFAULT_MEMBERSHIP_TIMEOUT))
+
+
+def _host() -> str:
+    """What two processes must share for one's pid to be checked by the other: a boot and a pid namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+        return f"{boot}|{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return f"unknown-{os.getpid()}"  # matches no other process: its peers wait for it instead
+
+
+def _start_time(pid: int) -> str | None:
+    """`pid`'s start time (a recycled pid has a later one), or None when it is gone or a zombie."""
+    fields = stat_fields(pid)
+    return fields[19] if fields and fields[0] not in ("Z", "X", "x") else None
+
+
+def _identity() -> str:
+    return f"{_host()} {os.getpid()} {_start_time(os.getpid())}"
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generation: its number, its members (global ranks, in order) and the process group they share."""
+
+    number: int
+    members: tuple[int, ...]
+    group: object  # a ProcessGroup; dist.group.WORLD for generation 0
+    _who: dict = field(default_factory=dict, compare=False, repr=False)  # member -> (host, pid, start), once read
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the generation's group."""
+        return self.members.index(dist.get_rank())
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def _key(self, *parts) -> str:
+        return "/".join(("generation", str(self.number), *map(str, parts)))
+
+    # -- who is gone --------------------------------------------------------------------------------
+
+    def gone(self, store) -> set[int]:
+        """Members known gone: named in `lost`, or a process on this host that no longer runs."""
+        gone = set()
+        if store.check([self._key("lost")]):
+            gone |= {int(r) for r in store.get(self._key("lost")).decode().split(",") if r}
+        mine = _host()
+        for member in self.members:
+            if member not in self._who:
+                key = self._key("who", member)
+                if not store.check([key]):
+                    continue
+                self._who[member] = store.get(key).decode().split()
+            host, pid, start = self._who[member]
+            if host == mine and _start_time(int(pid)) != start:
+                gone.add(member)
+        return gone
+
+    # -- the per-step commit --------------------------------------------------------------------------
+
+    def commit(self, store, number: int) -> bool:
+        """Collective over the members, through the store: True if every member is ready to apply step
+        `number` of this generation, False if the step failed somewhere and is to be redone."""
+        outcome = self._key("commit", number, "outcome")
+        if store.add(self._key("commit", number, "ready"), 1) == self.world_size:
+            store.compare_set(outcome, "", "ok")
+        deadline, look, pause = time.monotonic() + _membership_timeout(), 0.0, 1e-4
+        while not store.check([outcome]):
+            now = time.monotonic()
+            if now >= look:
+                look = now + LIVENESS_EVERY
+                if self.gone(store) or now > deadline:
+                    store.compare_set(outcome, "", "failed")
+                    break
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+        agreed = store.get(outcome) == b"ok"
+        if number >= 2 and self.rank == 0:  # every member has read outcome number-2 by now: it is in this one
+            store.delete_key(self._key("commit", number - 2, "ready"))
+            store.delete_key(self._key("commit", number - 2, "outcome"))
+        return agreed
+
+    def fail_commit(self, store, number: int) -> None:
+        """This rank cannot apply step `number` (its exchange failed): the others must not either."""
+        store.compare_set(self._key("commit", number, "outcome"), "", "failed")
+
+    # -- the next generation ------------------------------------------------------------------------------
+
+    def agree_on_survivors(self, store) -> tuple[int, ...]:
+        """Collective over the survivors: the members that go on, the same tuple on each of them."""
+        me = dist.get_rank()
+        decision = self._key("next")
+        store.set(self._key("alive", me), "1")
+        deadline = time.monotonic() + _membership_timeout()
+        while not store.check([decision]):
+            alive = {m for m in self.members if store.check([self._key("alive", m)])}
+            settled = alive | self.gone(store)
+            if settled >= set(self.members) or time.monotonic() > deadline:
+                store.compare_set(decision, "", ",".join(map(str, sorted(alive))))
+                break
+            time.sleep(0.01)
+        return tuple(int(r) for r in store.get(decision).decode().split(","))
+
+
+_current: Generation | None = None
+_commits = 0  # steps committed (or failed) in the current generation: every member counts the same
+
+
+def current() -> Generation:
+    """The generation this process trains in (generation 0, the whole world, until a loss)."""
+    global _current
+    if _current is None:
+        _current = Generation(0, tuple(range(world.world_size())), dist.group.WORLD)
+    return _current
+
+
+def current_group():
+    """The process group of the current generation: None (torch's default group) until a loss."""
+    return None if _current is None or _current.number == 0 else _current.group
+
+
+def commit_step() -> bool:
+    """Collective over the current generation, after a step's exchange: True when every member may apply the
+    step, False when it failed somewhere (a peer lost): then the step is redone at the next generation."""
+    global _commits
+    number, _commits = _commits, _commits + 1
+    return current().commit(world.store(), number)
+
+
+def step_abandoned() -> bool:
+    """Whether the step in flight cannot commit: a member gave it up (its exchange failed), or one is gone. A
+    rank waiting on a collective asks this: a peer that gave up will never send what it waits for."""
+    store, generation = world.store(), current()
+    outcome = generation._key("commit", _commits, "outcome")
+    return (store.check([outcome]) and store.get(outcome) == b"failed") or bool(generation.gone(store))
+
+
+def fail_step() -> None:
+    """This rank's exchange of the step failed: no member applies it (see commit_step)."""
+    global _commits
+    number, _commits = _commits, _commits + 1
+    current().fail_commit(world.store(), number)
+
+
+def announce() -> None:
+    """Say which process this rank is, for the survivors of a loss to tell at once that it is gone."""
+    generation = current()
+    world.store().set(generation._key("who", dist.get_rank()), _identity())
+
+
+def next_generation(cause: BaseException) -> Generation:
+    """Collective over the survivors of the current generation: agree on who is left, meet on a new process
+    group, and make it the current generation. Raises MembershipError when this rank was counted lost or
+    fewer ranks are left than the minimum world size."""
+    global _current, _commits
+    store, old = world.store(), current()
+    started = time.monotonic()
+    members = old.agree_on_survivors(store)
+    me, minimum = dist.get_rank(), min_world_size() or 1
+    lost = sorted(set(old.members) - set(members))
+    if me not in members:
+        raise MembershipError(explain(
+            f"the other ranks went on without this one after generation {old.number}", rank=me,
+            seen=f"survivors {list(members)}", expected=f"rank {me} among them",
+            fix=f"It was too slow to say it was alive ({MEMBERSHIP_TIMEOUT_ENV}={_membership_timeout():g} s): "
+                f"this rank ends; the launcher may start it again to join.")) from cause
+    if len(members) < minimum:
+        raise MembershipError(explain(
+            f"too few ranks are left to go on after losing ranks {lost}", rank=me,
+            seen=f"{len(members)} left: {list(members)}", expected=f"at least {MIN_WORLD_ENV}={minimum}",
+            fix="The run falls back to a restart from its newest checkpoint.")) from cause
+    timeout = timedelta(seconds=_membership_timeout())
+    group = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
+    _current, _commits = Generation(old.number + 1, members, group), 0
+    store.set(_current._key("who", me), _identity())
+    if _current.rank == 0:
+        logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.2f s", lost,
+                       type(cause).__name__, len(members), _current.number, time.monotonic() - started)
+    return _current
+
+
+def _reset_for_tests() -> None:
+    global _current, _commits
+    _current, _commits = None, 0
