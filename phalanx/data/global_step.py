@@ -155,10 +155,12 @@ class GlobalStep:
                 fix="Call step.backward(loss) once per micro-batch, inside the micro-batch loop."))
         weight, last = self.weight, self._taken == len(self.sizes)
         recovering = self._recover is not None and self._model is not None
+        # After the last backward's exchange, the step is applied only if every rank may apply it: a commit,
+        # unless the exchange itself ends alike on every rank.
+        commit = recovering and last and not getattr(self._model, "_steps_settle_alike", lambda: False)()
         try:
             (loss * weight).backward(**kwargs)
-            # The last backward exchanged the gradients: the step is applied only if every rank may apply it.
-            failed_elsewhere = recovering and last and not generation.commit_step()
+            failed_elsewhere = commit and not generation.commit_step()
         except PeerFailedError as lost:
             if not recovering:
                 raise

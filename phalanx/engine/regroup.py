@@ -57,3 +57,12 @@ class RegroupMixin:
         if self._comm_hook is not None:
             self._reducer.set_exchange(choose_exchange(process_group, self._guard, self._reducer.params, owner=self,
                                                        comm_hook=self._comm_hook))
+
+    def _steps_settle_alike(self) -> bool:
+        """Whether the coming step's collectives end the same way on every rank (live recovery then needs no
+        per-step commit): a shared-memory exchange, after the one-time rebuild (whose broadcast is Gloo's), and
+        no map of used parameters (a Gloo all-reduce after the exchange)."""
+        reducer = self._reducer
+        return (reducer is not None and reducer.rebuilt and not reducer.tolerate_unused
+                and reducer.exchange.settles_alike)
+

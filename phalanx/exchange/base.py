@@ -35,6 +35,10 @@ class BucketExchange(ABC):
     """
 
     keeps_plan = False  # True: the bucket plan must not change once built (the one-time rebuild is skipped)
+    # True: a step's exchange ends the same way on every rank, done on all or failed on all (shared memory: a
+    # phase every rank reached stays reached), so live recovery needs no per-step commit (world/generation.py).
+    # Not a Gloo all-reduce, which one rank may finish while another gives it up.
+    settles_alike = False
     closing = None  # a weakref.finalize that closes what the exchange holds beyond tensors (choose.py)
 
     def __init__(self, guard: StepGuard):

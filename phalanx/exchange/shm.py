@@ -52,6 +52,7 @@ class ShmExchange(AllReduceExchange):
 
     def prepare(self, buckets: list[Bucket]) -> None:
         self.modes = [self._mode_for(bucket) for bucket in buckets]
+        self.settles_alike = not any(bucket.sparse for bucket in buckets)  # a sparse bucket goes through Gloo
         self._pieces = {b.index: self._plan_pieces(b) for b in buckets if self.modes[b.index] == SPLIT}
         self._totals = {}
         self._copy_ins = {b.index: self._copy_in_for(b) for b in buckets
