@@ -79,9 +79,10 @@ def main() -> None:
     env = {"PHALANX_SHM": "1" if args.transport == "shm" else "0"}
     results = run_ranks(_rank, 2, (args.models, args.blocks, args.steps), timeout=3600, env=env)[0]
     for name, r in results.items():
-        print(f"{name:<6} {args.transport:<4} step: on {r['on']:8.2f} ms   off {r['off']:8.2f} ms   on/off {r['on'] / r['off']:.4f};   "
-              f"commit per step: {r['commit_ms']:.3f} ms wall ({100 * r['commit_ms'] / r['off']:.2f} % of a step), "
-              f"{r['commit_cpu_ms']:.3f} ms CPU ({100 * r['commit_cpu_ms'] / r['off']:.2f} %)")
+        print(f"{name:<6} {args.transport:<4} step: on {r['on']:8.2f} ms   off {r['off']:8.2f} ms   "
+              f"on/off {r['on'] / r['off']:.4f};   commit per step: {r['commit_ms']:.3f} ms wall "
+              f"({100 * r['commit_ms'] / r['off']:.2f} % of a step), {r['commit_cpu_ms']:.3f} ms CPU "
+              f"({100 * r['commit_cpu_ms'] / r['off']:.2f} %)")
 
 
 if __name__ == "__main__":

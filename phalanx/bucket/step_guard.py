@@ -172,7 +172,7 @@ class StepGuard:
 
     def fail(self, what: str, cause: str):
         me = dist.get_rank()
-        if _peer_gone(cause) and generation.live_recovery():  # a loss the ranks left recover from
+        if generation.peer_gone(cause) and generation.live_recovery():  # a loss the ranks left recover from
             raise PeerDiedError(explain(
                 f"{what} of DDP step {self.step} lost a peer", rank=me, seen=cause,
                 expected=f"all {self.world_size} ranks in step {self.step}",
@@ -230,14 +230,6 @@ def tag_modulus(dtype: torch.dtype, world_size: int = 1) -> int:
     else:
         exact = 2 ** (torch.iinfo(dtype).bits - 2)
     return max(1, min(exact // max(1, world_size), 2 ** 30))
-
-
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
-
-
-def _peer_gone(cause: str) -> bool:
-    """Whether a collective's failure says a peer's connection went away (Gloo's words for a dead peer)."""
-    return any(words in cause.lower() for words in _PEER_GONE)
 
 
 def _failure(exc: Exception) -> str:

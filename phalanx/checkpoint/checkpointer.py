@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from ..diagnose import progress, recorder
-from ..errors import CheckpointError, CheckpointWriteError, explain
+from ..errors import CheckpointError, CheckpointWriteError, PeerFailedError, explain
 from ..log import logger
+from ..world import generation, stop
 from ..world import group as world
-from ..world import stop
 from . import atomic_files, background, random_state, restoring, shard_files, spreading
 from .agreement import StopAgreement
 from .background import BackgroundSaves, commit, report, staging
@@ -211,7 +211,7 @@ class Checkpointer:
             mine = torch.tensor(flags[0], dtype=torch.int64, device=world.collective_device())
             everyone = [torch.empty_like(mine) for _ in range(size)]
             entry = recorder.begin(recorder.CHECKPOINT, -1, mine.numel(), mine.dtype)
-            dist.all_gather(everyone, mine)
+            dist.all_gather(everyone, mine, group=world.live_group())
             recorder.done(entry)
             flags = [(int(row[0]), int(row[1])) for row in everyone]
         self._agreed_sequence = flags[0][1]
@@ -271,6 +271,21 @@ class Checkpointer:
         logger.info("saved checkpoint %s (%.1f MB in %.2fs)", path, size / 1e6, time.monotonic() - started)
         return path
 
+    def _agree(self) -> bool:
+        """The stop agreement's answer at this step; after a loss (live recovery) on the ranks left: a peer lost
+        since the last exchange is noticed here, and the ranks left regroup before they go on."""
+        if self._agreement is None or self._agreement.generation != world.live_generation():  # ranks were lost
+            progress.listening()
+            self._agreement = StopAgreement(self.timeout)
+        try:
+            return self._agreement.at_step()
+        except PeerFailedError as lost:
+            if not generation.live_recovery():
+                raise
+            generation.recover(lost)
+            self._agreement = StopAgreement(self.timeout)
+            return self._agreement.at_step()
+
     def _barrier(self) -> None:
         if world.group_size() == 1:
             return
@@ -286,7 +301,7 @@ class Checkpointer:
             return code, sequence
         message = torch.tensor([code, sequence], dtype=torch.int64, device=world.collective_device())
         entry = recorder.begin(recorder.CHECKPOINT, -1, message.numel(), message.dtype)
-        dist.broadcast(message, src=0)
+        dist.broadcast(message, group=world.live_group(), group_src=0)  # the first rank training
         recorder.done(entry)
         return int(message[0]), int(message[1])
 
@@ -352,10 +367,7 @@ class Checkpointer:
         stop.listen()
         self.steps += 1
         progress.step(self.steps)
-        if self._agreement is None:
-            progress.listening()
-            self._agreement = StopAgreement(self.timeout)
-        stopping = self._agreement.at_step()
+        stopping = self._agree()
         path = None
         if stopping or last or (self.every is not None and self.steps % self.every == 0):
             path = self.save(state)

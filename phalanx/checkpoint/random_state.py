@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..world import group as world
+
 
 def capture(device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """This process's generator states; CUDA only for `device` (a rank never touches another's GPU)."""
@@ -82,16 +84,17 @@ def decode(blob: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def gather(states: dict[str, torch.Tensor], device: torch.device) -> list[dict[str, torch.Tensor]]:
     """Every rank's `states`, in rank order, on every rank (collective: all ranks must call it)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_initialized() or world.group_size() == 1:
         return [states]
+    group = world.live_group()  # after a loss, the ranks left
     blob = encode(states).to(device)
     # all_gather needs equal sizes: exchange lengths first, then pad every blob to the longest
     size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, size)
+    sizes = [torch.empty_like(size) for _ in range(world.group_size())]
+    dist.all_gather(sizes, size, group=group)
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:blob.numel()] = blob
     blobs = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(blobs, padded)
+    dist.all_gather(blobs, padded, group=group)
     return [decode(b[:int(s)]) for b, s in zip(blobs, sizes)]

@@ -154,7 +154,7 @@ def write_parts(directory: Path, sequence: int, local: dict) -> list[dict]:
     everyone = [report]
     if world.group_size() > 1:
         everyone = [torch.empty_like(report) for _ in range(world.group_size())]
-        dist.all_gather(everyone, report)
+        dist.all_gather(everyone, report, group=world.live_group())
     failed = [rank for rank, row in enumerate(everyone) if not int(row[0])]
     if failed:
         path.unlink(missing_ok=True)

@@ -90,15 +90,15 @@ class GlobalStep:
     `attempt`: 0, or how many times the micro-batch loop started over on another world (a rank was lost).
     """
 
-    def __init__(self, layout: StepLayout, batches, world_size: int, rank: int, on_done, recover=None) -> None:
+    def __init__(self, layout: StepLayout, batches, world_size: int, rank: int, on_done, live=False) -> None:
         self.index, self.samples = layout.index, layout.samples
         self.sizes, self.weights = layout.sizes, layout.weights
         self.weight: float | None = None
         self.loss: torch.Tensor | float = 0.0
         self._batches, self._world_size, self._rank, self._on_done = batches, world_size, rank, on_done
-        # With live recovery (world/generation.py): recover(model, cause) regroups the model and the loader
-        # after a loss, and this step's micro-batch loop starts over on the ranks left.
-        self._recover, self._model = recover, None
+        # With live recovery (world/generation.py) a loss regroups the model and the loader, and this step's
+        # micro-batch loop starts over on the ranks left.
+        self._live, self._model = live, None
         self.attempt = 0
         self._taken = 0
         self._started = False
@@ -154,7 +154,7 @@ class GlobalStep:
                 expected="a call inside `for batch in step.micro_batches(model):`",
                 fix="Call step.backward(loss) once per micro-batch, inside the micro-batch loop."))
         weight, last = self.weight, self._taken == len(self.sizes)
-        recovering = self._recover is not None and self._model is not None
+        recovering = self._live and self._model is not None
         # After the last backward's exchange, the step is applied only if every rank may apply it: a commit,
         # unless the exchange itself ends alike on every rank.
         commit = recovering and last and not getattr(self._model, "_steps_settle_alike", lambda: False)()
@@ -165,10 +165,10 @@ class GlobalStep:
             if not recovering:
                 raise
             generation.fail_step()
-            self._recover(self._model, lost)
+            generation.recover(lost)
             return
         if failed_elsewhere:
-            self._recover(self._model, PeerDiedError(f"another rank could not apply step {self.index}"))
+            generation.recover(PeerDiedError(f"another rank could not apply step {self.index}"))
             return
         self.loss = loss.detach() * (weight / self._world_size) + self.loss  # stays on the loss's device
 
@@ -190,10 +190,10 @@ class StepIterator:
     """Yields a `GlobalStep` per optimizer step of the pass; a step left unfinished is skipped past first."""
 
     def __init__(self, plan: GlobalBatchPlan, rank: int, offset: int, first_step: int, batches, on_done,
-                 recover=None) -> None:
+                 live=False) -> None:
         self._plan, self._rank, self._offset = plan, rank, offset
         self._next_step, self._batches, self._on_done = first_step, batches, on_done
-        self._recover = recover
+        self._live = live
         self._current: GlobalStep | None = None
 
     def __iter__(self):
@@ -208,7 +208,7 @@ class StepIterator:
         starts its micro-batch loop over on the new split instead of being handed out again."""
         self._plan, self._rank, self._offset = other._plan, other._rank, other._offset
         self._next_step, self._batches, self._on_done = other._next_step, other._batches, other._on_done
-        self._recover, self._current = other._recover, None
+        self._live, self._current = other._live, None
         if in_flight is not None:
             in_flight._restart(self._plan.step(self._next_step, self._rank, self._offset), self._batches,
                                self._plan.world_size, self._rank)
@@ -221,6 +221,6 @@ class StepIterator:
             raise StopIteration
         layout = self._plan.step(self._next_step, self._rank, self._offset)
         self._current = GlobalStep(layout, self._batches, self._plan.world_size, self._rank, self._on_done,
-                                   self._recover)
+                                   self._live)
         self._next_step += 1
         return self._current

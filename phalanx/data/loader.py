@@ -21,7 +21,7 @@ from ..errors import DataConfigError, ResumeStateError, explain
 from ..log import logger
 from .global_plan import GlobalBatchPlan
 from .global_step import MicroBatchSampler, StepIterator
-from .regroup import live_recovery, regroup_loader
+from .regroup import follow_generations, regroup_loader
 from .sampler import LAYOUT_KEYS, DistributedSampler
 
 _TORCH_ARGUMENTS = inspect.signature(torch.utils.data.DataLoader.__init__)
@@ -111,6 +111,7 @@ class DataLoader(torch.utils.data.DataLoader):
         self._position = _fresh(sampler.epoch if sampler is not None else 0)
         self._resume_pending = False
         self._live_steps = lambda: None  # the StepIterator of the pass under way, weakly (_iter_steps)
+        self._follows_generations = False  # live recovery: regrouped onto each new generation (regroup.py)
         if self.plan is not None:
             progress.plan(**self.plan.as_dict())
             if sampler.rank == 0:
@@ -229,9 +230,12 @@ class DataLoader(torch.utils.data.DataLoader):
         self._micro_sampler.first_step = first
         sizes = self._recorder.sizes = deque()
         batches = _CountingIterator(self._start_pass(resuming), sizes, self._position)
-        steps = StepIterator(plan, sampler.rank, offset, first, batches, self._step_done, live_recovery(self))
+        steps = StepIterator(plan, sampler.rank, offset, first, batches, self._step_done, follow_generations(self))
         self._live_steps = weakref.ref(steps)  # the pass DataLoader.regroup re-splits
         return steps
+
+    def _onto_generation(self, survivors) -> None:
+        self.regroup(survivors.rank, survivors.world_size)
 
     def regroup(self, rank: int, world_size: int, step: int | None = None) -> None:
         """Deal the rest of the epoch over `world_size` ranks, this process being `rank`, from step `step` on

@@ -3,7 +3,8 @@
 A mean over ranks whose shards or last batches differ in size must weight each rank by its sample
 count: `Mean` keeps a local (sum, count) and reduces both in one collective, so it equals the mean
 one process computes over the whole dataset. `gather_in_order` brings per-sample predictions back
-into dataset order and drops the duplicates a padded sampler adds. Without a world, all are local.
+into dataset order and drops the duplicates a padded sampler adds. Without a world, all are local. The
+default group is the ranks that train: the world, or after a loss the ranks left (live recovery).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import DataConfigError, explain
-from ..world.group import collective_device, group_size
+from ..errors import DataConfigError, PeerFailedError, explain
+from ..log import logger
+from ..world import generation
+from ..world.group import collective_device, group_size, live_group
 from .sampler import DistributedSampler
 
 
@@ -21,10 +24,28 @@ def _all_reduce(value, op, group):
     is_number = not isinstance(value, torch.Tensor)
     tensor = torch.as_tensor(value, dtype=torch.float64 if isinstance(value, float) else None)
     if group_size(group) > 1:
-        result = tensor.detach().to(collective_device(group), copy=True)
-        dist.all_reduce(result, op=op, group=group)
-        tensor = result.to(tensor.device)
+        def reduce(ranks):
+            result = tensor.detach().to(collective_device(ranks), copy=True)
+            generation.wait_for(dist.all_reduce(result, op=op, group=ranks, async_op=True), "a metric's all-reduce")
+            return result
+        tensor = _on_the_ranks(reduce, group).to(tensor.device)
     return tensor.item() if is_number else tensor
+
+
+def _on_the_ranks(collective, group):
+    """`collective(group)`, by default on the ranks that train. With live recovery, a peer lost before it ends
+    regroups the ranks left (the model and loader too), which run it again: the value then covers them only."""
+    if group is not None:
+        return collective(group)
+    try:
+        return collective(live_group())
+    except PeerFailedError as lost:
+        if not generation.live_recovery():
+            raise
+        survivors = generation.recover(lost)
+        logger.warning("a rank was lost during a metric's collective: its value covers the %d ranks left",
+                       survivors.world_size)
+        return collective(live_group())
 
 
 def all_reduce_sum(value, group=None):
@@ -145,7 +166,7 @@ def gather_in_order(local, sampler: DistributedSampler, group=None):
         return result
     pieces = [list(local)] * replicas
     if replicas > 1:
-        dist.all_gather_object(pieces, list(local), group=group)
+        dist.all_gather_object(pieces, list(local), group=group if group is not None else live_group())
     by_position = [pieces[p % replicas][p // replicas] for p in range(kept)]
     pairs = sorted(zip(order[:kept].tolist(), by_position), key=lambda pair: pair[0])
     return [value for _, value in pairs]
@@ -161,6 +182,6 @@ def _gather_tensor_rows(local: torch.Tensor, replicas: int, positions: int, grou
     device = collective_device(group)
     padded = padded.to(device)
     pieces = [torch.empty_like(padded) for _ in range(replicas)]
-    dist.all_gather(pieces, padded, group=group)
+    dist.all_gather(pieces, padded, group=group if group is not None else live_group())
     # stack(dim=1)[j, r] is row j of rank r, i.e. global position j * replicas + r
     return torch.stack(pieces, dim=1).reshape(longest * replicas, *local.shape[1:])[:positions].to(local.device)

@@ -22,20 +22,17 @@ from ..world import generation
 from .global_plan import GlobalBatchPlan
 
 
-def live_recovery(loader):
-    """With live recovery on (a minimum world size, world/generation.py): what the loader's steps call when a
-    rank is lost, `recover(model, cause)`: the ranks left agree on the next generation, and the model and this
-    loader regroup onto it (the step in flight starts over). None when it is off: a loss ends the run."""
+def follow_generations(loader) -> bool:
+    """With live recovery on (a minimum world size, world/generation.py), have a global-batch loader regroup
+    onto each new generation (once per loader), and say which process this rank is; True when it is on. Off,
+    a loss ends the run."""
     if loader.plan is None or not generation.live_recovery():
-        return None
+        return False
     generation.announce()
-    owner = weakref.ref(loader)
-
-    def recover(model, cause: BaseException) -> None:
-        survivors = generation.next_generation(cause)
-        model.regroup(survivors.group)
-        owner().regroup(survivors.rank, survivors.world_size)
-    return recover
+    if not loader._follows_generations:
+        loader._follows_generations = True
+        generation.on_regroup(loader._onto_generation)
+    return True
 
 
 def regroup_loader(loader, rank: int, world_size: int, step: int | None) -> None:

@@ -25,8 +25,8 @@ LAYOUT_KEYS = ("dataset_len", "shuffle", "seed", "drop_last", "pad")
 def _world_rank_and_size() -> tuple[int, int]:
     from ..world import group as world
 
-    if world.is_initialized():
-        return world.rank(), world.world_size()
+    if world.is_initialized():  # after a loss (live recovery), the ranks left
+        return world.group_rank(), world.group_size()
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     raise WorldConfigError(explain(

@@ -133,6 +133,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._has_buffers = bool(synced_buffers(module, self._ignored))
         self._divide_by_initial_world_size = True
         self._build_engine()
+        self._follow_generations()
 
     def _build_engine(self) -> None:
         """The step guard, the exchange and the reducer (collective when the exchange shares memory)."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ..bucket.shard_levels import unsupported_with_sharding
 from ..errors import WorldConfigError, explain
 from ..exchange.choose import choose_exchange
+from ..world import generation
 from ..world.group import collective_device
 from .replicas import check_same_signature
 
@@ -57,6 +58,15 @@ class RegroupMixin:
         if self._comm_hook is not None:
             self._reducer.set_exchange(choose_exchange(process_group, self._guard, self._reducer.params, owner=self,
                                                        comm_hook=self._comm_hook))
+
+    def _follow_generations(self) -> None:
+        """With live recovery on (world/generation.py), regroup onto each new generation of the world. Only a
+        model on the whole world: the ranks of a group of the user's own are the user's to rebuild."""
+        if generation.live_recovery() and self.process_group in (None, dist.group.WORLD):
+            generation.on_regroup(self._onto_generation)
+
+    def _onto_generation(self, survivors) -> None:
+        self.regroup(survivors.group)
 
     def _steps_settle_alike(self) -> bool:
         """Whether the coming step's collectives end the same way on every rank (live recovery then needs no

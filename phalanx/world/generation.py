@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ..diagnose.stacks import stat_fields
-from ..errors import MembershipError, explain
+from ..errors import MembershipError, PeerDiedError, explain
 from ..log import logger
 from . import group as world
 
@@ -177,6 +178,7 @@ class Generation:
 
 
 _current: Generation | None = None
+_followers: list = []  # weak methods called with each new generation: the models' and loaders' regroups
 _commits = 0  # steps committed (or failed) in the current generation: every member counts the same
 
 
@@ -185,12 +187,8 @@ def current() -> Generation:
     global _current
     if _current is None:
         _current = Generation(0, tuple(range(world.world_size())), dist.group.WORLD)
+        world.before_shutdown(forget)  # the next init() starts at generation 0 again
     return _current
-
-
-def current_group():
-    """The process group of the current generation: None (torch's default group) until a loss."""
-    return None if _current is None or _current.number == 0 else _current.group
 
 
 def commit_step() -> bool:
@@ -209,11 +207,65 @@ def step_abandoned() -> bool:
     return (store.check([outcome]) and store.get(outcome) == b"failed") or bool(generation.gone(store))
 
 
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
+
+
+def peer_gone(failure) -> bool:
+    """Whether a collective's failure (an exception or its text) says a peer's connection went away: Gloo's
+    words for a dead peer."""
+    return any(words in str(failure).lower() for words in _PEER_GONE)
+
+
+def watch(work, what: str):
+    """Wait for an asynchronous collective's `work` like work.wait(), but raise PeerDiedError as soon as a member
+    is gone or gave the step up (live recovery): a Gloo collective whose peer left waits for its whole timeout."""
+    pause = 2e-4
+    while not work.is_completed():
+        if step_abandoned():
+            raise PeerDiedError(explain(f"{what} lost a peer", rank=dist.get_rank(), seen="a member gone",
+                                        expected="every rank of the generation",
+                                        fix="The ranks left regroup and go on (live recovery)."))
+        time.sleep(pause)
+        pause = min(1.5 * pause, 0.01)
+    try:
+        return work.wait()
+    except RuntimeError as exc:
+        if not peer_gone(exc):
+            raise
+        raise PeerDiedError(explain(f"{what} lost a peer", rank=dist.get_rank(), seen=str(exc).splitlines()[0],
+                                    expected="every rank of the generation",
+                                    fix="The ranks left regroup and go on (live recovery).")) from None
+
+
+def wait_for(work, what: str):
+    """work.wait(), watched for a lost peer when live recovery is on (watch)."""
+    return watch(work, what) if live_recovery() else work.wait()
+
+
 def fail_step() -> None:
     """This rank's exchange of the step failed: no member applies it (see commit_step)."""
     global _commits
     number, _commits = _commits, _commits + 1
     current().fail_commit(world.store(), number)
+
+
+def on_regroup(method) -> None:
+    """Call bound method `method(generation)` on every new generation, while its object lives (in the order
+    registered: the same on every rank when models and loaders are built in the same order)."""
+    current()
+    _followers.append(weakref.WeakMethod(method))
+
+
+def recover(cause: BaseException) -> Generation:
+    """Collective over the survivors of a loss: the next generation (next_generation), then every model and
+    loader that follows the generations regrouped onto it (the step in flight starts over)."""
+    survivors = next_generation(cause)
+    _followers[:] = [ref for ref in _followers if ref() is not None]
+    for ref in list(_followers):
+        method = ref()
+        if method is not None:
+            method(survivors)
+    return survivors
 
 
 def announce() -> None:
@@ -246,6 +298,7 @@ def next_generation(cause: BaseException) -> Generation:
     timeout = timedelta(seconds=_membership_timeout())
     group = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
     _current, _commits = Generation(old.number + 1, members, group), 0
+    world.set_live(_current.number, members, group)
     store.set(_current._key("who", me), _identity())
     if _current.rank == 0:
         logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.2f s", lost,
@@ -253,6 +306,8 @@ def next_generation(cause: BaseException) -> Generation:
     return _current
 
 
-def _reset_for_tests() -> None:
+def forget() -> None:
+    """At shutdown (registered by current()): the next init() starts at generation 0 again."""
     global _current, _commits
     _current, _commits = None, 0
+    _followers.clear()

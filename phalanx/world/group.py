@@ -36,6 +36,9 @@ _device: torch.device | None = None
 _store = None  # phalanx's own namespace in the rendezvous store (barriers, host identity)
 _owns_group = False
 _barrier_count = 0
+# After a loss (live recovery, generation.py): (generation number, members' global ranks, their process group).
+# None: the whole world, on torch's default group.
+_live: tuple[int, tuple[int, ...], object] | None = None
 _watchdog: Watchdog | None = None
 DEAD_CHECK_AFTER = 1.0  # seconds a barrier waits before it asks whether a missing rank's process died
 
@@ -96,13 +99,41 @@ def _share_cores(spec: WorldSpec, device: torch.device) -> None:
 
 
 def group_size(group=None) -> int:
-    """The size of `group` (default: the world), 1 outside a torch.distributed world."""
+    """The size of `group` (default: the world, or after a loss the ranks left), 1 outside a torch.distributed
+    world."""
+    if group is None and _live is not None:
+        return len(_live[1])
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def group_rank(group=None) -> int:
-    """This process's rank in `group` (default: the world), 0 outside a torch.distributed world."""
+    """This process's rank in `group` (default: the world, or after a loss the ranks left), 0 outside a
+    torch.distributed world."""
+    if group is None and _live is not None:
+        return _live[1].index(dist.get_rank())
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def live_group():
+    """The process group of the ranks that train: None (torch's default group, the whole world) until ranks
+    are lost and the others go on (live recovery), then theirs. Pass it as `group=` to a collective."""
+    return None if _live is None else _live[2]
+
+
+def live_members() -> tuple[int, ...]:
+    """The global ranks that train: every rank of the world, or after a loss the ranks left."""
+    return tuple(range(group_size())) if _live is None else _live[1]
+
+
+def live_generation() -> int:
+    """0, or how many times ranks were lost and the others went on (the current generation's number)."""
+    return 0 if _live is None else _live[0]
+
+
+def set_live(number: int, members: tuple[int, ...], group) -> None:
+    """generation.py's: from now on the ranks that train are `members`, on `group`."""
+    global _live
+    _live = (number, tuple(members), group)
 
 
 def collective_device(group=None, preferred: torch.device | None = None) -> torch.device:
@@ -228,7 +259,7 @@ def shutdown() -> None:
     or still tearing its own group down. Measured on 2-rank runs: 7 of 20 aborted with no wait
     (torch DDP), 3 of 25 with a wait before the teardown only (phalanx DDP), 0 of 25 with both.
     """
-    global _spec, _device, _store, _owns_group, _watchdog
+    global _spec, _device, _store, _owns_group, _watchdog, _live
     run_before_shutdown()
     recorder.phase(recorder.SHUTDOWN)
     stop.stop_listening()  # nobody reads the flag any more: a signal ends the process again
@@ -246,7 +277,7 @@ def shutdown() -> None:
     stacks.unregister()
     recorder.stop(remove=not os.environ.get("PHALANX_RUN_DIR"))
     progress.stop()
-    _spec = _device = _store = None
+    _spec = _device = _store = _live = None
     _owns_group = False
 
 
@@ -334,8 +365,9 @@ def device() -> torch.device:
 
 
 def is_main() -> bool:
-    """True on global rank 0 (and in a process that has not joined a world)."""
-    return _spec is None or rank() == 0
+    """True on global rank 0 (after a loss: on the first of the ranks left), and in a process that has not joined
+    a world."""
+    return _spec is None or (rank() == 0 if _live is None else rank() == _live[1][0])
 
 
 def store():
@@ -355,18 +387,19 @@ def barrier(timeout=None, name: str = "barrier") -> None:
         dist.barrier()
         return
     _barrier_count += 1
-    key = f"{name}/{_barrier_count}"
+    members = range(spec.world_size) if _live is None else _live[1]
+    key = f"{name}/{_barrier_count}" if _live is None else f"{name}/generation{_live[0]}/{_barrier_count}"
     entry = recorder.begin(recorder.BARRIER)
     _store.set(f"{key}/{rank()}", b"1")
     arrived = _store.add(key, 1)
     now = time.monotonic()
     deadline, dead_check = now + limit, now + DEAD_CHECK_AFTER
     pause = 0.0005
-    while arrived < spec.world_size:
+    while arrived < len(members):
         now = time.monotonic()
         if now > dead_check:  # a peer that died will never come: say so now, not at the deadline
             dead_check = now + 0.5
-            missing = [r for r in range(spec.world_size) if not _store.check([f"{key}/{r}"])]
+            missing = [r for r in members if not _store.check([f"{key}/{r}"])]
             dead = recorder.dead_peers(missing)
             if dead:
                 raise RanksTimedOutError(explain(
@@ -375,10 +408,10 @@ def barrier(timeout=None, name: str = "barrier") -> None:
                     expected="every rank alive", fix="Read the dead ranks' logs: they crashed or were killed "
                                                      "(SIGKILL usually means out of memory)."), missing_ranks=dead)
         if now > deadline:
-            missing = [r for r in range(spec.world_size) if not _store.check([f"{key}/{r}"])]
+            missing = [r for r in members if not _store.check([f"{key}/{r}"])]
             raise RanksTimedOutError(explain(
                 f"barrier '{name}' timed out after {limit:.0f}s", rank=rank(),
-                seen=f"{arrived}/{spec.world_size} ranks arrived, missing ranks {missing}",
+                seen=f"{arrived}/{len(members)} ranks arrived, missing ranks {missing}",
                 expected="every rank",
                 fix="Look at the missing ranks' logs: they crashed, hang, or skipped this barrier."),
                 missing_ranks=missing)

@@ -20,6 +20,7 @@ import pytest
 import torch.nn.functional as F
 
 import phalanx as px
+from phalanx.checkpoint.atomic_files import checkpoint_files, load_safely
 from phalanx.testing import run_ranks
 from phalanx.world import generation
 from tests.helpers.global_batch_cases import (
@@ -47,6 +48,9 @@ def _train(rank: int, directory: str, moment: str) -> dict:
                            sampler=px.DistributedSampler(dataset, seed=SEED))
     model = px.DistributedDataParallel(make_model(), bucket_cap_mb=1e-6)  # a bucket per parameter
     optimizer = make_optimizer(model)
+    checkpointer = px.Checkpointer(os.path.join(directory, "checkpoints"), every=2)  # saves before and after
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    losses = []
     started_as = os.getpid()
     doomed = rank == LOST
     first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
@@ -75,9 +79,11 @@ def _train(rank: int, directory: str, moment: str) -> dict:
                 optimizer.step()
                 log.write(json.dumps([epoch, step.index, ids]) + "\n")
                 log.flush()
+                losses.append(px.metrics.all_reduce_sum(step.loss).item())  # over the ranks that train
+                checkpointer.step(state)
     current = generation.current()
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
-            "params": parameters(model)}
+            "params": parameters(model), "losses": losses, "main": px.is_main()}
 
 
 def _applied_ids(directory: str) -> dict:
@@ -104,3 +110,9 @@ def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, 
         for ours, theirs in zip(result["params"], expected_params):
             assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
     assert _applied_ids(str(tmp_path)) == expected_steps, "a sample was lost or used twice"
+    assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == len(expected_steps)
+    assert (results[0]["main"], results[1]["main"]) == (True, False)
+    directory = tmp_path / "checkpoints"
+    files = checkpoint_files(directory)
+    saved = load_safely(directory / files[max(files)], "cpu")  # the newest, saved by the two ranks left
+    assert saved["world_size"] == 2, saved["world_size"]
