@@ -27,7 +27,7 @@ from .diagnosis import RunDiagnosis
 from .failures import describe_failure, root_cause, sweep_process_groups
 from .goodput import RunSummary
 from .live_status import LiveStatus
-from .regroup import Regroup
+from .regroup import KeptSurvivors, Regroup
 from .stop import StopRequest
 from .warm_start import WorkerServer, workers_from
 
@@ -54,12 +54,13 @@ class Agent(LocalElasticAgent):
 
     def __init__(self, *args, diagnosis: RunDiagnosis, stop: StopRequest, summary: RunSummary,
                  regroup: Regroup | None = None, live: LiveStatus | None = None,
-                 server: WorkerServer | None = None, **kwargs):
+                 server: WorkerServer | None = None, survivors: KeptSurvivors | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.server = server  # the node's fork server (warm_start.py), or None: each worker a fresh interpreter
         self.live = live  # the status line on a terminal (live_status.py), or None
         self.group_pids: set[int] = set()
         self.diagnosis, self.stop, self.summary, self.regroup = diagnosis, stop, summary, regroup
+        self.survivors = survivors  # --min-world-size: ranks lost while the others go on (regroup.py)
         self.ended_by_stop = False
         self._attempt_failed = False
         self._starts = 0  # worker groups started: restarts after failures, and regroupings
@@ -143,7 +144,10 @@ class Agent(LocalElasticAgent):
 
     def end_attempt(self, outcome: str) -> None:
         """The attempt's workers are done: its time goes into the run summary (once per attempt)."""
-        self.summary.attempt_ended(progress.read(self.diagnosis.directory), outcome)
+        records = progress.read(self.diagnosis.directory)
+        if self.survivors is not None:  # the ranks that went on tell the attempt's steps, not one lost on the way
+            records = {rank: r for rank, r in records.items() if rank not in self.survivors.lost} or records
+        self.summary.attempt_ended(records, outcome)
 
     def _records(self) -> dict:
         return progress.read(self.diagnosis.directory)
@@ -170,6 +174,10 @@ class Agent(LocalElasticAgent):
         self.stop.tick()  # passes a request on; raises GraceExpired when the grace period is over
         if self.live is not None:
             self.live.update(self.diagnosis.directory)
+        if self.survivors is not None and not self.stop.active:
+            verdict = self.survivors.monitor(self._pcontext, worker_group, self._records())
+            if verdict is not None:
+                return verdict
         elastic = self.regroup is not None and not self.stop.active
         if elastic:
             verdict = self.regroup.poll(self.group_pids, self._records)

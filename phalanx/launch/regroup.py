@@ -1,4 +1,5 @@
-"""Membership changes under `--nnodes MIN:MAX`: a node lost, a node joining, and what the user is told.
+"""Membership changes under `--nnodes MIN:MAX`: a node lost, a node joining, and what the user is told; and
+under `--min-world-size` a rank lost while the others go on in-process (KeptSurvivors).
 
 A node is lost when it misses its heartbeats (world/membership.py): the survivors stop their workers and
 meet again at the smaller world; the workers resume from the newest checkpoint. A node waiting to join
@@ -141,3 +142,65 @@ class Regroup:
                              "seconds": round(seconds, 3) if seconds else None})
         self.changed_at = None
 
+
+
+class KeptSurvivors:
+    """`--min-world-size N` (live recovery, world/generation.py): a worker killed by a signal is lost, not a
+    failure, while at least N ranks are left. Its peers are not touched: they notice the loss themselves (the
+    shared-memory exchange or Gloo sees it gone), agree on the ranks left, and go on in-process. The launcher
+    says so, keeps the others running, and times the change to the next step the ranks left make (the run
+    summary keeps it). A worker that fails otherwise (an exception: a bug that would recur) fails the group
+    as before."""
+
+    def __init__(self, min_world_size: int, changes: list):
+        self.min_world_size, self.changes = min_world_size, changes
+        self.lost: dict[int, int] = {}  # global rank -> exit code (minus the signal)
+        self._timing: tuple[float, int, dict] | None = None  # (when, survivors' step then, the change) to time
+
+    def monitor(self, pcontext, worker_group, records: dict):
+        """The group's state while ranks may be lost: None to let torch judge (nothing lost, or a survivor
+        failed), else HEALTHY while survivors run, SUCCEEDED once they all exited 0."""
+        from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
+
+        handlers = getattr(pcontext, "subprocess_handlers", None) or {}
+        codes = {worker_group.workers[local].global_rank: handler.proc.poll() for local, handler in handlers.items()}
+        for rank, code in sorted(codes.items()):
+            if code is not None and code < 0 and rank not in self.lost:
+                self._note(rank, code, worker_group.workers[0].world_size, codes, records)
+        self._time_the_change(records)
+        if not self.lost:
+            return None
+        others = [code for rank, code in codes.items() if rank not in self.lost]
+        if any(code not in (None, 0) for code in others):
+            return None  # a survivor failed: torch's verdict (a failure, a restart under --max-restarts)
+        if any(code is None for code in others):
+            return RunResult(state=WorkerState.HEALTHY)
+        return RunResult(state=WorkerState.SUCCEEDED, return_values={rank: None for rank in codes})
+
+    def _note(self, rank: int, code: int, world_size: int, codes: dict, records: dict) -> None:
+        left = world_size - len(self.lost) - 1
+        if left < self.min_world_size:
+            return  # too few would be left: the group fails (and restarts under --max-restarts) as before
+        self.lost[rank] = code
+        try:
+            how = signal.Signals(-code).name
+        except ValueError:
+            how = f"signal {-code}"
+        _say(f"rank {rank} was lost ({how}): the {left} ranks left go on in-process, from the step in flight "
+             f"(--min-world-size {self.min_world_size}).")
+        steps = [r.step for k, r in records.items() if k not in self.lost and codes.get(k) is None]
+        change = {"change": f"rank {rank} lost ({how}), kept in-process", "world": [left + 1, left],
+                  "step": min(steps) if steps else None, "seconds": None}
+        self.changes.append(change)
+        self._timing = (time.monotonic(), change["step"] or 0, change)
+
+    def _time_the_change(self, records: dict) -> None:
+        """Once every rank left has made a step past the one in flight at the loss: how long that took."""
+        if self._timing is None:
+            return
+        since, step, change = self._timing
+        alive = [r for k, r in records.items() if k not in self.lost and r.state != "exited"]
+        if alive and all(r.step > step for r in alive):
+            change["seconds"] = round(max(r.last_step_at for r in alive) - since, 3)
+            _say(f"the {len(alive)} ranks left made step {step + 1} {change['seconds']:.2f} s after the loss.")
+            self._timing = None

@@ -28,6 +28,7 @@ from ..allocator import preload_for_workers
 from ..diagnose import progress
 from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ..errors import PhalanxError, explain
+from ..world.generation import MIN_WORLD_ENV
 from ..world.group import usable_cores
 from ..world.interface import set_for_world
 from ..world.membership import ElasticRendezvous
@@ -40,7 +41,7 @@ from .diagnosis import STALL_EXIT_CODE, RunDiagnosis
 from .failures import describe_failure, failure_traceback, root_cause, sweep_process_groups
 from .goodput import RunSummary
 from .live_status import LiveStatus
-from .regroup import Regroup
+from .regroup import KeptSurvivors, Regroup
 from .stop import (
     DEFAULT_GRACE_PERIOD,
     GraceExpired,
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0, metavar="K",
         help="restart the whole worker group up to K times when a worker fails (a node lost or joining under "
              "--nnodes MIN:MAX is not a failure). Default 0")
+    add("--min-world-size", "--min_world_size", dest="min_world_size", type=int, default=None, metavar="N",
+        help="live recovery: a worker killed by a signal (SIGKILL, the OOM killer) is lost, not a failure, while at "
+             "least N ranks are left; the others keep their processes and go on from the step in flight (a "
+             "global-batch loop, docs/elastic.md). Default: off (a lost worker fails the group)")
     add("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="D",
         help="also keep each worker's stdout/stderr/error.json under D/<run>/attempt_<n>/<local rank>/")
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=0.1, metavar="S",
@@ -157,6 +162,10 @@ def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
                                  expected=f"0..{max_nodes - 1} for --nnodes {args.nnodes}"))
     if args.max_restarts < 0:
         raise ValueError(explain("--max-restarts is negative", seen=args.max_restarts, expected=">= 0"))
+    if args.min_world_size is not None and not 1 <= args.min_world_size <= nproc * max_nodes:
+        raise ValueError(explain("--min-world-size is outside the world", seen=args.min_world_size,
+                                 expected=f"1..{nproc * max_nodes} (--nproc-per-node x nodes)",
+                                 fix="Give the fewest ranks the run may go on with."))
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         raise ValueError(explain("--master-port is out of range", seen=args.master_port, expected="0..65535"))
     args.stall_timeout = stall_timeout(args.stall_timeout)
@@ -259,6 +268,8 @@ def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> in
     rings = tempfile.mkdtemp(prefix="phalanx-rings-")
     os.environ["PHALANX_RUN_DIR"] = rings
     os.environ["PHALANX_STALL_WATCHER"] = "launcher"
+    if args.min_world_size is not None:  # the workers recover in-process (world/generation.py)
+        os.environ[MIN_WORLD_ENV] = str(args.min_world_size)
     preload_for_workers()  # the system's tcmalloc, else the shipped mimalloc: glibc fragments (phalanx/allocator/)
     diagnosis = RunDiagnosis(rings, args.stall_timeout, args.on_stall, args.log_dir, args.straggler_every)
     stop = StopRequest(args.grace_period, args.node_rank)
@@ -284,9 +295,11 @@ def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> in
                               monitor_interval=args.monitor_interval)
             elastic = isinstance(handler, ElasticRendezvous)
             regroup = Regroup(handler, args.grace_period, summary.now.changes) if elastic else None
+            survivors = (KeptSurvivors(args.min_world_size, summary.now.changes) if args.min_world_size is not None
+                         else None)
             agent = Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
                           log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis, stop=stop,
-                          summary=summary, regroup=regroup, live=live, server=server)
+                          summary=summary, regroup=regroup, live=live, server=server, survivors=survivors)
             _quiet_torch_elastic()  # now that every torch module in use has made its logger
             result = agent.run()
             ended = _conclude(agent, result, diagnosis, stop, args.max_restarts)

@@ -301,7 +301,7 @@ def next_generation(cause: BaseException) -> Generation:
     world.set_live(_current.number, members, group)
     store.set(_current._key("who", me), _identity())
     if _current.rank == 0:
-        logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.2f s", lost,
+        logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s", lost,
                        type(cause).__name__, len(members), _current.number, time.monotonic() - started)
     return _current
 

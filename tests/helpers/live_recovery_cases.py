@@ -1,0 +1,100 @@
+"""The loop of docs/data.md with a rank that dies in the middle of a step, shared by tests/ranks/test_live_recovery.py
+(phalanx.spawn) and tests/e2e/jobs/live_recovery_job.py (`phalanx run --min-world-size`).
+
+The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs, SGD with
+momentum) with a Checkpointer saving every 2 steps and the step's loss summed over the ranks that train after
+each step. The doomed rank SIGKILLs itself in step `at` = (epoch, step) at `moment`: "forward" (before its first
+forward of the step), "exchange" (from a gradient hook in its last backward: with a bucket per parameter, some
+buckets are in flight), or "optimizer" (after its backward, before its optimizer step; the step was committed, so
+its samples are logged as applied). Every rank appends `[epoch, step, ids]` per applied step to
+`ids-<rank>.jsonl` in `directory`: the ids its part of the step averaged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.checkpoint.atomic_files import checkpoint_files, load_safely
+from phalanx.world import generation
+from tests.helpers.global_batch_cases import (
+    EPOCHS,
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    SEED,
+    Indexed,
+    make_model,
+    make_optimizer,
+    parameters,
+)
+
+MOMENTS = ("forward", "exchange", "optimizer")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], moment: str) -> dict:
+    """The loop; returns what the survivors' checks read (the doomed rank never returns)."""
+    dataset = Indexed()
+    loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
+                           sampler=px.DistributedSampler(dataset, seed=SEED))
+    model = px.DistributedDataParallel(make_model(), bucket_cap_mb=1e-6)  # a bucket per parameter
+    optimizer = make_optimizer(model)
+    checkpointer = px.Checkpointer(os.path.join(directory, "checkpoints"), every=2)  # saves before and after
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    losses, started_as, doomed, armed = [], os.getpid(), rank == doomed_rank, [False]
+    first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
+    first_layer.register_hook(lambda grad: _die() if armed[0] else None)
+    with open(os.path.join(directory, f"ids-{rank}.jsonl"), "a") as log:
+        for epoch in range(EPOCHS):
+            loader.set_epoch(epoch)
+            for step in loader:
+                optimizer.zero_grad()
+                ids, attempt = [], 0
+                for j, (index, x, y) in enumerate(step.micro_batches(model)):
+                    if step.attempt != attempt:  # the loop started over on the ranks left: so do the ids
+                        ids, attempt = [], step.attempt
+                    here = doomed and (epoch, step.index) == at
+                    if here and moment == "forward":
+                        _die()
+                    armed[0] = here and moment == "exchange" and j == step.num_micro_batches - 1
+                    step.backward(F.mse_loss(model(x), y))
+                    if step.weight:
+                        ids += index.tolist()
+                if doomed and (epoch, step.index) == at and moment == "optimizer":
+                    log.write(json.dumps([epoch, step.index, ids]) + "\n")  # the step is applied by the others
+                    log.flush()
+                    _die()
+                optimizer.step()
+                log.write(json.dumps([epoch, step.index, ids]) + "\n")
+                log.flush()
+                losses.append(px.metrics.all_reduce_sum(step.loss).item())  # over the ranks that train
+                checkpointer.step(state)
+    current = generation.current()
+    return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
+            "params": parameters(model), "losses": losses, "main": px.is_main()}
+
+
+def applied_ids(directory: str, world_size: int) -> dict:
+    """{(epoch, step): sorted ids} over every rank's log: what each applied step averaged."""
+    applied: dict = {}
+    for rank in range(world_size):
+        with open(os.path.join(directory, f"ids-{rank}.jsonl")) as log:
+            for line in log:
+                epoch, step, ids = json.loads(line)
+                applied.setdefault((epoch, step), []).extend(ids)
+    return {key: sorted(ids) for key, ids in applied.items()}
+
+
+def newest_checkpoint(directory: str) -> dict:
+    """The newest checkpoint's payload (loaded with weights_only=True)."""
+    path = Path(directory) / "checkpoints"
+    files = checkpoint_files(path)
+    return load_safely(path / files[max(files)], "cpu")
