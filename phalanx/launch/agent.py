@@ -14,10 +14,12 @@ import inspect
 import os
 import signal
 import sys
+import time
 
 from torch.distributed import DistError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..diagnose import progress
 from ..diagnose.recorder import pid_alive
@@ -77,6 +79,35 @@ class Agent(LocalElasticAgent):
                 fix="A node was lost in the middle of the rendezvous, or its launcher is stuck: run the same "
                     "command on the nodes again (training resumes from the newest checkpoint).")) from None
 
+    def _exit_barrier(self):
+        """torch's wait for every node's launcher at the end; with live recovery (--min-world-size), for the nodes
+        not lost only: a node killed whole never comes, and the others may finish before its heartbeats expire."""
+        if self.survivors is None:
+            return super()._exit_barrier()
+        self._in_exit_barrier = True
+        try:
+            self._meet_the_nodes_left()
+        except SignalException:
+            raise
+        except Exception as exc:  # as torch's: the run's outcome is the workers', not this wait's
+            _say(f"the launchers of the nodes left did not all meet at the end ({exc}).")
+        finally:
+            self._in_exit_barrier = False
+
+    def _meet_the_nodes_left(self) -> None:
+        nodes, key = self._worker_group.group_world_size, "phalanx/exit-barrier/arrived"
+        arrived = self._store.add(key, 1)
+        deadline = time.monotonic() + self._exit_barrier_timeout
+        while arrived < nodes - len(self.survivors.nodes):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{arrived} of {nodes - len(self.survivors.nodes)} launchers after "
+                                   f"{self._exit_barrier_timeout} s")
+            time.sleep(0.1)
+            if self.regroup is not None:  # a node killed whole: lost once its heartbeats expire
+                for node in self.regroup.rendezvous.lost():
+                    self.survivors.node_lost(node, self.regroup.world, {})
+            arrived = self._store.add(key, 0)
+
     def _start_workers(self, worker_group):
         attempt = self._starts
         self._starts += 1
@@ -93,6 +124,8 @@ class Agent(LocalElasticAgent):
         self.stop.install()  # torch's start may have put its own handlers (they kill) back in place
         self._mark_teardown_before_close()
         self.group_pids = set(pids.values())
+        if self.survivors is not None:
+            self.survivors.local_world_size = worker_group.spec.local_world_size
         self.diagnosis.attempt_started(attempt, {worker_group.workers[local].global_rank: pid
                                                  for local, pid in pids.items()})
         self.summary.attempt_started()

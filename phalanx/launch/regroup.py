@@ -29,8 +29,10 @@ def _say(text: str) -> None:
 class Regroup:
     """The agent's view of an elastic group. `poll()` and `failed()` answer whether to regroup now."""
 
-    def __init__(self, rendezvous: ElasticRendezvous, grace_period: float, changes: list):
+    def __init__(self, rendezvous: ElasticRendezvous, grace_period: float, changes: list,
+                 survivors: KeptSurvivors | None = None):
         self.rendezvous, self.grace_period = rendezvous, grace_period
+        self.survivors = survivors  # --min-world-size: a lost node's ranks are lost, the others go on in-process
         self.growing_since: float | None = None  # the workers were asked to save for a node that joins
         self.changed_at: float | None = None  # a change began (node lost, growth asked): timed to the first step
         self.change = ""  # "node 1 (10.0.0.2) left" ...
@@ -86,6 +88,8 @@ class Regroup:
             return None
         self._next_look = now + POLL
         lost = self.rendezvous.lost()
+        if self.survivors is not None:
+            lost = [node for node in lost if not self.survivors.node_lost(node, self.world, records)]
         if lost:
             self._lost(lost)
             return "lost"
@@ -155,6 +159,8 @@ class KeptSurvivors:
     def __init__(self, min_world_size: int, changes: list):
         self.min_world_size, self.changes = min_world_size, changes
         self.lost: dict[int, int] = {}  # global rank -> exit code (minus the signal)
+        self.nodes: dict[tuple, int] = {}  # (address, pid) of each node lost -> its ranks
+        self.local_world_size = 1  # set by the agent: ranks per node
         self._timing: tuple[float, int, dict] | None = None  # (when, survivors' step then, the change) to time
 
     def monitor(self, pcontext, worker_group, records: dict):
@@ -177,8 +183,32 @@ class KeptSurvivors:
             return RunResult(state=WorkerState.HEALTHY)
         return RunResult(state=WorkerState.SUCCEEDED, return_values={rank: None for rank in codes})
 
+    def ranks_lost(self) -> int:
+        return len(self.lost) + sum(self.nodes.values())
+
+    def node_lost(self, node, world_size: int, records: dict) -> bool:
+        """A node missed its heartbeats: True when its ranks count as lost and the others go on (said once)."""
+        key = (node.addr, node.pid)
+        if key in self.nodes:
+            return True
+        left = world_size - self.ranks_lost() - self.local_world_size
+        if left < self.min_world_size:
+            return False  # too few would be left: the elastic regroup from the newest checkpoint, as before
+        self.nodes[key] = self.local_world_size
+        _say(f"{node} lost (no heartbeat for {KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES} s): its ranks are lost, the "
+             f"{left} ranks left go on in-process (--min-world-size {self.min_world_size}).")
+        steps = [r.step for r in records.values() if r.state != "exited"]
+        change = {"change": f"{node} lost, kept in-process", "world": [left + self.local_world_size, left],
+                  "step": min(steps) if steps else None, "seconds": None}
+        self.changes.append(change)
+        return True
+
+    def exit_barrier_size(self, nodes: int) -> int:
+        """How many nodes' launchers meet at the end: those not lost."""
+        return nodes - len(self.nodes)
+
     def _note(self, rank: int, code: int, world_size: int, codes: dict, records: dict) -> None:
-        left = world_size - len(self.lost) - 1
+        left = world_size - self.ranks_lost() - 1
         if left < self.min_world_size:
             return  # too few would be left: the group fails (and restarts under --max-restarts) as before
         self.lost[rank] = code

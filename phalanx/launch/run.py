@@ -294,9 +294,9 @@ def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> in
                               rdzv_handler=handler, max_restarts=args.max_restarts,
                               monitor_interval=args.monitor_interval)
             elastic = isinstance(handler, ElasticRendezvous)
-            regroup = Regroup(handler, args.grace_period, summary.now.changes) if elastic else None
             survivors = (KeptSurvivors(args.min_world_size, summary.now.changes) if args.min_world_size is not None
                          else None)
+            regroup = Regroup(handler, args.grace_period, summary.now.changes, survivors) if elastic else None
             agent = Agent(spec=spec, logs_specs=config.logs_specs, start_method="spawn",
                           log_line_prefix_template=config.log_line_prefix_template, diagnosis=diagnosis, stop=stop,
                           summary=summary, regroup=regroup, live=live, server=server, survivors=survivors)

@@ -22,6 +22,8 @@ Three store protocols, all under `generation/<g>/` in phalanx's namespace of the
 from __future__ import annotations
 
 import os
+import socket
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -33,11 +35,19 @@ from ..diagnose.stacks import stat_fields
 from ..errors import MembershipError, PeerDiedError, explain
 from ..log import logger
 from . import group as world
+from .interface import address_toward
+from .membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
+from .rendezvous import LOOPBACK
 
 MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
 MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
 DEFAULT_MEMBERSHIP_TIMEOUT = 60.0  # seconds for the survivors to agree: above the step's, below the launcher's
 LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
+PROBE_EVERY = 0.25  # seconds between probes of one peer on another host
+PROBE_TIMEOUT = 0.2  # seconds a probe waits for a connection
+# A peer on another host that does not answer for this long is gone (its host is cut off): the launchers'
+# heartbeat window, so that the workers and the launchers agree on when a silent node is lost.
+SILENT_WINDOW = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES
 
 
 def min_world_size() -> int | None:
@@ -81,7 +91,59 @@ def _start_time(pid: int) -> str | None:
 
 
 def _identity() -> str:
-    return f"{_host()} {os.getpid()} {_start_time(os.getpid())}"
+    return f"{_host()} {os.getpid()} {_start_time(os.getpid())} {_beacon_address()}"
+
+
+# A listening socket while this process lives: a peer on another host that connects to it is refused the moment
+# the process is gone (its kernel closed the socket), and gets no answer at all while the host is cut off.
+_beacon: socket.socket | None = None
+
+
+def _beacon_address() -> str:
+    global _beacon
+    if _beacon is None:
+        spec = world._spec
+        host = (address_toward(spec.master_addr) if spec is not None and spec.master_addr else None) or LOOPBACK
+        beacon = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        beacon.bind((host, 0))
+        beacon.listen(64)
+        threading.Thread(target=_answer, args=(beacon,), name="phalanx-beacon", daemon=True).start()
+        _beacon = beacon
+    host, port = _beacon.getsockname()
+    return f"{host}:{port}"
+
+
+def _answer(beacon: socket.socket) -> None:
+    """Accept and close each probe, so that probes never fill the backlog."""
+    while True:
+        try:
+            connection, _ = beacon.accept()
+        except OSError:  # closed
+            return
+        connection.close()
+
+
+def _close_beacon_in_child() -> None:
+    """A forked child (a DataLoader worker) must not keep the beacon open after its parent is gone."""
+    global _beacon
+    if _beacon is not None:
+        _beacon.close()
+        _beacon = None
+
+
+os.register_at_fork(after_in_child=_close_beacon_in_child)
+
+
+def _probe(address: str, timeout: float = PROBE_TIMEOUT) -> str:
+    """"alive", "gone" (refused: the process is gone, its host is not) or "silent" (no answer in `timeout`)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return "alive"
+    except ConnectionRefusedError:
+        return "gone"
+    except OSError:
+        return "silent"
 
 
 @dataclass(frozen=True)
@@ -91,7 +153,9 @@ class Generation:
     number: int
     members: tuple[int, ...]
     group: object  # a ProcessGroup; dist.group.WORLD for generation 0
-    _who: dict = field(default_factory=dict, compare=False, repr=False)  # member -> (host, pid, start), once read
+    _who: dict = field(default_factory=dict, compare=False, repr=False)  # member -> (host, pid, start, beacon)
+    _probes: dict = field(default_factory=dict, compare=False, repr=False)  # member -> (last answer, when)
+    _silent: dict = field(default_factory=dict, compare=False, repr=False)  # member -> silent since
 
     @property
     def rank(self) -> int:
@@ -108,19 +172,31 @@ class Generation:
     # -- who is gone --------------------------------------------------------------------------------
 
     def gone(self, store) -> set[int]:
-        """Members known gone: named in `lost`, or a process on this host that no longer runs."""
-        gone = set()
-        if store.check([self._key("lost")]):
-            gone |= {int(r) for r in store.get(self._key("lost")).decode().split(",") if r}
-        mine = _host()
+        """Members known gone: a process on this host that no longer runs; on another host, one whose beacon
+        refuses a connection, or has not answered for the heartbeat window (its host cut off)."""
+        gone, mine, now = set(), _host(), time.monotonic()
         for member in self.members:
+            if member == dist.get_rank():
+                continue
             if member not in self._who:
                 key = self._key("who", member)
                 if not store.check([key]):
                     continue
                 self._who[member] = store.get(key).decode().split()
-            host, pid, start = self._who[member]
-            if host == mine and _start_time(int(pid)) != start:
+            host, pid, start, beacon = self._who[member]
+            if host == mine:
+                if _start_time(int(pid)) != start:
+                    gone.add(member)
+                continue
+            seen, when = self._probes.get(member, ("alive", 0.0))
+            if now - when >= PROBE_EVERY:
+                seen = _probe(beacon)
+                silent_since = self._silent.setdefault(member, now) if seen == "silent" else self._silent.pop(member,
+                                                                                                              None)
+                self._probes[member] = (seen, now)
+                if seen == "silent" and now - silent_since >= SILENT_WINDOW:
+                    seen = "gone"
+            if seen == "gone":
                 gone.add(member)
         return gone
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch.nn.functional as F
@@ -40,8 +41,9 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], moment: str) -> dict:
-    """The loop; returns what the survivors' checks read (the doomed rank never returns)."""
+def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], moment: str, pause: float = 0.0) -> dict:
+    """The loop; returns what the survivors' checks read (the doomed rank never returns). `pause`: seconds of
+    sleep per step, so that a test can kill a host in the middle of the run."""
     dataset = Indexed()
     loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                            sampler=px.DistributedSampler(dataset, seed=SEED))
@@ -56,6 +58,7 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
         for epoch in range(EPOCHS):
             loader.set_epoch(epoch)
             for step in loader:
+                time.sleep(pause)
                 optimizer.zero_grad()
                 ids, attempt = [], 0
                 for j, (index, x, y) in enumerate(step.micro_batches(model)):

@@ -1,7 +1,7 @@
 """tests/helpers/live_recovery_cases.py's loop under `phalanx run --min-world-size`: a rank dies, the others go on.
 
     phalanx run --nproc-per-node 3 --min-world-size 2 tests/e2e/jobs/live_recovery_job.py RUN_DIR \\
-        --doomed R --at EPOCH:STEP --moment forward|exchange|optimizer
+        --doomed R --at EPOCH:STEP --moment forward|exchange|optimizer [--pause S] [--host NAME]
 
 Each rank that finishes writes RUN_DIR/result-<rank>.pt (weights_only): its process ids at the start and the end,
 its generation (number, members), whether it was the main rank at the end, and its final parameters.
@@ -22,11 +22,14 @@ def main():
     parser.add_argument("--doomed", type=int, required=True, help="the rank that dies")
     parser.add_argument("--at", default="0:1", help="EPOCH:STEP of the step it dies in")
     parser.add_argument("--moment", choices=MOMENTS, default="exchange")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds of sleep per step")
+    parser.add_argument("--host", default="", help="written to RUN_DIR/host-<rank>: which host a rank ran on")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
     px.init()
     at = tuple(int(part) for part in args.at.split(":"))
-    result = train(px.rank(), str(args.run_dir), args.doomed, at, args.moment)
+    (args.run_dir / f"host-{px.rank()}").write_text(args.host)
+    result = train(px.rank(), str(args.run_dir), args.doomed, at, args.moment, args.pause)
     number, members = result["generation"]
     torch.save({"pid": list(result["pid"]), "generation": [number, list(members)], "main": result["main"],
                 "params": result["params"]}, args.run_dir / f"result-{px.rank()}.pt")
