@@ -267,7 +267,10 @@ def shutdown() -> None:
         together = _spec is not None and _spec.world_size > 1 and _store is not None
         if together:
             _leave_together("shutdown")
-        dist.destroy_process_group()
+        # After a loss (live recovery) the groups are left to the process's exit: one abandoned with a collective
+        # still waiting on a host cut off would never finish tearing down (Gloo cannot abort it).
+        if _live is None:
+            dist.destroy_process_group()
         if together:
             _leave_together("shutdown/done")
             _keep_store_until_all_left()
