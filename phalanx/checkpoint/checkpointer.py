@@ -211,7 +211,8 @@ class Checkpointer:
             mine = torch.tensor(flags[0], dtype=torch.int64, device=world.collective_device())
             everyone = [torch.empty_like(mine) for _ in range(size)]
             entry = recorder.begin(recorder.CHECKPOINT, -1, mine.numel(), mine.dtype)
-            dist.all_gather(everyone, mine, group=world.live_group())
+            generation.wait_for(dist.all_gather(everyone, mine, group=world.live_group(), async_op=True),
+                                "a checkpoint's outcome")
             recorder.done(entry)
             flags = [(int(row[0]), int(row[1])) for row in everyone]
         self._agreed_sequence = flags[0][1]
@@ -286,6 +287,16 @@ class Checkpointer:
             self._agreement = StopAgreement(self.timeout)
             return self._agreement.at_step()
 
+    def _save_recovering(self, state: dict) -> Path:
+        """save(state); with live recovery, a peer lost during the save regroups the ranks left, which save again."""
+        try:
+            return self.save(state)
+        except PeerFailedError as lost:
+            if not generation.live_recovery():
+                raise
+            generation.recover(lost)
+            return self.save(state)
+
     def _barrier(self) -> None:
         if world.group_size() == 1:
             return
@@ -301,7 +312,8 @@ class Checkpointer:
             return code, sequence
         message = torch.tensor([code, sequence], dtype=torch.int64, device=world.collective_device())
         entry = recorder.begin(recorder.CHECKPOINT, -1, message.numel(), message.dtype)
-        dist.broadcast(message, group=world.live_group(), group_src=0)  # the first rank training
+        generation.wait_for(dist.broadcast(message, group=world.live_group(), group_src=0, async_op=True),
+                            "a checkpoint's decision")  # from the first rank training
         recorder.done(entry)
         return int(message[0]), int(message[1])
 
@@ -370,7 +382,7 @@ class Checkpointer:
         stopping = self._agree()
         path = None
         if stopping or last or (self.every is not None and self.steps % self.every == 0):
-            path = self.save(state)
+            path = self._save_recovering(state)
         if stopping or last:  # the agreed stop commits its checkpoint before the process ends: nothing redone
             started = time.monotonic()
             self.wait()

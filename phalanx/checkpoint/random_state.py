@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..world import generation
 from ..world import group as world
 
 
@@ -91,10 +92,10 @@ def gather(states: dict[str, torch.Tensor], device: torch.device) -> list[dict[s
     # all_gather needs equal sizes: exchange lengths first, then pad every blob to the longest
     size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world.group_size())]
-    dist.all_gather(sizes, size, group=group)
+    generation.wait_for(dist.all_gather(sizes, size, group=group, async_op=True), "the random states' sizes")
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:blob.numel()] = blob
     blobs = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(blobs, padded, group=group)
+    generation.wait_for(dist.all_gather(blobs, padded, group=group, async_op=True), "the random states")
     return [decode(b[:int(s)]) for b, s in zip(blobs, sizes)]

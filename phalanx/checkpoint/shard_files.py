@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..errors import CheckpointWriteError, explain
 from ..log import logger
 from ..sharding.dtensor import from_local_like, is_dtensor, local_region
+from ..world import generation
 from ..world import group as world
 from . import atomic_files
 
@@ -154,7 +155,8 @@ def write_parts(directory: Path, sequence: int, local: dict) -> list[dict]:
     everyone = [report]
     if world.group_size() > 1:
         everyone = [torch.empty_like(report) for _ in range(world.group_size())]
-        dist.all_gather(everyone, report, group=world.live_group())
+        generation.wait_for(dist.all_gather(everyone, report, group=world.live_group(), async_op=True),
+                            "a checkpoint part's outcome")
     failed = [rank for rank, row in enumerate(everyone) if not int(row[0])]
     if failed:
         path.unlink(missing_ok=True)

@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--min-world-size", "--min_world_size", dest="min_world_size", type=int, default=None, metavar="N",
         help="live recovery: a worker killed by a signal (SIGKILL, the OOM killer) is lost, not a failure, while at "
              "least N ranks are left; the others keep their processes and go on from the step in flight (a "
-             "global-batch loop, docs/elastic.md). Default: off (a lost worker fails the group)")
+             "global-batch loop, docs/launching.md). Default: off (a lost worker fails the group)")
     add("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="D",
         help="also keep each worker's stdout/stderr/error.json under D/<run>/attempt_<n>/<local rank>/")
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=0.1, metavar="S",

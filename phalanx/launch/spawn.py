@@ -104,9 +104,9 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
           init: bool = True, start_method: str = "spawn", min_world_size: int | None = None) -> list:
     """Run `fn(rank, *args)` in `nprocs` new processes and return their results in rank order.
 
-    `min_world_size`: live recovery (docs/elastic.md): a rank killed by a signal is lost, not a failure, while at
-    least that many ranks are left; the others go on in-process (a global-batch loop needs no change), and
-    its result is None.
+    `min_world_size`: live recovery (docs/launching.md, "Live recovery"): a rank killed by a signal is lost, not
+    a failure, while at least that many ranks are left; the others go on in-process (a global-batch loop needs no
+    change), and its result is None.
 
     `start_method="spawn"` starts each rank in a new interpreter, as torch's `mp.spawn` does.
     `"forkserver"` forks each from a server process that has imported torch and phalanx once, which

@@ -17,6 +17,7 @@ from .group import (
     init,
     is_initialized,
     is_main,
+    live_group,
     local_rank,
     local_world_size,
     rank,

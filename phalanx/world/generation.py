@@ -382,6 +382,14 @@ def next_generation(cause: BaseException) -> Generation:
     return _current
 
 
+def _lost_among(ranks) -> set[int]:
+    """Which of `ranks` are known gone, with live recovery on (world.barrier asks)."""
+    return current().gone(world.store()) & set(ranks) if live_recovery() else set()
+
+
+world.lost_among = _lost_among
+
+
 def forget() -> None:
     """At shutdown (registered by current()): the next init() starts at generation 0 again."""
     global _current, _commits

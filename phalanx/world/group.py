@@ -22,7 +22,7 @@ from .. import allocator, log
 from ..diagnose import progress, recorder, stacks
 from ..diagnose.watch import stall_timeout
 from ..diagnose.watchdog import Watchdog
-from ..errors import RanksTimedOutError, WorldConfigError, explain
+from ..errors import PeerDiedError, RanksTimedOutError, WorldConfigError, explain
 from . import interface, stop
 from .discovery import WorldSpec, discover
 from .rendezvous import host_store, join_store
@@ -36,6 +36,7 @@ _device: torch.device | None = None
 _store = None  # phalanx's own namespace in the rendezvous store (barriers, host identity)
 _owns_group = False
 _barrier_count = 0
+lost_among = None  # generation.py's: which of some ranks are known gone (live recovery), for barrier()
 # After a loss (live recovery, generation.py): (generation number, members' global ranks, their process group).
 # None: the whole world, on torch's default group.
 _live: tuple[int, tuple[int, ...], object] | None = None
@@ -404,6 +405,12 @@ def barrier(timeout=None, name: str = "barrier") -> None:
             dead_check = now + 0.5
             missing = [r for r in members if not _store.check([f"{key}/{r}"])]
             dead = recorder.dead_peers(missing)
+            if lost_among is not None:  # live recovery: a peer on another host too, by its beacon (generation.py)
+                gone = lost_among(missing)
+                if gone:
+                    raise PeerDiedError(explain(f"barrier '{name}' lost rank(s) {sorted(gone)}", rank=rank(),
+                                                seen="their processes gone", expected="every rank alive",
+                                                fix="The ranks left regroup and go on (live recovery)."))
             if dead:
                 raise RanksTimedOutError(explain(
                     f"barrier '{name}' cannot complete", rank=rank(),

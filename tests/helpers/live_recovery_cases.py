@@ -7,7 +7,8 @@ each step. The doomed rank SIGKILLs itself in step `at` = (epoch, step) at `mome
 forward of the step), "exchange" (from a gradient hook in its last backward: with a bucket per parameter, some
 buckets are in flight), or "optimizer" (after its backward, before its optimizer step; the step was committed, so
 its samples are logged as applied). Every rank appends `[epoch, step, ids]` per applied step to
-`ids-<rank>.jsonl` in `directory`: the ids its part of the step averaged.
+`ids-<rank>.jsonl` in `directory`: the ids its part of the step averaged, and the time (`time.time()`); a doomed rank
+writes the time it dies in `died-at`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from tests.helpers.global_batch_cases import (
 MOMENTS = ("forward", "exchange", "optimizer")
 
 
-def _die() -> None:
+def _die(directory: str) -> None:
+    with open(os.path.join(directory, "died-at"), "w") as note:  # when, for benchmarks/live_recovery_timing.py
+        note.write(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -53,7 +56,7 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     losses, started_as, doomed, armed = [], os.getpid(), rank == doomed_rank, [False]
     first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
-    first_layer.register_hook(lambda grad: _die() if armed[0] else None)
+    first_layer.register_hook(lambda grad: _die(directory) if armed[0] else None)
     with open(os.path.join(directory, f"ids-{rank}.jsonl"), "a") as log:
         for epoch in range(EPOCHS):
             loader.set_epoch(epoch)
@@ -66,17 +69,17 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                         ids, attempt = [], step.attempt
                     here = doomed and (epoch, step.index) == at
                     if here and moment == "forward":
-                        _die()
+                        _die(directory)
                     armed[0] = here and moment == "exchange" and j == step.num_micro_batches - 1
                     step.backward(F.mse_loss(model(x), y))
                     if step.weight:
                         ids += index.tolist()
                 if doomed and (epoch, step.index) == at and moment == "optimizer":
-                    log.write(json.dumps([epoch, step.index, ids]) + "\n")  # the step is applied by the others
+                    log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")  # applied by the others
                     log.flush()
-                    _die()
+                    _die(directory)
                 optimizer.step()
-                log.write(json.dumps([epoch, step.index, ids]) + "\n")
+                log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
                 log.flush()
                 losses.append(px.metrics.all_reduce_sum(step.loss).item())  # over the ranks that train
                 checkpointer.step(state)
@@ -91,7 +94,7 @@ def applied_ids(directory: str, world_size: int) -> dict:
     for rank in range(world_size):
         with open(os.path.join(directory, f"ids-{rank}.jsonl")) as log:
             for line in log:
-                epoch, step, ids = json.loads(line)
+                epoch, step, ids, _ = json.loads(line)
                 applied.setdefault((epoch, step), []).extend(ids)
     return {key: sorted(ids) for key, ids in applied.items()}
 
@@ -101,3 +104,16 @@ def newest_checkpoint(directory: str) -> dict:
     path = Path(directory) / "checkpoints"
     files = checkpoint_files(path)
     return load_safely(path / files[max(files)], "cpu")
+
+
+def next_step_after(directory: str, ranks, when: float) -> float | None:
+    """Seconds from `when` to the first step the ranks `ranks` all applied after it (None: none came)."""
+    firsts = []
+    for rank in ranks:
+        with open(os.path.join(directory, f"ids-{rank}.jsonl")) as log:
+            times = [json.loads(line)[3] for line in log]
+        later = [t for t in times if t > when]
+        if not later:
+            return None
+        firsts.append(min(later))
+    return max(firsts) - when
