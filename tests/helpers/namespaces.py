@@ -21,6 +21,22 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
+def _add_namespaces(hosts: list[dict], created: list) -> None:
+    """Make each host's namespace, noting in `created` what to delete; NamespaceUnavailable when one cannot be."""
+    for host in hosts:
+        made = ip("netns", "add", host["ns"], check=False)
+        if made.returncode != 0:
+            raise NamespaceUnavailable(f"cannot create a network namespace ({made.stderr.strip()})")
+        created.append(host["ns"])
+
+
+def _address(host: dict) -> None:
+    """The host's end of its link, now in its namespace: its address, up, and the namespace's loopback up."""
+    ip("-n", host["ns"], "addr", "add", f"{host['addr']}/24", "dev", host["dev"])
+    ip("-n", host["ns"], "link", "set", host["dev"], "up")
+    ip("-n", host["ns"], "link", "set", "lo", "up")
+
+
 @contextmanager
 def veth_hosts(prefix: str, octet: int) -> Iterator[list[dict]]:
     """Yield [{"ns", "dev", "addr"} of host 0, of host 1]: namespaces `<prefix><tag>0/1`, addresses
@@ -30,17 +46,11 @@ def veth_hosts(prefix: str, octet: int) -> Iterator[list[dict]]:
              for i in (0, 1)]
     created = []
     try:
-        for host in hosts:
-            made = ip("netns", "add", host["ns"], check=False)
-            if made.returncode != 0:
-                raise NamespaceUnavailable(f"cannot create a network namespace ({made.stderr.strip()})")
-            created.append(host["ns"])
+        _add_namespaces(hosts, created)
         ip("link", "add", hosts[0]["dev"], "type", "veth", "peer", "name", hosts[1]["dev"])
         for host in hosts:
             ip("link", "set", host["dev"], "netns", host["ns"])
-            ip("-n", host["ns"], "addr", "add", f"{host['addr']}/24", "dev", host["dev"])
-            ip("-n", host["ns"], "link", "set", host["dev"], "up")
-            ip("-n", host["ns"], "link", "set", "lo", "up")
+            _address(host)
         yield hosts
     finally:
         for name in created:  # deleting a namespace also deletes its end of the veth pair
@@ -58,11 +68,7 @@ def bridged_hosts(prefix: str, octet: int, count: int) -> Iterator[list[dict]]:
               "addr": f"10.{octet}.{int(tag[:2], 16)}.{i + 1}"} for i in range(count)]
     created, links = [], []
     try:
-        for host in hosts:
-            made = ip("netns", "add", host["ns"], check=False)
-            if made.returncode != 0:
-                raise NamespaceUnavailable(f"cannot create a network namespace ({made.stderr.strip()})")
-            created.append(host["ns"])
+        _add_namespaces(hosts, created)
         ip("link", "add", bridge, "type", "bridge")
         links.append(bridge)
         ip("link", "set", bridge, "up")
@@ -72,9 +78,7 @@ def bridged_hosts(prefix: str, octet: int, count: int) -> Iterator[list[dict]]:
             ip("link", "set", host["dev"], "netns", host["ns"])
             ip("link", "set", host["peer"], "master", bridge)
             ip("link", "set", host["peer"], "up")
-            ip("-n", host["ns"], "addr", "add", f"{host['addr']}/24", "dev", host["dev"])
-            ip("-n", host["ns"], "link", "set", host["dev"], "up")
-            ip("-n", host["ns"], "link", "set", "lo", "up")
+            _address(host)
         yield hosts
     finally:
         for name in created:
