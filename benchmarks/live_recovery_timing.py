@@ -6,10 +6,11 @@
 rank 2 kills itself (SIGKILL) in a step drawn at random, at a moment drawn at random (before its forward, in the
 middle of its gradient exchange, or after it and before its optimizer step), and notes the time. `--where host`:
 three hosts (network namespaces on a bridge, root needed), `--nnodes 2:3 --min-world-size 2`, 1 worker each; host 2's
-launcher and worker are SIGKILLed together after a number of its steps drawn at random. Each round then reads the
-survivors' step logs: the seconds from the kill to the first step that both applied after it (a step takes
-`--pause` seconds of sleep plus its compute, so that is in the figure too). Prints each round, the median, the p95 and
-the worst, and checks each round's final parameters against the uninterrupted run's.
+launcher and worker are SIGKILLed together after a number of its steps drawn at random. `--where cut`: the same, but
+host 2's link is set down instead (its processes run on, unreachable; the round tears them down after). Each round
+then reads the survivors' step logs: the seconds from the kill to the first step that both applied after it (a step
+takes `--pause` seconds of sleep plus its compute, so that is in the figure too). Prints each round, the median, the
+p95 and the worst, and checks each round's final parameters against the uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def rank_round(run_dir: Path, pause: float, rng: random.Random) -> tuple[float |
     return next_step_after(str(run_dir), (0, 1), died), _same_as_uninterrupted(run_dir, (0, 1)), f"{at} {moment}"
 
 
-def host_round(run_dir: Path, pause: float, rng: random.Random) -> tuple[float | None, bool, str]:
+def host_round(run_dir: Path, pause: float, rng: random.Random, cut: bool = False) -> tuple[float | None, bool, str]:
     after = rng.randrange(1, 2 * STEPS_PER_EPOCH - 1)  # host 2's applied steps before the kill
     with bridged_hosts("phb", 216, 3) as hosts:
         port = free_port()
@@ -76,7 +77,10 @@ def host_round(run_dir: Path, pause: float, rng: random.Random) -> tuple[float |
                     break
                 time.sleep(0.005)
             killed = time.time()
-            kill_node(launchers[2])
+            if cut:  # its link down: no connection is reset, its processes run on, unreachable
+                subprocess.run(["ip", "-n", hosts[2]["ns"], "link", "set", "dev", hosts[2]["dev"], "down"], check=True)
+            else:
+                kill_node(launchers[2])
             for launcher in launchers[:2]:
                 launcher.wait(timeout=300)
         finally:
@@ -91,7 +95,8 @@ def host_round(run_dir: Path, pause: float, rng: random.Random) -> tuple[float |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--where", choices=("rank", "host"), default="rank")
+    parser.add_argument("--where", choices=("rank", "host", "cut"), default="rank",
+                        help="kill a rank, kill a host whole, or cut a host's link (default rank)")
     parser.add_argument("--pause", type=float, default=0.1, help="seconds of sleep per step (default 0.1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-slow", type=float, default=None, metavar="S",
@@ -100,7 +105,8 @@ def main() -> None:
     rng, seconds = random.Random(args.seed), []
     for round_number in range(args.rounds):
         with tempfile.TemporaryDirectory() as directory:
-            took, same, what = (rank_round if args.where == "rank" else host_round)(Path(directory), args.pause, rng)
+            play = {"rank": rank_round, "host": host_round, "cut": lambda *a: host_round(*a, cut=True)}[args.where]
+            took, same, what = play(Path(directory), args.pause, rng)
             if args.keep_slow is not None and (took is None or took > args.keep_slow):
                 kept = Path(tempfile.mkdtemp(prefix="live-recovery-slow-"))
                 subprocess.run(["cp", "-r", f"{directory}/.", str(kept)], check=False)

@@ -211,6 +211,7 @@ class DataLoader(torch.utils.data.DataLoader):
             sampler.load_state_dict({"epoch": epoch, "consumed": self._position["consumed"],
                                      "offset": sampler.offset if resuming else 0})
         sizes = self._recorder.sizes = deque()
+        follow_generations(self)  # live recovery needs a global batch: says so
         return _CountingIterator(self._start_pass(resuming), sizes, self._position)
 
     def _iter_steps(self, resuming: bool) -> StepIterator:

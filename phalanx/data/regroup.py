@@ -26,8 +26,13 @@ def follow_generations(loader) -> bool:
     """With live recovery on (a minimum world size, world/generation.py), have a global-batch loader regroup
     onto each new generation (once per loader), and say which process this rank is; True when it is on. Off,
     a loss ends the run."""
-    if loader.plan is None or not generation.live_recovery():
+    if not generation.live_recovery():
         return False
+    if loader.plan is None:
+        generation.say_mode(False, "a DataLoader without global_batch_size cannot re-split its steps over the ranks "
+                                   "left")
+        return False
+    generation.say_mode(True, "the loop's steps are a global batch's")
     generation.announce()
     if not loader._follows_generations:
         loader._follows_generations = True

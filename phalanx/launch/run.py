@@ -270,6 +270,8 @@ def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> in
     os.environ["PHALANX_STALL_WATCHER"] = "launcher"
     if args.min_world_size is not None:  # the workers recover in-process (world/generation.py)
         os.environ[MIN_WORLD_ENV] = str(args.min_world_size)
+        _say(f"live recovery: a rank lost (killed, or its host gone) costs the step in flight while at least "
+             f"{args.min_world_size} ranks are left; a worker that raises fails the group as before.")
     preload_for_workers()  # the system's tcmalloc, else the shipped mimalloc: glibc fragments (phalanx/allocator/)
     diagnosis = RunDiagnosis(rings, args.stall_timeout, args.on_stall, args.log_dir, args.straggler_every)
     stop = StopRequest(args.grace_period, args.node_rank)

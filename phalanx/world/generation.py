@@ -43,8 +43,8 @@ MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
 MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
 DEFAULT_MEMBERSHIP_TIMEOUT = 60.0  # seconds for the survivors to agree: above the step's, below the launcher's
 LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
-PROBE_EVERY = 0.25  # seconds between probes of one peer on another host
-PROBE_TIMEOUT = 0.2  # seconds a probe waits for a connection
+PROBE_EVERY = 0.1  # seconds between probes of one peer on another host (only while waiting on it)
+PROBE_TIMEOUT = 0.1  # seconds a probe waits for a connection (silence counts only after SILENT_WINDOW)
 # A peer on another host that does not answer for this long is gone (its host is cut off): the launchers'
 # heartbeat window, so that the workers and the launchers agree on when a silent node is lost.
 SILENT_WINDOW = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES
@@ -75,11 +75,12 @@ def _membership_timeout() -> float:
 
 
 def _host() -> str:
-    """What two processes must share for one's pid to be checked by the other: a boot and a pid namespace."""
+    """What two processes must share for one to check on the other by its pid: a boot, a pid namespace, and a
+    network (another network namespace can be cut off while its processes run on: its beacon says)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as handle:
             boot = handle.read().strip()
-        return f"{boot}|{os.readlink('/proc/self/ns/pid')}"
+        return f"{boot}|{os.readlink('/proc/self/ns/pid')}|{os.readlink('/proc/self/ns/net')}"
     except OSError:
         return f"unknown-{os.getpid()}"  # matches no other process: its peers wait for it instead
 
@@ -342,6 +343,23 @@ def recover(cause: BaseException) -> Generation:
         if method is not None:
             method(survivors)
     return survivors
+
+
+_mode_said = False
+
+
+def say_mode(live: bool, why: str) -> None:
+    """Once per process, on the main rank: whether a loss will be recovered in-process or by a restart."""
+    global _mode_said
+    if _mode_said or not world.is_main():
+        return
+    _mode_said = True
+    if live:
+        logger.info("live recovery on: a lost rank costs the step in flight while %s=%d ranks are left (%s)",
+                    MIN_WORLD_ENV, min_world_size(), why)
+    else:
+        logger.warning("live recovery off for this loop: %s; a lost rank fails the group, which restarts from its "
+                       "newest checkpoint (under --max-restarts)", why)
 
 
 def announce() -> None:
