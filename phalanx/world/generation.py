@@ -22,8 +22,6 @@ Three store protocols, all under `generation/<g>/` in phalanx's namespace of the
 from __future__ import annotations
 
 import os
-import socket
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -31,23 +29,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..diagnose.stacks import stat_fields
 from ..errors import MembershipError, PeerDiedError, explain
 from ..log import logger
 from . import group as world
-from .interface import address_toward
-from .membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
-from .rendezvous import LOOPBACK
+from .liveness import PeerWatch, identity
 
 MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
 MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
 DEFAULT_MEMBERSHIP_TIMEOUT = 60.0  # seconds for the survivors to agree: above the step's, below the launcher's
 LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
-PROBE_EVERY = 0.1  # seconds between probes of one peer on another host (only while waiting on it)
-PROBE_TIMEOUT = 0.1  # seconds a probe waits for a connection (silence counts only after SILENT_WINDOW)
-# A peer on another host that does not answer for this long is gone (its host is cut off): the launchers'
-# heartbeat window, so that the workers and the launchers agree on when a silent node is lost.
-SILENT_WINDOW = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES
 
 
 def min_world_size() -> int | None:
@@ -74,79 +64,6 @@ def _membership_timeout() -> float:
     return float(os.environ.get(MEMBERSHIP_TIMEOUT_ENV, DEFAULT_MEMBERSHIP_TIMEOUT))
 
 
-def _host() -> str:
-    """What two processes must share for one to check on the other by its pid: a boot, a pid namespace, and a
-    network (another network namespace can be cut off while its processes run on: its beacon says)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as handle:
-            boot = handle.read().strip()
-        return f"{boot}|{os.readlink('/proc/self/ns/pid')}|{os.readlink('/proc/self/ns/net')}"
-    except OSError:
-        return f"unknown-{os.getpid()}"  # matches no other process: its peers wait for it instead
-
-
-def _start_time(pid: int) -> str | None:
-    """`pid`'s start time (a recycled pid has a later one), or None when it is gone or a zombie."""
-    fields = stat_fields(pid)
-    return fields[19] if fields and fields[0] not in ("Z", "X", "x") else None
-
-
-def _identity() -> str:
-    return f"{_host()} {os.getpid()} {_start_time(os.getpid())} {_beacon_address()}"
-
-
-# A listening socket while this process lives: a peer on another host that connects to it is refused the moment
-# the process is gone (its kernel closed the socket), and gets no answer at all while the host is cut off.
-_beacon: socket.socket | None = None
-
-
-def _beacon_address() -> str:
-    global _beacon
-    if _beacon is None:
-        spec = world._spec
-        host = (address_toward(spec.master_addr) if spec is not None and spec.master_addr else None) or LOOPBACK
-        beacon = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        beacon.bind((host, 0))
-        beacon.listen(64)
-        threading.Thread(target=_answer, args=(beacon,), name="phalanx-beacon", daemon=True).start()
-        _beacon = beacon
-    host, port = _beacon.getsockname()
-    return f"{host}:{port}"
-
-
-def _answer(beacon: socket.socket) -> None:
-    """Accept and close each probe, so that probes never fill the backlog."""
-    while True:
-        try:
-            connection, _ = beacon.accept()
-        except OSError:  # closed
-            return
-        connection.close()
-
-
-def _close_beacon_in_child() -> None:
-    """A forked child (a DataLoader worker) must not keep the beacon open after its parent is gone."""
-    global _beacon
-    if _beacon is not None:
-        _beacon.close()
-        _beacon = None
-
-
-os.register_at_fork(after_in_child=_close_beacon_in_child)
-
-
-def _probe(address: str, timeout: float = PROBE_TIMEOUT) -> str:
-    """"alive", "gone" (refused: the process is gone, its host is not) or "silent" (no answer in `timeout`)."""
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return "alive"
-    except ConnectionRefusedError:
-        return "gone"
-    except OSError:
-        return "silent"
-
-
 @dataclass(frozen=True)
 class Generation:
     """One generation: its number, its members (global ranks, in order) and the process group they share."""
@@ -154,9 +71,8 @@ class Generation:
     number: int
     members: tuple[int, ...]
     group: object  # a ProcessGroup; dist.group.WORLD for generation 0
-    _who: dict = field(default_factory=dict, compare=False, repr=False)  # member -> (host, pid, start, beacon)
-    _probes: dict = field(default_factory=dict, compare=False, repr=False)  # member -> (last answer, when)
-    _silent: dict = field(default_factory=dict, compare=False, repr=False)  # member -> silent since
+    _who: dict = field(default_factory=dict, compare=False, repr=False)  # member -> its identity, once read
+    _watch: PeerWatch = field(default_factory=PeerWatch, compare=False, repr=False)
 
     @property
     def rank(self) -> int:
@@ -173,9 +89,9 @@ class Generation:
     # -- who is gone --------------------------------------------------------------------------------
 
     def gone(self, store) -> set[int]:
-        """Members known gone: a process on this host that no longer runs; on another host, one whose beacon
-        refuses a connection, or has not answered for the heartbeat window (its host cut off)."""
-        gone, mine, now = set(), _host(), time.monotonic()
+        """Members known gone (liveness.py): a process on this host that no longer runs; on another host, one
+        whose beacon refuses a connection, or has not answered for the heartbeat window (its host cut off)."""
+        gone = set()
         for member in self.members:
             if member == dist.get_rank():
                 continue
@@ -183,21 +99,8 @@ class Generation:
                 key = self._key("who", member)
                 if not store.check([key]):
                     continue
-                self._who[member] = store.get(key).decode().split()
-            host, pid, start, beacon = self._who[member]
-            if host == mine:
-                if _start_time(int(pid)) != start:
-                    gone.add(member)
-                continue
-            seen, when = self._probes.get(member, ("alive", 0.0))
-            if now - when >= PROBE_EVERY:
-                seen = _probe(beacon)
-                silent_since = self._silent.setdefault(member, now) if seen == "silent" else self._silent.pop(member,
-                                                                                                              None)
-                self._probes[member] = (seen, now)
-                if seen == "silent" and now - silent_since >= SILENT_WINDOW:
-                    seen = "gone"
-            if seen == "gone":
+                self._who[member] = store.get(key).decode()
+            if self._watch.gone(member, self._who[member]):
                 gone.add(member)
         return gone
 
@@ -365,7 +268,7 @@ def say_mode(live: bool, why: str) -> None:
 def announce() -> None:
     """Say which process this rank is, for the survivors of a loss to tell at once that it is gone."""
     generation = current()
-    world.store().set(generation._key("who", dist.get_rank()), _identity())
+    world.store().set(generation._key("who", dist.get_rank()), identity())
 
 
 def next_generation(cause: BaseException) -> Generation:
@@ -393,7 +296,7 @@ def next_generation(cause: BaseException) -> Generation:
     group = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
     _current, _commits = Generation(old.number + 1, members, group), 0
     world.set_live(_current.number, members, group)
-    store.set(_current._key("who", me), _identity())
+    store.set(_current._key("who", me), identity())
     if _current.rank == 0:
         logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s", lost,
                        type(cause).__name__, len(members), _current.number, time.monotonic() - started)

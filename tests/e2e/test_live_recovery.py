@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from phalanx.testing import free_port
-from phalanx.world.generation import SILENT_WINDOW
+from phalanx.world.liveness import SILENT_WINDOW
 from tests.conftest import ROOT, run_command
 from tests.e2e.test_elastic import HANG_GUARD, job_env, kill_node, wait_until
 from tests.helpers.global_batch_cases import reference_run
