@@ -280,8 +280,8 @@ class Checkpointer:
             self._agreement = StopAgreement(self.timeout)
         try:
             return self._agreement.at_step()
-        except PeerFailedError as lost:
-            if not generation.live_recovery():
+        except (PeerFailedError, RuntimeError) as lost:  # RuntimeError: Gloo's, making the agreement's group
+            if not generation.live_recovery() or not (isinstance(lost, PeerFailedError) or generation.peer_gone(lost)):
                 raise
             generation.recover(lost)
             self._agreement = StopAgreement(self.timeout)
