@@ -22,7 +22,6 @@ from ..world import generation
 
 DEFAULT_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (PHALANX_DDP_STALL_TIMEOUT)
 PRESENCE_AFTER_SECONDS = 1.0  # a wait this long is unusual: note in the store that this rank is in the step
-WATCH_EVERY_SECONDS = 0.1  # with live recovery: how often a wait asks whether the step was given up
 NAMING_GRACE_SECONDS = 1.0  # how long a rank that detected the problem waits for the others' notes
 
 
@@ -89,20 +88,9 @@ class StepGuard:
             self.fail(what, f"no answer within {self.timeout:.0f}s")
 
     def _wait_watching(self, ready, what: str) -> None:
-        """_wait_until with live recovery: between short waits, ask whether the step was given up. A peer that
-        lost its own connection to a dead rank leaves the collective, and this rank, waiting for that peer's
-        part, would otherwise wait for the whole timeout (a Gloo collective cannot be aborted: it is
-        abandoned, and the model's regroup never touches its buffers again)."""
-        deadline = time.monotonic() + self.timeout
-        while not ready(min(WATCH_EVERY_SECONDS, max(0.0, deadline - time.monotonic()))):
-            if generation.step_abandoned():
-                raise PeerDiedError(explain(
-                    f"{what} of DDP step {self.step} was given up", rank=dist.get_rank(),
-                    seen="a peer gone, or another rank's exchange failed",
-                    expected=f"all {self.world_size} ranks in step {self.step}",
-                    fix="The ranks left regroup and redo the step (live recovery)."))
-            if time.monotonic() >= deadline:
-                self.fail(what, f"no answer within {self.timeout:.0f}s")
+        """_wait_until with live recovery: generation.wait_watching gives up a step another rank gave up."""
+        if not generation.wait_watching(ready, f"{what} of DDP step {self.step}", self.timeout):
+            self.fail(what, f"no answer within {self.timeout:.0f}s")
 
     def wait(self, future, what: str):
         """future.wait(), but a stall past the timeout or a failed collective raises UnevenInputsError.

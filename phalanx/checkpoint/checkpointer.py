@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..diagnose import progress, recorder
-from ..errors import CheckpointError, CheckpointWriteError, PeerFailedError, explain
+from ..errors import CheckpointError, CheckpointWriteError, explain
 from ..log import logger
 from ..world import generation, stop
 from ..world import group as world
@@ -274,28 +274,19 @@ class Checkpointer:
 
     def _agree(self) -> bool:
         """The stop agreement's answer at this step; after a loss (live recovery) on the ranks left: a peer lost
-        since the last exchange is noticed here, and the ranks left regroup before they go on."""
+        since the last exchange (or while the agreement's Gloo group is made) is noticed here, and the ranks left
+        regroup and agree again, on a new agreement of theirs."""
+        return generation.again_after_loss(lambda: self._agreement_of_the_ranks().at_step())
+
+    def _agreement_of_the_ranks(self) -> StopAgreement:
         if self._agreement is None or self._agreement.generation != world.live_generation():  # ranks were lost
             progress.listening()
             self._agreement = StopAgreement(self.timeout)
-        try:
-            return self._agreement.at_step()
-        except (PeerFailedError, RuntimeError) as lost:  # RuntimeError: Gloo's, making the agreement's group
-            if not generation.live_recovery() or not (isinstance(lost, PeerFailedError) or generation.peer_gone(lost)):
-                raise
-            generation.recover(lost)
-            self._agreement = StopAgreement(self.timeout)
-            return self._agreement.at_step()
+        return self._agreement
 
     def _save_recovering(self, state: dict) -> Path:
         """save(state); with live recovery, a peer lost during the save regroups the ranks left, which save again."""
-        try:
-            return self.save(state)
-        except PeerFailedError as lost:
-            if not generation.live_recovery():
-                raise
-            generation.recover(lost)
-            return self.save(state)
+        return generation.again_after_loss(lambda: self.save(state))
 
     def _barrier(self) -> None:
         if world.group_size() == 1:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import DataConfigError, PeerFailedError, explain
-from ..log import logger
+from ..errors import DataConfigError, explain
 from ..world import generation
 from ..world.group import collective_device, group_size, live_group
 from .sampler import DistributedSampler
@@ -37,15 +36,9 @@ def _on_the_ranks(collective, group):
     regroups the ranks left (the model and loader too), which run it again: the value then covers them only."""
     if group is not None:
         return collective(group)
-    try:
-        return collective(live_group())
-    except PeerFailedError as lost:
-        if not generation.live_recovery():
-            raise
-        survivors = generation.recover(lost)
-        logger.warning("a rank was lost during a metric's collective: its value covers the %d ranks left",
-                       survivors.world_size)
-        return collective(live_group())
+    return generation.again_after_loss(lambda: collective(live_group()),
+                                       "a rank was lost during a metric's collective: its value covers the {left} "
+                                       "ranks left")
 
 
 def all_reduce_sum(value, group=None):

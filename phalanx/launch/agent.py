@@ -98,9 +98,9 @@ class Agent(LocalElasticAgent):
         nodes, key = self._worker_group.group_world_size, "phalanx/exit-barrier/arrived"
         arrived = self._store.add(key, 1)
         deadline = time.monotonic() + self._exit_barrier_timeout
-        while arrived < nodes - len(self.survivors.nodes):
+        while arrived < self.survivors.exit_barrier_size(nodes):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{arrived} of {nodes - len(self.survivors.nodes)} launchers after "
+                raise TimeoutError(f"{arrived} of {self.survivors.exit_barrier_size(nodes)} launchers after "
                                    f"{self._exit_barrier_timeout} s")
             time.sleep(0.1)
             if self.regroup is not None:  # a node killed whole: lost once its heartbeats expire

@@ -19,6 +19,7 @@ from ..diagnose import straggler
 from ..diagnose.record import H_STEP, read_header, read_rings, ring_path
 from ..diagnose.verdict import Verdict, judge
 from ..diagnose.watch import StallWatch, collect
+from .failures import signal_name
 
 POLL_SECONDS = 0.5  # between reads of the rings' headers (a few hundred bytes per rank)
 STALL_EXIT_CODE = 86
@@ -30,11 +31,7 @@ def _say(text: str) -> None:
 
 def how_it_ended(exitcode: int) -> str:
     if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = str(-exitcode)
-        return f"was killed by {name}"
+        return f"was killed by {signal_name(exitcode)}"
     return f"exited with code {exitcode}"
 
 

@@ -42,16 +42,22 @@ def root_cause(failures: dict) -> tuple[int, object]:
     return min(failures.items(), key=_order)
 
 
+def signal_name(exitcode: int) -> str:
+    """The name of the signal that ended a process whose exit code is `exitcode` (negative): SIGKILL, ...; its
+    number when it has no name."""
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return str(-exitcode)
+
+
 def describe_failure(rank: int, failure) -> str:
     """One line: 'rank 1 (pid 123) failed: ValueError: boom'."""
     who = f"rank {rank} (pid {failure.pid})"
     if failure.exitcode == -signal.SIGTERM:
         return f"{who} was stopped (SIGTERM)"
     if failure.exitcode < 0:
-        try:
-            name = signal.Signals(-failure.exitcode).name
-        except ValueError:
-            name = str(-failure.exitcode)
+        name = signal_name(failure.exitcode)
         hint = " (SIGKILL usually means out of memory)" if -failure.exitcode == signal.SIGKILL else ""
         return f"{who} was killed by signal {name}{hint}"
     if failure_traceback(failure):

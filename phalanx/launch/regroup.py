@@ -18,6 +18,7 @@ import time
 
 from ..diagnose.recorder import pid_alive
 from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES, ElasticRendezvous
+from .failures import signal_name
 
 POLL = 1.0  # seconds between looks at the rendezvous state (lost nodes, waiting ones)
 
@@ -212,10 +213,7 @@ class KeptSurvivors:
         if left < self.min_world_size:
             return  # too few would be left: the group fails (and restarts under --max-restarts) as before
         self.lost[rank] = code
-        try:
-            how = signal.Signals(-code).name
-        except ValueError:
-            how = f"signal {-code}"
+        how = signal_name(code)
         _say(f"rank {rank} was lost ({how}): the {left} ranks left go on in-process, from the step in flight "
              f"(--min-world-size {self.min_world_size}).")
         steps = [r.step for k, r in records.items() if k not in self.lost and codes.get(k) is None]

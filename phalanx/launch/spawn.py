@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
-import signal
 import sys
 import time
 import traceback
@@ -24,6 +23,7 @@ from ..allocator import CHOSEN_BY_LAUNCHER, worker_preload
 from ..errors import RankFailedError, RanksTimedOutError, explain
 from ..world.generation import MIN_WORLD_ENV
 from ..world.rendezvous import LOOPBACK, host_store
+from .failures import signal_name
 
 _GRACE_SECONDS = 3.0
 START_METHODS = ("spawn", "forkserver")
@@ -223,11 +223,7 @@ def _lost(rank: int, exitcode: int, values: dict, nprocs: int, min_world_size: i
     lost = sum(1 for value in values.values() if value is None) + 1
     if min_world_size is None or exitcode >= 0 or nprocs - lost < min_world_size:
         return False
-    try:
-        how = f"killed by {signal.Signals(-exitcode).name}"
-    except ValueError:
-        how = f"killed by signal {-exitcode}"
-    print(f"phalanx.spawn: rank {rank} was lost ({how}); {nprocs - lost} ranks go on.",
+    print(f"phalanx.spawn: rank {rank} was lost (killed by {signal_name(exitcode)}); {nprocs - lost} ranks go on.",
           file=sys.stderr, flush=True)
     return True
 

@@ -9,8 +9,8 @@ Live recovery is asked for with a minimum world size (`PHALANX_MIN_WORLD_SIZE`, 
 `phalanx.spawn(..., min_world_size=)`): a loss that leaves fewer ranks ends the run as before.
 
 Three store protocols, all under `generation/<g>/` in phalanx's namespace of the store:
-- who: each rank's process (host, pid, start time), so that a peer on the same host can tell at once
-  that it is gone; `lost` lists ranks another party (the launcher) knows are gone.
+- who: each rank's process (liveness.py: host, pid, start time, beacon), so that a peer can tell it is gone:
+  at once on the same host or when its beacon refuses, after the heartbeat window when its host is silent.
 - commit: after each step's exchange, every rank says it is ready to apply the step; the step is
   applied only if all are (the last to say so writes "ok"), else a rank that saw a peer fail, or that
   found one gone while waiting, writes "failed" and every rank redoes the step at the next generation.
@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..errors import MembershipError, PeerDiedError, explain
+from ..errors import MembershipError, PeerDiedError, PeerFailedError, explain
 from ..log import logger
 from . import group as world
 from .liveness import PeerWatch, identity
@@ -38,6 +38,7 @@ MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
 MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
 DEFAULT_MEMBERSHIP_TIMEOUT = 60.0  # seconds for the survivors to agree: above the step's, below the launcher's
 LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
+WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
 
 
 def min_world_size() -> int | None:
@@ -196,30 +197,48 @@ def peer_gone(failure) -> bool:
     return any(words in str(failure).lower() for words in _PEER_GONE)
 
 
-def watch(work, what: str):
-    """Wait for an asynchronous collective's `work` like work.wait(), but raise PeerDiedError as soon as a member
-    is gone or gave the step up (live recovery): a Gloo collective whose peer left waits for its whole timeout."""
-    pause = 2e-4
-    while not work.is_completed():
+def wait_watching(ready, what: str, timeout: float) -> bool:
+    """Call `ready(seconds)` (a wait of at most that long, True once done) until it says True; between waits of
+    WATCH_EVERY seconds, raise PeerDiedError as soon as the step in flight was given up (a member gone, or another
+    rank's exchange failed): a peer that left a Gloo collective never sends what this rank waits for, and the
+    collective cannot be aborted (it is abandoned; nothing touches its buffers again). False once `timeout`
+    seconds passed first."""
+    deadline = time.monotonic() + timeout
+    while not ready(min(WATCH_EVERY, max(0.0, deadline - time.monotonic()))):
         if step_abandoned():
-            raise PeerDiedError(explain(f"{what} lost a peer", rank=dist.get_rank(), seen="a member gone",
+            raise PeerDiedError(explain(f"{what} was given up", rank=dist.get_rank(),
+                                        seen="a peer gone, or another rank's exchange failed",
+                                        expected="every rank of the generation in it",
+                                        fix="The ranks left regroup and redo the step (live recovery)."))
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
+def watch(work, what: str) -> None:
+    """work.wait() for an asynchronous collective, watched (wait_watching); a failure that says a peer's connection
+    went away is PeerDiedError."""
+    def done_within(seconds: float) -> bool:
+        try:
+            work.wait(timedelta(seconds=max(0.001, seconds)))
+            return True
+        except RuntimeError as exc:
+            if not work.is_completed() and "timed out" in str(exc).lower():
+                return False
+            if not peer_gone(exc):
+                raise
+            raise PeerDiedError(explain(f"{what} lost a peer", rank=dist.get_rank(), seen=str(exc).splitlines()[0],
                                         expected="every rank of the generation",
-                                        fix="The ranks left regroup and go on (live recovery)."))
-        time.sleep(pause)
-        pause = min(1.5 * pause, 0.01)
-    try:
-        return work.wait()
-    except RuntimeError as exc:
-        if not peer_gone(exc):
-            raise
-        raise PeerDiedError(explain(f"{what} lost a peer", rank=dist.get_rank(), seen=str(exc).splitlines()[0],
-                                    expected="every rank of the generation",
-                                    fix="The ranks left regroup and go on (live recovery).")) from None
+                                        fix="The ranks left regroup and go on (live recovery).")) from None
+    wait_watching(done_within, what, float("inf"))  # a Gloo collective ends at its group's timeout anyway
 
 
-def wait_for(work, what: str):
+def wait_for(work, what: str) -> None:
     """work.wait(), watched for a lost peer when live recovery is on (watch)."""
-    return watch(work, what) if live_recovery() else work.wait()
+    if live_recovery():
+        watch(work, what)
+    else:
+        work.wait()
 
 
 def fail_step() -> None:
@@ -246,6 +265,21 @@ def recover(cause: BaseException) -> Generation:
         if method is not None:
             method(survivors)
     return survivors
+
+
+def again_after_loss(action, warning: str | None = None):
+    """`action()`; with live recovery, when a peer is lost during it (PeerFailedError, or Gloo's words for a closed
+    connection), the ranks left regroup (recover) and do it again. `warning`, formatted with `left` (how many ranks
+    are left), is logged when that happens."""
+    try:
+        return action()
+    except RuntimeError as lost:  # PeerFailedError is one
+        if not live_recovery() or not (isinstance(lost, PeerFailedError) or peer_gone(lost)):
+            raise
+        survivors = recover(lost)
+        if warning:
+            logger.warning(warning.format(left=survivors.world_size))
+        return action()
 
 
 _mode_said = False

@@ -102,13 +102,14 @@ class PeerWatch:
     """What one process knows of its peers' liveness: the last probe of each, and since when it is silent."""
 
     def __init__(self):
+        self._host = _host()  # this process's (made in it: a fork that entered other namespaces made its own)
         self._probes: dict[int, tuple[str, float]] = {}  # peer -> (last answer, when)
         self._silent: dict[int, float] = {}  # peer -> silent since
 
     def gone(self, peer: int, who: str) -> bool:
         """Whether `peer`, whose identity() is `who`, is gone."""
         host, pid, start, beacon = who.split()
-        if host == _host():
+        if host == self._host:
             return _start_time(int(pid)) != start
         now = time.monotonic()
         seen, when = self._probes.get(peer, ("alive", 0.0))
