@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -93,6 +94,8 @@ def host_round(run_dir: Path, pause: float, rng: random.Random, cut: bool = Fals
 
 
 def main() -> None:
+    # A SIGTERM (a stopped benchmark) unwinds like Ctrl-C, so that the hosts' namespaces and bridge come down.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--where", choices=("rank", "host", "cut"), default="rank",
