@@ -95,18 +95,29 @@ class Agent(LocalElasticAgent):
             self._in_exit_barrier = False
 
     def _meet_the_nodes_left(self) -> None:
-        nodes, key = self._worker_group.group_world_size, "phalanx/exit-barrier/arrived"
-        arrived = self._store.add(key, 1)
+        """Two rounds in the store: every launcher left arrives, then every one says it saw the others arrive.
+        Nodes see a loss at different moments (each by its own heartbeat reads), so one may still be waiting
+        for the lost node after another is done: the second round keeps the store's node (the master's) up
+        until the last launcher has read what it waits for."""
         deadline = time.monotonic() + self._exit_barrier_timeout
-        while arrived < self.survivors.exit_barrier_size(nodes):
+        self._wait_for_the_nodes_left("arrived", deadline)
+        try:
+            self._wait_for_the_nodes_left("departed", deadline)
+        except Exception:  # the store's node may leave once the others have all departed: nothing left to wait for
+            pass
+
+    def _wait_for_the_nodes_left(self, what: str, deadline: float) -> None:
+        nodes, key = self._worker_group.group_world_size, f"phalanx/exit-barrier/{what}"
+        count = self._store.add(key, 1)
+        while count < self.survivors.exit_barrier_size(nodes):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{arrived} of {self.survivors.exit_barrier_size(nodes)} launchers after "
+                raise TimeoutError(f"{count} of {self.survivors.exit_barrier_size(nodes)} launchers {what} after "
                                    f"{self._exit_barrier_timeout} s")
             time.sleep(0.1)
             if self.regroup is not None:  # a node killed whole: lost once its heartbeats expire
                 for node in self.regroup.rendezvous.lost():
                     self.survivors.node_lost(node, self.regroup.world, {})
-            arrived = self._store.add(key, 0)
+            count = self._store.add(key, 0)
 
     def _start_workers(self, worker_group):
         attempt = self._starts

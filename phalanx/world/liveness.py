@@ -24,6 +24,9 @@ from .rendezvous import LOOPBACK
 PROBE_EVERY = 0.1  # seconds between probes of one peer on another host
 PROBE_TIMEOUT = 0.1  # seconds a probe waits for a connection (silence counts only after SILENT_WINDOW)
 SILENT_WINDOW = KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES
+# Silence counts only while it lasts: two probes that went unanswered (a loaded machine, a slow neighbour lookup)
+# with a pause in the probing between them (the rank was training, not waiting) are not a host cut off.
+SILENCE_GAP = 1.0
 
 
 def _host() -> str:
@@ -115,10 +118,9 @@ class PeerWatch:
         seen, when = self._probes.get(peer, ("alive", 0.0))
         if now - when >= PROBE_EVERY:
             seen = probe(beacon)
-            if seen == "silent":
-                if now - self._silent.setdefault(peer, now) >= SILENT_WINDOW:
-                    seen = "gone"
-            else:
-                self._silent.pop(peer, None)
+            if seen != "silent" or now - when > SILENCE_GAP:
+                self._silent.pop(peer, None)  # an answer, or probes paused: silence counts from this probe on
+            if seen == "silent" and now - self._silent.setdefault(peer, now) >= SILENT_WINDOW:
+                seen = "gone"
             self._probes[peer] = (seen, now)
         return seen == "gone"
