@@ -91,11 +91,11 @@ def test_probing_resumed_after_a_short_pause_keeps_counting(answers):
 
 
 def test_a_real_beacon_answers_while_its_process_lives_and_refuses_once_closed():
-    host_pid_start_beacon = identity().split()
-    beacon = host_pid_start_beacon[3]
+    beacon = identity().split()[3]
     assert probe(beacon) == "alive"
     spare = socket.socket()
     spare.bind(("127.0.0.1", 0))
-    address = "%s:%d" % spare.getsockname()
+    host, port = spare.getsockname()
+    address = f"{host}:{port}"
     spare.close()
     assert probe(address) == "gone"
