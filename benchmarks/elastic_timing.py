@@ -4,7 +4,8 @@
 
 Builds two network namespaces joined by a veth pair (a random tag; torn down at the end, also on
 failure), and runs tests/e2e/jobs/elastic_job.py (96 samples, batches of 4 per rank, a checkpoint
-every 2 steps) under `phalanx run --nnodes 1:2 --nproc-per-node 1` on both. Per round: host B's
+every 2 steps) under `phalanx run --nnodes 1:2 --nproc-per-node 1 --min-world-size 0` (the restart from the newest
+checkpoint; live recovery is benchmarks/live_recovery_timing.py) on both. Per round: host B's
 launcher and workers are SIGKILLed after 8 steps at world size 2; 3 s after host A's first step alone,
 the same command starts on host B again. Measured from the job's own per-step timestamps:
 - death -> first step at the smaller world (the node-loss detection, the regrouping, the restore);
@@ -41,6 +42,7 @@ def start(host, master, port, run_dir, args, nnodes="1:2", node_rank=None) -> su
     rank = ("--node-rank", str(node_rank)) if node_rank is not None else ()
     command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", nnodes, *rank,
                "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port), "--rdzv-timeout", "60",
+               "--min-world-size", "0",
                str(JOB), str(run_dir), "--step-seconds", str(args.step_seconds), "--epochs", str(args.epochs)]
     return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

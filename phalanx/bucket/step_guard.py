@@ -8,7 +8,6 @@ failure or tag mismatch those notes name the missing ranks. Inside `join()` (eng
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from datetime import timedelta
@@ -17,16 +16,16 @@ import torch
 import torch.distributed as dist
 
 from ..diagnose import step_clock
+from ..diagnose.watch import DEFAULT_DDP_STALL_SECONDS, ddp_stall_seconds
 from ..errors import PeerDiedError, PhalanxError, UnevenInputsError, explain
 from ..world import generation
 
-DEFAULT_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (PHALANX_DDP_STALL_TIMEOUT)
+DEFAULT_STALL_SECONDS = DEFAULT_DDP_STALL_SECONDS  # a rank this late in DDP's collectives is reported
 PRESENCE_AFTER_SECONDS = 1.0  # a wait this long is unusual: note in the store that this rank is in the step
 NAMING_GRACE_SECONDS = 1.0  # how long a rank that detected the problem waits for the others' notes
 
 
-def stall_seconds() -> float:
-    return float(os.environ.get("PHALANX_DDP_STALL_TIMEOUT", DEFAULT_STALL_SECONDS))
+stall_seconds = ddp_stall_seconds  # PHALANX_DDP_STALL_TIMEOUT
 
 
 class StepGuard:

@@ -165,10 +165,10 @@ class GlobalStep:
             if not recovering:
                 raise
             generation.fail_step()
-            generation.recover(lost)
+            generation.recover(lost, redoing=True)
             return
         if failed_elsewhere:
-            generation.recover(PeerDiedError(f"another rank could not apply step {self.index}"))
+            generation.recover(PeerDiedError(f"another rank could not apply step {self.index}"), redoing=True)
             return
         self.loss = loss.detach() * (weight / self._world_size) + self.loss  # stays on the loss's device
 

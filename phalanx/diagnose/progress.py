@@ -223,6 +223,21 @@ def stopped(count: int, path, save_seconds: float, reason: str, requested_at: fl
                  requested_at=requested_at)
 
 
+def recovery(live: bool) -> None:
+    """Whether this worker's loop recovers a lost rank in-process (world/generation.py): the launcher keeps the
+    other workers only then."""
+    if _record is not None:
+        _record.event(event="recovery", live=live)
+
+
+def regrouped(number: int, members, lost, seconds: float, redone: bool) -> None:
+    """Generation `number` of the world began: `members` go on without `lost` after `seconds` of regrouping;
+    `redone`: the step in flight (the one after `step`, the last applied) starts over at the new generation."""
+    if _record is not None:
+        _record.event(event="generation", number=number, members=list(members), lost=list(lost),
+                      seconds=round(seconds, 4), redone=redone, step=int(_record.slots[P_STEP]), at=time.monotonic())
+
+
 def exited() -> None:
     if _record is not None:
         slots = _record.slots

@@ -18,6 +18,8 @@ from .record import H_EXITED, H_PHASE, H_PID, H_PROGRESS, H_STEP, PHASE, read_he
 from .verdict import Verdict, judge
 
 DEFAULT_STALL_TIMEOUT = 300.0
+DDP_STALL_ENV = "PHALANX_DDP_STALL_TIMEOUT"
+DEFAULT_DDP_STALL_SECONDS = 300.0  # a rank this late in DDP's collectives is reported (bucket/step_guard.py)
 CHECKPOINT_GRACE = 4.0
 # A rank that has not reached its first step (no ring before init(); then building the model, loading a
 # checkpoint, fetching the first batch: user code that leaves no record) is starting, not stuck, while its
@@ -32,6 +34,11 @@ def stall_timeout(value: float | str | None = None) -> float:
     return seconds_setting(raw, "the stall timeout is not a number of seconds",
                            expected="seconds >= 0 (0 turns stall detection off), e.g. 300",
                            fix="Fix --stall-timeout or PHALANX_STALL_TIMEOUT.")
+
+
+def ddp_stall_seconds() -> float:
+    """How long a rank waits in one of DDP's collectives before it reports the stall (PHALANX_DDP_STALL_TIMEOUT)."""
+    return float(os.environ.get(DDP_STALL_ENV, DEFAULT_DDP_STALL_SECONDS))
 
 
 class StallWatch:

@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from ..diagnose import progress
 from ..diagnose.recorder import pid_alive
 from ..errors import RendezvousTimeoutError, StoreLostError, explain
+from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
 from ..world.stop import STOP_EXIT_CODE
 from .diagnosis import RunDiagnosis
 from .failures import describe_failure, root_cause, sweep_process_groups
@@ -101,22 +102,25 @@ class Agent(LocalElasticAgent):
         until the last launcher has read what it waits for."""
         deadline = time.monotonic() + self._exit_barrier_timeout
         self._wait_for_the_nodes_left("arrived", deadline)
-        try:
-            self._wait_for_the_nodes_left("departed", deadline)
+        try:  # the others are here: at most a heartbeat window more for the last of them to see the loss too
+            self._wait_for_the_nodes_left("departed", time.monotonic() + KEEP_ALIVE_INTERVAL * (KEEP_ALIVE_MISSES + 2))
         except Exception:  # the store's node may leave once the others have all departed: nothing left to wait for
             pass
 
     def _wait_for_the_nodes_left(self, what: str, deadline: float) -> None:
         nodes, key = self._worker_group.group_world_size, f"phalanx/exit-barrier/{what}"
+        # A fixed --nnodes N has no heartbeats: the workers' last regroup says which nodes were left behind.
+        records = self._records() if self.regroup is None else None
         count = self._store.add(key, 1)
-        while count < self.survivors.exit_barrier_size(nodes):
+        while count < self.survivors.exit_barrier_size(nodes, records):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{count} of {self.survivors.exit_barrier_size(nodes)} launchers {what} after "
-                                   f"{self._exit_barrier_timeout} s")
+                raise TimeoutError(f"{count} of {self.survivors.exit_barrier_size(nodes, records)} launchers {what} "
+                                   f"after {self._exit_barrier_timeout} s")
             time.sleep(0.1)
             if self.regroup is not None:  # a node killed whole: lost once its heartbeats expire
                 for node in self.regroup.rendezvous.lost():
-                    self.survivors.node_lost(node, self.regroup.world, {})
+                    if self.survivors.node_lost(node, self.regroup.world, None):
+                        self.survivors.tell_the_regroups(self._records())
             count = self._store.add(key, 0)
 
     def _start_workers(self, worker_group):

@@ -70,7 +70,8 @@ class Invocation:
     save_background: float = 0.0
     times: Times = field(default_factory=Times)
     # Elastic runs: each node lost or joined, the world sizes, the step resumed from, the seconds from the
-    # change (a lost node named, a joining one seen) to the first step at the new size.
+    # change (a lost node named, a joining one seen) to the first step at the new size; a loss kept in-process
+    # (--min-world-size) also has the ranks' regroup time and the step they redid (launch/regroup.py).
     changes: list = field(default_factory=list)
 
 
@@ -130,6 +131,9 @@ class RunSummary:
         times.redone += redone
         if lost:
             self.now.steps_redone += record.steps_unsaved
+        # live recovery (world/generation.py): each step in flight at a loss was redone by the ranks left
+        self.now.steps_redone += sum(1 for event in record.events
+                                     if event.get("event") == "generation" and event.get("redone"))
         if failed:  # from the last step to the teardown: detecting the failure, stopping the group
             times.restart += rest
         else:
@@ -215,6 +219,9 @@ def summary_lines(now: Invocation, job: list[dict], job_path: str | None) -> lis
                      f"{now.save_background:.1f} s")
     for change in now.changes:
         took = f", {change['seconds']:.1f} s to the first step there" if change.get("seconds") else ""
+        if "regroup_seconds" in change:  # kept in-process: how long the ranks left took to regroup
+            redone = f"step {change['redone'] + 1} redone" if change.get("redone") is not None else "no step redone"
+            took += f", regrouped in {change['regroup_seconds']:.3f} s, {redone}"
         before, after = change["world"]
         lines.append(f"  {change['change']}: world size {before} -> {after}, resumed from step {change['step']}{took}")
     if len(job) > 1:

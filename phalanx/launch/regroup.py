@@ -123,8 +123,9 @@ class Regroup:
 
     def _lost(self, lost) -> None:
         self.changed_at = time.monotonic()
+        why = f" ({self.survivors.why_not})" if self.survivors is not None and self.survivors.why_not else ""
         _say(f"{', '.join(str(node) for node in lost)} lost (no heartbeat for {KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES}"
-             f" s): stopping this node's workers to regroup without it (not counted against --max-restarts).")
+             f" s): stopping this node's workers to regroup without it (not counted against --max-restarts){why}.")
 
     def _report_resume(self, records: dict) -> None:
         """Once the first step at the new world size is done: from which step, and how long the change took."""
@@ -163,6 +164,27 @@ class KeptSurvivors:
         self.nodes: dict[tuple, int] = {}  # (address, pid) of each node lost -> its ranks
         self.local_world_size = 1  # set by the agent: ranks per node
         self._timing: tuple[float, int, dict] | None = None  # (when, survivors' step then, the change) to time
+        self._generations_seen = 0  # the workers' regroups (their "generation" events) told to the changes
+        self._nodes_said: set[int] = set()  # fixed --nnodes: nodes said to be left behind at the end
+        self.why_not = ""  # why the last loss could not be kept in-process (workers_recover)
+
+    def workers_recover(self, records: dict) -> bool:
+        """Whether this node's running workers recover a loss in-process: each one's loop said so (a global-batch
+        loader under live recovery, world/generation.py say_mode). Else a loss fails the group, as without
+        --min-world-size, and `why_not` says why."""
+        running = {rank: record for rank, record in records.items() if record.state != "exited"}
+        modes = {rank: (record.last("recovery") or {}).get("live") for rank, record in running.items()}
+        off = sorted(rank for rank, live in modes.items() if live is False)
+        unsaid = sorted(rank for rank, live in modes.items() if live is None)
+        if not running:
+            self.why_not = "no worker of this node is running"
+        elif off:
+            self.why_not = f"the loop of rank(s) {off} cannot regroup in-process (no global batch)"
+        elif unsaid:
+            self.why_not = f"rank(s) {unsaid} had not reached a global-batch loop"
+        else:
+            self.why_not = ""
+        return not self.why_not
 
     def monitor(self, pcontext, worker_group, records: dict):
         """The group's state while ranks may be lost: None to let torch judge (nothing lost, or a survivor
@@ -175,6 +197,7 @@ class KeptSurvivors:
             if code is not None and code < 0 and rank not in self.lost:
                 self._note(rank, code, worker_group.workers[0].world_size, codes, records)
         self._time_the_change(records)
+        self.tell_the_regroups(records)
         if not self.lost:
             return None
         others = [code for rank, code in codes.items() if rank not in self.lost]
@@ -187,31 +210,57 @@ class KeptSurvivors:
     def ranks_lost(self) -> int:
         return len(self.lost) + sum(self.nodes.values())
 
-    def node_lost(self, node, world_size: int, records: dict) -> bool:
-        """A node missed its heartbeats: True when its ranks count as lost and the others go on (said once)."""
+    def node_lost(self, node, world_size: int, records: dict | None) -> bool:
+        """A node missed its heartbeats: True when its ranks count as lost and the others go on (said once).
+        `records`: this node's workers' (None: they are done, and only the count of nodes left matters)."""
         key = (node.addr, node.pid)
         if key in self.nodes:
             return True
         left = world_size - self.ranks_lost() - self.local_world_size
-        if left < self.min_world_size:
-            return False  # too few would be left: the elastic regroup from the newest checkpoint, as before
+        if left < self.min_world_size:  # the elastic regroup from the newest checkpoint, as before
+            self.why_not = f"{left} rank(s) would be left, fewer than --min-world-size {self.min_world_size}"
+            return False
+        if records is not None and not self.workers_recover(records):
+            return False  # a loop that cannot regroup in-process: the elastic regroup, as before
         self.nodes[key] = self.local_world_size
         _say(f"{node} lost (no heartbeat for {KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES} s): its ranks are lost, the "
              f"{left} ranks left go on in-process (--min-world-size {self.min_world_size}).")
-        steps = [r.step for r in records.values() if r.state != "exited"]
+        steps = [r.step for r in (records or {}).values() if r.state != "exited"]
         change = {"change": f"{node} lost, kept in-process", "world": [left + self.local_world_size, left],
                   "step": min(steps) if steps else None, "seconds": None}
         self.changes.append(change)
+        if records:
+            self.tell_the_regroups(records)
         return True
 
-    def exit_barrier_size(self, nodes: int) -> int:
-        """How many nodes' launchers meet at the end: those not lost."""
-        return nodes - len(self.nodes)
+    def exit_barrier_size(self, nodes: int, records: dict | None = None) -> int:
+        """How many nodes' launchers meet at the end: those not lost. `records` (a fixed --nnodes N, which has no
+        heartbeats): this node's workers', whose last regroup says which nodes' ranks all left."""
+        gone = self._nodes_left_behind(nodes, records) if records is not None else 0
+        return nodes - max(len(self.nodes), gone)
+
+    def _nodes_left_behind(self, nodes: int, records: dict) -> int:
+        """The nodes none of whose ranks (node k: ranks k x local world size onwards) are in the last generation
+        the workers regrouped into (said once for each)."""
+        regroups = [event for record in records.values() for event in record.events
+                    if event.get("event") == "generation"]
+        if not regroups:
+            return 0
+        members, per = set(max(regroups, key=lambda event: event["number"])["members"]), self.local_world_size
+        gone = [node for node in range(nodes) if not members & set(range(node * per, (node + 1) * per))]
+        for node in gone:
+            if node not in self._nodes_said:
+                self._nodes_said.add(node)
+                _say(f"node {node} is not waited for at the end: its ranks {list(range(node * per, (node + 1) * per))}"
+                     f" were lost, and the ranks left went on without them.")
+        return len(gone)
 
     def _note(self, rank: int, code: int, world_size: int, codes: dict, records: dict) -> None:
         left = world_size - self.ranks_lost() - 1
         if left < self.min_world_size:
             return  # too few would be left: the group fails (and restarts under --max-restarts) as before
+        if not self.workers_recover({k: r for k, r in records.items() if k != rank and k not in self.lost}):
+            return  # the others' loop cannot regroup in-process: the group fails, as before
         self.lost[rank] = code
         how = signal_name(code)
         _say(f"rank {rank} was lost ({how}): the {left} ranks left go on in-process, from the step in flight "
@@ -232,3 +281,18 @@ class KeptSurvivors:
             change["seconds"] = round(max(r.last_step_at for r in alive) - since, 3)
             _say(f"the {len(alive)} ranks left made step {step + 1} {change['seconds']:.2f} s after the loss.")
             self._timing = None
+
+    def tell_the_regroups(self, records: dict) -> None:
+        """Give each loss kept in-process the ranks' own account of it (their "generation" events, in order):
+        how long the regroup took and which step was redone, for the run summary."""
+        record = next((r for k, r in sorted(records.items()) if k not in self.lost), None)
+        if record is None:
+            return
+        regroups = [event for event in record.events if event.get("event") == "generation"]
+        waiting = [change for change in self.changes
+                   if change["change"].endswith("kept in-process") and "regroup_seconds" not in change]
+        for event, change in zip(regroups[self._generations_seen:], waiting):
+            self._generations_seen += 1
+            change["regroup_seconds"] = event.get("seconds")
+            change["redone"] = event.get("step") if event.get("redone") else None
+            change["step"] = event.get("step")

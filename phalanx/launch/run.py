@@ -28,7 +28,7 @@ from ..allocator import preload_for_workers
 from ..diagnose import progress
 from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ..errors import PhalanxError, explain
-from ..world.generation import MIN_WORLD_ENV
+from ..world.generation import MEMBERSHIP_MARGIN, MEMBERSHIP_TIMEOUT_ENV, MIN_WORLD_ENV, membership_timeout
 from ..world.group import usable_cores
 from ..world.interface import set_for_world
 from ..world.membership import ElasticRendezvous
@@ -57,6 +57,9 @@ DEFAULT_MULTI_NODE_PORT = 29500
 MAX_AUTO_CPU_WORKERS = 8
 
 
+DEFAULT_UNDER_RANGE = " (the default under --nnodes MIN:MAX; --min-world-size 0: off)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="phalanx run", allow_abbrev=False,
@@ -83,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="restart the whole worker group up to K times when a worker fails (a node lost or joining under "
              "--nnodes MIN:MAX is not a failure). Default 0")
     add("--min-world-size", "--min_world_size", dest="min_world_size", type=int, default=None, metavar="N",
-        help="live recovery: a worker killed by a signal (SIGKILL, the OOM killer) is lost, not a failure, while at "
-             "least N ranks are left; the others keep their processes and go on from the step in flight (a "
-             "global-batch loop, docs/launching.md). Default: off (a lost worker fails the group)")
+        help="live recovery: a worker killed by a signal (SIGKILL, the OOM killer) or a node lost is not a failure "
+             "while at least N ranks are left; the others keep their processes and go on from the step in flight "
+             "(a global-batch loop, docs/launching.md). 0: off. Default: MIN x --nproc-per-node under --nnodes "
+             "MIN:MAX, else off (a lost worker fails the group)")
     add("--log-dir", "--log_dir", dest="log_dir", default=None, metavar="D",
         help="also keep each worker's stdout/stderr/error.json under D/<run>/attempt_<n>/<local rank>/")
     add("--monitor-interval", "--monitor_interval", dest="monitor_interval", type=float, default=0.1, metavar="S",
@@ -94,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the nodes wait for each other before giving up. Default 600")
     add("--stall-timeout", "--stall_timeout", dest="stall_timeout", default=None, metavar="S",
         help=f"report a hang when no rank made progress for S seconds (which rank is stuck, where, in which "
-             f"collective); 0 = off. Default: $PHALANX_STALL_TIMEOUT, else {DEFAULT_STALL_TIMEOUT:g}")
+             f"collective); 0 = off. Default: $PHALANX_STALL_TIMEOUT, else {DEFAULT_STALL_TIMEOUT:g} (with live "
+             f"recovery, above the survivors' agreement: {MEMBERSHIP_TIMEOUT_ENV} + {MEMBERSHIP_MARGIN:g})")
     add("--on-stall", "--on_stall", dest="on_stall", choices=ON_STALL, default=None,
         help="after a stall report: restart the group (under --max-restarts, else stop), stop it, or wait "
              "(keep it alive for a debugger). Default: $PHALANX_ON_STALL, else restart")
@@ -162,13 +167,27 @@ def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
                                  expected=f"0..{max_nodes - 1} for --nnodes {args.nnodes}"))
     if args.max_restarts < 0:
         raise ValueError(explain("--max-restarts is negative", seen=args.max_restarts, expected=">= 0"))
-    if args.min_world_size is not None and not 1 <= args.min_world_size <= nproc * max_nodes:
+    if args.min_world_size is not None and not 0 <= args.min_world_size <= nproc * max_nodes:
         raise ValueError(explain("--min-world-size is outside the world", seen=args.min_world_size,
-                                 expected=f"1..{nproc * max_nodes} (--nproc-per-node x nodes)",
+                                 expected=f"1..{nproc * max_nodes} (--nproc-per-node x nodes), or 0 for off",
                                  fix="Give the fewest ranks the run may go on with."))
+    args.min_world_size_given = args.min_world_size is not None
+    if args.min_world_size is None and min_nodes < max_nodes:
+        args.min_world_size = min_nodes * nproc  # the range already allows the run to go on smaller: live
+    if args.min_world_size == 0:
+        args.min_world_size = None
     if args.master_port is not None and not 0 <= args.master_port <= 65535:
         raise ValueError(explain("--master-port is out of range", seen=args.master_port, expected="0..65535"))
+    given = args.stall_timeout is not None or bool(os.environ.get("PHALANX_STALL_TIMEOUT"))
     args.stall_timeout = stall_timeout(args.stall_timeout)
+    if args.min_world_size:  # timeouts nest (world/generation.py): the stall watch outlasts the survivors' agreement
+        above = membership_timeout() + MEMBERSHIP_MARGIN
+        if not given:
+            args.stall_timeout = max(args.stall_timeout, above)
+        elif 0 < args.stall_timeout < above:
+            _say(f"warning: --stall-timeout {args.stall_timeout:g} s is not above the survivors' agreement after a "
+                 f"loss ({membership_timeout():g} s, {MEMBERSHIP_TIMEOUT_ENV}) + {MEMBERSHIP_MARGIN:g} s: a stall "
+                 f"could end a regroup that would have gone on; {above:g} s or more keeps them apart.")
     args.on_stall = args.on_stall or os.environ.get("PHALANX_ON_STALL", "restart")
     if args.on_stall not in ON_STALL:
         raise ValueError(explain("PHALANX_ON_STALL is not a stall action", seen=repr(args.on_stall),
@@ -271,7 +290,8 @@ def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> in
     if args.min_world_size is not None:  # the workers recover in-process (world/generation.py)
         os.environ[MIN_WORLD_ENV] = str(args.min_world_size)
         _say(f"live recovery: a rank lost (killed, or its host gone) costs the step in flight while at least "
-             f"{args.min_world_size} ranks are left; a worker that raises fails the group as before.")
+             f"{args.min_world_size} ranks are left; a worker that raises fails the group as before"
+             f"{'' if args.min_world_size_given else DEFAULT_UNDER_RANGE}.")
     preload_for_workers()  # the system's tcmalloc, else the shipped mimalloc: glibc fragments (phalanx/allocator/)
     diagnosis = RunDiagnosis(rings, args.stall_timeout, args.on_stall, args.log_dir, args.straggler_every)
     stop = StopRequest(args.grace_period, args.node_rank)

@@ -29,6 +29,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from ..diagnose import progress
+from ..diagnose.watch import ddp_stall_seconds
 from ..errors import MembershipError, PeerDiedError, PeerFailedError, explain
 from ..log import logger
 from . import group as world
@@ -36,7 +38,13 @@ from .liveness import PeerWatch, identity
 
 MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
 MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
-DEFAULT_MEMBERSHIP_TIMEOUT = 60.0  # seconds for the survivors to agree: above the step's, below the launcher's
+# Timeouts nest, so that an outer one never gives up on what an inner one would still save: a collective
+# waiting on a lost peer is abandoned at once (a process gone) or after the heartbeat window (a host silent);
+# a rank alive but slow is waited for by the step's collectives up to PHALANX_DDP_STALL_TIMEOUT; the survivors'
+# agreement waits that long and MEMBERSHIP_MARGIN more for a member that is alive but has not said so; the
+# launcher's stall watch (`phalanx run`, launch/run.py) waits MEMBERSHIP_MARGIN beyond that.
+MEMBERSHIP_MARGIN = 30.0
+AWAITED_SAY_EVERY = 10.0  # seconds between the lines naming the members the survivors still wait for
 LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
 WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
 
@@ -61,8 +69,11 @@ def live_recovery() -> bool:
     return min_world_size() is not None and world.is_initialized() and world.world_size() > 1
 
 
-def _membership_timeout() -> float:
-    return float(os.environ.get(MEMBERSHIP_TIMEOUT_ENV, DEFAULT_MEMBERSHIP_TIMEOUT))
+def membership_timeout() -> float:
+    """Seconds the survivors of a loss wait for a member that is neither alive nor known gone (PHALANX_MEMBERSHIP_
+    TIMEOUT; default: the DDP stall timeout + MEMBERSHIP_MARGIN, so that a slow rank is not dropped first)."""
+    value = os.environ.get(MEMBERSHIP_TIMEOUT_ENV)
+    return float(value) if value else ddp_stall_seconds() + MEMBERSHIP_MARGIN
 
 
 @dataclass(frozen=True)
@@ -124,7 +135,7 @@ class Generation:
         # The ranks come from the same exchange, so the last one is usually a fraction of a millisecond away:
         # short pauses first. (The store's timed wait logs a warning at each timeout: polling stays quiet.)
         started = time.monotonic()
-        deadline, look, pause = started + _membership_timeout(), started + LIVENESS_EVERY, 2e-5
+        deadline, look, pause = started + membership_timeout(), started + LIVENESS_EVERY, 2e-5
         while not store.check([outcome]):
             now = time.monotonic()
             if now >= look:
@@ -147,13 +158,20 @@ class Generation:
         me = dist.get_rank()
         decision = self._key("next")
         store.set(self._key("alive", me), "1")
-        deadline = time.monotonic() + _membership_timeout()
+        timeout = membership_timeout()
+        deadline = time.monotonic() + timeout
+        say_at = time.monotonic() + AWAITED_SAY_EVERY
         while not store.check([decision]):
             alive = {m for m in self.members if store.check([self._key("alive", m)])}
             settled = alive | self.gone(store)
             if settled >= set(self.members) or time.monotonic() > deadline:
                 store.compare_set(decision, "", ",".join(map(str, sorted(alive))))
                 break
+            if time.monotonic() > say_at and me == min(alive):
+                say_at += AWAITED_SAY_EVERY
+                logger.warning("generation %d: waiting for rank(s) %s, alive but not yet regrouping (a slow step?), up "
+                               "to %.0f s (%s); then the others go on without them", self.number + 1,
+                               sorted(set(self.members) - settled), timeout, MEMBERSHIP_TIMEOUT_ENV)
             time.sleep(0.01)
         return tuple(int(r) for r in store.get(decision).decode().split(","))
 
@@ -255,15 +273,19 @@ def on_regroup(method) -> None:
     _followers.append(weakref.WeakMethod(method))
 
 
-def recover(cause: BaseException) -> Generation:
+def recover(cause: BaseException, redoing: bool = False) -> Generation:
     """Collective over the survivors of a loss: the next generation (next_generation), then every model and
-    loader that follows the generations regrouped onto it (the step in flight starts over)."""
+    loader that follows the generations regrouped onto it. `redoing`: the step in flight starts over (for the
+    launcher's run summary)."""
+    started, before = time.monotonic(), current().members
     survivors = next_generation(cause)
     _followers[:] = [ref for ref in _followers if ref() is not None]
     for ref in list(_followers):
         method = ref()
         if method is not None:
             method(survivors)
+    progress.regrouped(survivors.number, survivors.members, sorted(set(before) - set(survivors.members)),
+                       time.monotonic() - started, redoing)
     return survivors
 
 
@@ -286,14 +308,23 @@ _mode_said = False
 
 
 def say_mode(live: bool, why: str) -> None:
-    """Once per process, on the main rank: whether a loss will be recovered in-process or by a restart."""
+    """Once per process: whether a loss will be recovered in-process or by a restart (said on the main rank,
+    recorded on every rank for its launcher)."""
     global _mode_said
-    if _mode_said or not world.is_main():
+    if _mode_said:
         return
     _mode_said = True
+    progress.recovery(live)  # every rank: its launcher keeps the others after a loss only if they recover
+    if not world.is_main():
+        return
     if live:
         logger.info("live recovery on: a lost rank costs the step in flight while %s=%d ranks are left (%s)",
                     MIN_WORLD_ENV, min_world_size(), why)
+        if membership_timeout() <= ddp_stall_seconds():
+            logger.warning("%s=%g s is not above PHALANX_DDP_STALL_TIMEOUT=%g s: after a loss, a rank that is alive "
+                           "but slower than that is dropped from the group before its own step would have reported "
+                           "it; set it higher (default: the DDP stall timeout + %g s)", MEMBERSHIP_TIMEOUT_ENV,
+                           membership_timeout(), ddp_stall_seconds(), MEMBERSHIP_MARGIN)
     else:
         logger.warning("live recovery off for this loop: %s; a lost rank fails the group, which restarts from its "
                        "newest checkpoint (under --max-restarts)", why)
@@ -319,14 +350,14 @@ def next_generation(cause: BaseException) -> Generation:
         raise MembershipError(explain(
             f"the other ranks went on without this one after generation {old.number}", rank=me,
             seen=f"survivors {list(members)}", expected=f"rank {me} among them",
-            fix=f"It was too slow to say it was alive ({MEMBERSHIP_TIMEOUT_ENV}={_membership_timeout():g} s): "
+            fix=f"It was too slow to say it was alive ({MEMBERSHIP_TIMEOUT_ENV}={membership_timeout():g} s): "
                 f"this rank ends; the launcher may start it again to join.")) from cause
     if len(members) < minimum:
         raise MembershipError(explain(
             f"too few ranks are left to go on after losing ranks {lost}", rank=me,
             seen=f"{len(members)} left: {list(members)}", expected=f"at least {MIN_WORLD_ENV}={minimum}",
             fix="The run falls back to a restart from its newest checkpoint.")) from cause
-    timeout = timedelta(seconds=_membership_timeout())
+    timeout = timedelta(seconds=membership_timeout())
     group = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
     _current, _commits = Generation(old.number + 1, members, group), 0
     world.set_live(_current.number, members, group)

@@ -163,7 +163,8 @@ def test_unreachable_master_is_named_within_the_rendezvous_timeout(tmp_path, two
 
 @pytest.mark.waiting(seconds=20)
 def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
-    """World size 2 -> 1 -> 2: 2 hosts x 1 worker, --nnodes 1:2, host B SIGKILLed mid-epoch, then started again;
+    """World size 2 -> 1 -> 2: 2 hosts x 1 worker, --nnodes 1:2 --min-world-size 0 (live recovery off: the
+    workers restart from the newest checkpoint), host B SIGKILLed mid-epoch, then started again;
     against an uninterrupted run at the same global batch (one process, as test_same_global_batch_at_1_2_and_4_ranks
     holds 2 hosts x 1 worker to it)."""
     reference = tmp_path / "uninterrupted"
@@ -171,7 +172,9 @@ def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
     run_dir = tmp_path / "run"
     master = two_hosts[0]["addr"]
     job = ("--wait-alone", "4")
-    flags = ("--rdzv-timeout", "60")  # no --max-restarts: a node lost or joining is no failure
+    # No --max-restarts: a node lost or joining is no failure. Live recovery off: the restart from the newest
+    # checkpoint is the path under test (and the job gathers sample ids over torch's default group).
+    flags = ("--rdzv-timeout", "60", "--min-world-size", "0")
     a = start(two_hosts[0], master, 29572, run_dir, *job, flags=flags)
     b = start(two_hosts[1], master, 29572, run_dir, *job, flags=flags)
     processes = [a, b]
@@ -203,6 +206,7 @@ def test_node_lost_then_back(tmp_path, two_hosts):  # noqa: F811
     last_alone = max(row[1] for row in rows if row[2] == 1)
     assert f"resumed from step {last_alone} at world size 2" in resumed[1]
     assert "attempt 2 of" not in out_a  # not counted as a failure
+    assert "live recovery" not in out_a
     assert "global batch 8 = 1 rank x 4 micro-batches x 2" in resumed[0]  # the micro-batches per rank, said
     assert_same_params(run_dir, reference)
 

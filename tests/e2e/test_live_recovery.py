@@ -43,7 +43,9 @@ def test_a_lost_worker_costs_the_step_in_flight_and_the_run_ends_as_if_it_had_no
     assert f"rank {doomed} was lost (SIGKILL): the 2 ranks left go on in-process" in output, output
     timed = re.search(r"the 2 ranks left made step \d+ ([\d.]+) s after the loss", output)
     assert timed, output
-    assert re.search(rf"rank {doomed} lost \(SIGKILL\), kept in-process: world size 3 -> 2", output), output
+    assert re.search(rf"rank {doomed} lost \(SIGKILL\), kept in-process: world size 3 -> 2, resumed from step 1, "
+                     rf"[\d.]+ s to the first step there, regrouped in [\d.]+ s, step 2 redone", output), output
+    assert re.search(r"steps \d+ -> \d+, 1 to redo", output), output
     survivors = [rank for rank in range(3) if rank != doomed]
     results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in survivors}
     assert not (tmp_path / f"result-{doomed}.pt").exists()
@@ -72,14 +74,19 @@ def three_hosts():
         pytest.skip(f"multi-host test skipped: {exc}")
 
 
-def _three_launchers(run_dir: Path, hosts: list[dict], pause: float) -> list[subprocess.Popen]:
-    """`phalanx run --nnodes 2:3 --min-world-size 2` with one worker on each host, the job's `--host` its index."""
+def _three_launchers(run_dir: Path, hosts: list[dict], pause: float, fixed: bool = False) -> list[subprocess.Popen]:
+    """One worker on each host, the job's `--host` its index: `--nnodes 2:3` (live recovery on by default: at least
+    2 nodes' ranks), or with `fixed` `--nnodes 3 --node-rank i --min-world-size 2` (no heartbeats)."""
     port = free_port()
+
+    def nodes(i: int) -> list[str]:
+        return ["--nnodes", "3", "--node-rank", str(i), "--min-world-size", "2"] if fixed else ["--nnodes", "2:3"]
+
     return [subprocess.Popen(
-        ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "2:3",
-         "--nproc-per-node", "1", "--min-world-size", "2", "--master-addr", hosts[0]["addr"], "--master-port",
-         str(port), "--rdzv-timeout", "60", JOB, str(run_dir), "--doomed", "-1", "--pause", str(pause), "--host",
-         str(i)], env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", *nodes(i), "--nproc-per-node", "1",
+         "--master-addr", hosts[0]["addr"], "--master-port", str(port), "--rdzv-timeout", "60", JOB, str(run_dir),
+         "--doomed", "-1", "--pause", str(pause), "--host", str(i)], env=job_env(), cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
         for i, host in enumerate(hosts)]
 
 
@@ -90,11 +97,15 @@ def _host_two_stepped(run_dir: Path) -> bool:
 
 
 @pytest.mark.waiting(seconds=30)
-def test_a_host_killed_whole_costs_the_step_in_flight_and_the_others_finish(tmp_path, three_hosts):
-    """3 hosts x 1 worker under `--nnodes 2:3 --min-world-size 2`: host 2's launcher and worker are SIGKILLed after
-    its first step. Hosts 0 and 1 keep their workers (no restart, no checkpoint read), their launchers say the node
-    was lost and meet at the end without it; the run equals the one that never lost a host."""
-    launchers = _three_launchers(tmp_path, three_hosts, 0.3)
+@pytest.mark.parametrize("fixed", [False, True], ids=["nnodes-2:3", "nnodes-3-min-world-size-2"])
+def test_a_host_killed_whole_costs_the_step_in_flight_and_the_others_finish(tmp_path, three_hosts, fixed):
+    """3 hosts x 1 worker under `--nnodes 2:3` (live recovery is its default), or a fixed `--nnodes 3` with
+    `--min-world-size 2`: host 2's launcher and worker are SIGKILLed after its first step. Hosts 0 and 1 keep their
+    workers (no restart, no checkpoint read), their launchers say the node was lost and meet at the end without
+    it (under a fixed node count, which has no heartbeats, from the workers' regroup: not after torch's 300 s
+    wait for every node); the run equals the one that never lost a host."""
+    launchers = _three_launchers(tmp_path, three_hosts, 0.3, fixed)
+    started = time.monotonic()
     try:
         wait_until(lambda: _host_two_stepped(tmp_path), "host 2's first step", launchers)
         kill_node(launchers[2])
@@ -103,7 +114,15 @@ def test_a_host_killed_whole_costs_the_step_in_flight_and_the_others_finish(tmp_
         for launcher in launchers:
             if launcher.poll() is None:
                 kill_node(launcher)
-    _check_the_hosts_left(tmp_path, launchers, outputs)
+    lost = ("node 2 is not waited for at the end: its ranks [2] were lost" if fixed else
+            "lost (no heartbeat for 4 s): its ranks are lost, the 2 ranks left go on in-process")
+    _check_the_hosts_left(tmp_path, launchers, outputs, lost)
+    assert time.monotonic() - started < 90, "the launchers left waited for the lost node at the end"
+    if not fixed:
+        for output in outputs:
+            assert "(the default under --nnodes MIN:MAX; --min-world-size 0: off)" in output, output
+            assert re.search(r"lost, kept in-process: world size 3 -> 2, resumed from step \d+, regrouped in "
+                             r"[\d.]+ s, (step \d+ redone|no step redone)", output), output
 
 
 @pytest.mark.waiting(seconds=30)
@@ -121,15 +140,16 @@ def test_a_host_cut_off_costs_at_most_the_heartbeat_window(tmp_path, three_hosts
         for launcher in launchers:
             if launcher.poll() is None:
                 kill_node(launcher)
-    survivors = _check_the_hosts_left(tmp_path, launchers, outputs)
+    node_lost = "lost (no heartbeat for 4 s): its ranks are lost, the 2 ranks left go on in-process"
+    survivors = _check_the_hosts_left(tmp_path, launchers, outputs, node_lost)
     took = next_step_after(str(tmp_path), survivors, cut)  # a step's own 0.1 s of sleep is not the cut's cost
     assert took is not None and took <= SILENT_WINDOW + 1.0 + 0.1, f"the next step came {took} s after the cut"
 
 
-def _check_the_hosts_left(tmp_path: Path, launchers, outputs) -> list[int]:
+def _check_the_hosts_left(tmp_path: Path, launchers, outputs, lost: str) -> list[int]:
     for launcher, output in zip(launchers[:2], outputs):
         assert launcher.returncode == 0, output
-        assert "lost (no heartbeat for 4 s): its ranks are lost, the 2 ranks left go on in-process" in output, output
+        assert lost in output, output
         assert "restart" not in output.lower(), output
     hosts = {rank: (tmp_path / f"host-{rank}").read_text() for rank in range(3)}
     lost = next(rank for rank, host in hosts.items() if host == "2")

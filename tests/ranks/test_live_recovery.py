@@ -25,7 +25,7 @@ LOST, LOST_AT = 2, (0, 1)  # rank 2, in step 1 of epoch 0
                          ids=["mid-exchange-shm", "mid-exchange-gloo", "mid-forward-shm", "before-optimizer-gloo"])
 def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, shm):
     results = run_ranks(train, 3, (str(tmp_path), LOST, LOST_AT, moment), min_world_size=2, timeout=180,
-                        env={"PHALANX_SHM": shm, "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
+                        env={"PHALANX_SHM": shm, "PHALANX_DDP_STALL_TIMEOUT": "20", "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
     assert results[LOST] is None, "rank 2 was expected to die"
     expected_params, expected_steps = reference_run()
     for rank in (0, 1):

@@ -49,6 +49,33 @@ class TestRunFlags:
         assert parse("--nnodes", "1:4", "--master-addr", "h0", "x.py")[1][1:] == (1, 4)
         assert parse("--nnodes", "3", "--master-addr", "h0", "--node-rank", "2", "x.py")[1][1:] == (3, 3)
 
+    def test_live_recovery_is_on_under_a_node_range_and_off_for_a_fixed_world(self):
+        """--nnodes MIN:MAX already allows the run to go on smaller: MIN nodes' ranks is the default minimum."""
+        ranged = ("--nnodes", "2:4", "--nproc-per-node", "3", "--master-addr", "h0", "x.py")
+        assert parse(*ranged)[0].min_world_size == 6
+        assert parse("--min-world-size", "4", *ranged)[0].min_world_size == 4
+        assert parse("--min-world-size", "0", *ranged)[0].min_world_size is None  # off: the restart, as before
+        assert parse("--nproc-per-node", "3", "x.py")[0].min_world_size is None
+        assert parse("--nproc-per-node", "3", "--min-world-size", "2", "x.py")[0].min_world_size == 2
+
+    def test_timeouts_nest_under_live_recovery(self, monkeypatch, capsys):
+        """The launcher's stall watch outlasts the survivors' agreement, which outlasts DDP's stall timeout."""
+        from phalanx.world.generation import membership_timeout
+
+        monkeypatch.delenv("PHALANX_STALL_TIMEOUT", raising=False)
+        monkeypatch.delenv("PHALANX_MEMBERSHIP_TIMEOUT", raising=False)
+        monkeypatch.setenv("PHALANX_DDP_STALL_TIMEOUT", "300")
+        assert membership_timeout() == 330
+        ranged = ("--nnodes", "2:4", "--master-addr", "h0", "x.py")
+        assert parse(*ranged)[0].stall_timeout == 360
+        assert parse("--min-world-size", "0", *ranged)[0].stall_timeout == 300  # off: as before
+        monkeypatch.setenv("PHALANX_DDP_STALL_TIMEOUT", "600")
+        assert parse(*ranged)[0].stall_timeout == 660
+        assert parse("--stall-timeout", "120", *ranged)[0].stall_timeout == 120  # given: kept, and warned about
+        assert "--stall-timeout 120 s is not above the survivors' agreement" in capsys.readouterr().err
+        monkeypatch.setenv("PHALANX_MEMBERSHIP_TIMEOUT", "50")
+        assert membership_timeout() == 50
+
     @pytest.mark.parametrize("argv, named, seen", [
         (["--nproc-per-node", "0"], "--nproc-per-node", "'0'"),
         (["--nproc-per-node", "many"], "--nproc-per-node", "'many'"),
@@ -56,6 +83,8 @@ class TestRunFlags:
         (["--nnodes", "2"], "--master-addr", "--nnodes 2"),
         (["--nnodes", "2", "--master-addr", "h", "--node-rank", "2"], "--node-rank", "2"),
         (["--max-restarts", "-1"], "--max-restarts", "-1"),
+        (["--nproc-per-node", "2", "--min-world-size", "3"], "--min-world-size", "3"),
+        (["--nproc-per-node", "2", "--min-world-size", "-1"], "--min-world-size", "-1"),
         (["--master-port", "70000"], "--master-port", "70000"),
         (["--nproc-per-node", "2", "missing.py"], "script does not exist", "'missing.py'"),
     ])
