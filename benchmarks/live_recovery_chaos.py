@@ -277,7 +277,9 @@ def check_leftovers(run_dir: Path, segments_before: set[str], prefix: str, kille
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
     if prefix in namespaces or prefix in links:
         problems.append("namespaces or links left")
-    temp = [str(path) for path in (run_dir / "tmp").iterdir() if "torchinductor" not in path.name]
+    # a failure's report (phalanx-report-*) is kept for the user on purpose: the launcher prints its path
+    temp = [str(path) for path in (run_dir / "tmp").iterdir()
+            if "torchinductor" not in path.name and not path.name.startswith("phalanx-report-")]
     if len(temp) > killed:
         problems.append(f"temporary folders left by launchers that were not killed: {temp[:5]}")
     print(f"left behind: {len(mine)} processes, {len(segments)} segments, namespaces and links "

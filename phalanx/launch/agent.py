@@ -140,6 +140,7 @@ class Agent(LocalElasticAgent):
         self._mark_teardown_before_close()
         self.group_pids = set(pids.values())
         if self.survivors is not None:
+            self.survivors.new_attempt()
             self.survivors.local_world_size = worker_group.spec.local_world_size
         self.diagnosis.attempt_started(attempt, {worker_group.workers[local].global_rank: pid
                                                  for local, pid in pids.items()})

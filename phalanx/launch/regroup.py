@@ -21,6 +21,7 @@ from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES, ElasticRe
 from .failures import signal_name
 
 POLL = 1.0  # seconds between looks at the rendezvous state (lost nodes, waiting ones)
+NOTE_WAIT = 2.0  # seconds a regroup of the workers waits for this launcher to see its own lost rank gone
 
 
 def _say(text: str) -> None:
@@ -160,13 +161,21 @@ class KeptSurvivors:
 
     def __init__(self, min_world_size: int, changes: list):
         self.min_world_size, self.changes = min_world_size, changes
-        self.lost: dict[int, int] = {}  # global rank -> exit code (minus the signal)
-        self.nodes: dict[tuple, int] = {}  # (address, pid) of each node lost -> its ranks
+        self.lost: dict[int, int] = {}  # global rank -> exit code (minus the signal), this attempt
+        self.nodes: dict[tuple, int] = {}  # (address, pid) of each node lost this attempt -> its ranks
         self.local_world_size = 1  # set by the agent: ranks per node
         self._timing: tuple[float, int, dict] | None = None  # (when, survivors' step then, the change) to time
-        self._generations_seen = 0  # the workers' regroups (their "generation" events) told to the changes
-        self._nodes_said: set[int] = set()  # fixed --nnodes: nodes said to be left behind at the end
         self.why_not = ""  # why the last loss could not be kept in-process (workers_recover)
+        self.new_attempt()
+
+    def new_attempt(self) -> None:
+        """A new worker group (a restart, a regroup at another world size): every rank and node is in again."""
+        self.lost.clear()
+        self.nodes.clear()
+        self._timing = None
+        self._notes: dict[int, dict] = {}  # a rank of this node lost: how, and the seconds to the next step
+        self._regroups_told = 0  # the workers' regroups (their "generation" events) made into the summary's changes
+        self._nodes_said: set[int] = set()  # fixed --nnodes: nodes said to be left behind at the end
 
     def workers_recover(self, records: dict) -> bool:
         """Whether this node's running workers recover a loss in-process: each one's loop said so (a global-batch
@@ -225,12 +234,6 @@ class KeptSurvivors:
         self.nodes[key] = self.local_world_size
         _say(f"{node} lost (no heartbeat for {KEEP_ALIVE_INTERVAL * KEEP_ALIVE_MISSES} s): its ranks are lost, the "
              f"{left} ranks left go on in-process (--min-world-size {self.min_world_size}).")
-        steps = [r.step for r in (records or {}).values() if r.state != "exited"]
-        change = {"change": f"{node} lost, kept in-process", "world": [left + self.local_world_size, left],
-                  "step": min(steps) if steps else None, "seconds": None}
-        self.changes.append(change)
-        if records:
-            self.tell_the_regroups(records)
         return True
 
     def exit_barrier_size(self, nodes: int, records: dict | None = None) -> int:
@@ -266,33 +269,43 @@ class KeptSurvivors:
         _say(f"rank {rank} was lost ({how}): the {left} ranks left go on in-process, from the step in flight "
              f"(--min-world-size {self.min_world_size}).")
         steps = [r.step for k, r in records.items() if k not in self.lost and codes.get(k) is None]
-        change = {"change": f"rank {rank} lost ({how}), kept in-process", "world": [left + 1, left],
-                  "step": min(steps) if steps else None, "seconds": None}
-        self.changes.append(change)
-        self._timing = (time.monotonic(), change["step"] or 0, change)
+        note = self._notes[rank] = {"how": how, "seconds": None}
+        self._timing = (time.monotonic(), min(steps) if steps else 0, note)
 
     def _time_the_change(self, records: dict) -> None:
         """Once every rank left has made a step past the one in flight at the loss: how long that took."""
         if self._timing is None:
             return
-        since, step, change = self._timing
+        since, step, note = self._timing
         alive = [r for k, r in records.items() if k not in self.lost and r.state != "exited"]
         if alive and all(r.step > step for r in alive):
-            change["seconds"] = round(max(r.last_step_at for r in alive) - since, 3)
-            _say(f"the {len(alive)} ranks left made step {step + 1} {change['seconds']:.2f} s after the loss.")
+            note["seconds"] = round(max(r.last_step_at for r in alive) - since, 3)
+            if "change" in note:
+                note["change"]["seconds"] = note["seconds"]
+            _say(f"the {len(alive)} ranks left made step {step + 1} {note['seconds']:.2f} s after the loss.")
             self._timing = None
 
     def tell_the_regroups(self, records: dict) -> None:
-        """Give each loss kept in-process the ranks' own account of it (their "generation" events, in order):
-        how long the regroup took and which step was redone, for the run summary."""
+        """Each regroup of the workers (their "generation" events: the same on every node) becomes a change of the
+        run summary: who was lost, the world sizes, the last step applied, the regroup's time, the step redone;
+        for a rank of this node, also how it was lost and the seconds to the next step."""
         record = next((r for k, r in sorted(records.items()) if k not in self.lost), None)
         if record is None:
             return
         regroups = [event for event in record.events if event.get("event") == "generation"]
-        waiting = [change for change in self.changes
-                   if change["change"].endswith("kept in-process") and "regroup_seconds" not in change]
-        for event, change in zip(regroups[self._generations_seen:], waiting):
-            self._generations_seen += 1
-            change["regroup_seconds"] = event.get("seconds")
-            change["redone"] = event.get("step") if event.get("redone") else None
-            change["step"] = event.get("step")
+        for event in regroups[self._regroups_told:]:
+            lost, members = event.get("lost", []), event.get("members", [])
+            unnoted = [rank for rank in lost if rank in records and rank not in self._notes]
+            if unnoted and time.monotonic() < event.get("at", 0) + NOTE_WAIT:
+                return  # a rank of this node: its workers may regroup before this launcher sees it gone
+            self._regroups_told += 1
+            notes = [self._notes[rank] for rank in lost if rank in self._notes]
+            named = (", ".join(f"rank {rank} lost ({self._notes[rank]['how']})" for rank in lost)
+                     if len(notes) == len(lost) else f"rank(s) {lost} lost")
+            change = {"change": f"{named}, kept in-process", "world": [len(members) + len(lost), len(members)],
+                      "step": event.get("step"), "seconds": notes[0]["seconds"] if len(notes) == 1 else None,
+                      "regroup_seconds": event.get("seconds"),
+                      "redone": event.get("step") if event.get("redone") else None}
+            for note in notes:
+                note["change"] = change
+            self.changes.append(change)

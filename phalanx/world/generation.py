@@ -350,8 +350,9 @@ def next_generation(cause: BaseException) -> Generation:
         raise MembershipError(explain(
             f"the other ranks went on without this one after generation {old.number}", rank=me,
             seen=f"survivors {list(members)}", expected=f"rank {me} among them",
-            fix=f"It was too slow to say it was alive ({MEMBERSHIP_TIMEOUT_ENV}={membership_timeout():g} s): "
-                f"this rank ends; the launcher may start it again to join.")) from cause
+            fix=f"The others counted it lost: cut off from them for the heartbeat window, or too slow to say it "
+                f"was alive ({MEMBERSHIP_TIMEOUT_ENV}={membership_timeout():g} s). This rank ends; its launcher "
+                f"starts it again to join (under --max-restarts, or --nnodes MIN:MAX).")) from cause
     if len(members) < minimum:
         raise MembershipError(explain(
             f"too few ranks are left to go on after losing ranks {lost}", rank=me,

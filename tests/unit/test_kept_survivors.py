@@ -1,0 +1,92 @@
+"""The launcher's side of live recovery (launch/regroup.py KeptSurvivors): which losses it keeps in-process, what it
+tells the run summary, and which nodes it waits for at the end, from the workers' progress records."""
+
+from __future__ import annotations
+
+from phalanx.diagnose.progress import Progress
+from phalanx.launch.regroup import KeptSurvivors
+
+
+def record(rank: int, *events: dict, state: str = "training", step: int = 5) -> Progress:
+    return Progress(rank, 1000 + rank, state, 0.0, 1.0, 1.0, 2.0, step, 0, 1.0, -1, 0.0, 0.0, 0, 0.0, 0, -1, 0.0,
+                    False, list(events))
+
+
+LIVE, OFF = {"event": "recovery", "live": True}, {"event": "recovery", "live": False}
+
+
+class _Node:
+    def __init__(self, address: str, pid: int):
+        self.addr, self.pid = address, pid
+
+    def __str__(self) -> str:
+        return f"node ({self.addr})"
+
+
+def test_a_node_is_kept_only_when_every_running_worker_recovers(capsys):
+    survivors = KeptSurvivors(2, [])
+    survivors.local_world_size = 2
+    assert not survivors.node_lost(_Node("10.0.0.3", 7), 6, {0: record(0, LIVE), 1: record(1)})
+    assert "rank(s) [1] had not reached a global-batch loop" in survivors.why_not
+    assert not survivors.node_lost(_Node("10.0.0.3", 7), 6, {0: record(0, LIVE), 1: record(1, OFF)})
+    assert "rank(s) [1] cannot regroup in-process" in survivors.why_not
+    assert survivors.node_lost(_Node("10.0.0.3", 7), 6, {0: record(0, LIVE), 1: record(1, LIVE)})
+    assert survivors.ranks_lost() == 2
+    assert "its ranks are lost, the 4 ranks left go on in-process" in capsys.readouterr().err
+
+
+def test_too_few_left_is_not_kept():
+    survivors = KeptSurvivors(5, [])
+    survivors.local_world_size = 2
+    assert not survivors.node_lost(_Node("10.0.0.3", 7), 6, {0: record(0, LIVE)})
+    assert "4 rank(s) would be left, fewer than --min-world-size 5" in survivors.why_not
+
+
+def test_a_new_attempt_starts_with_nobody_lost():
+    """A regroup at the larger world (a node joined) or a restart: the losses of the attempt before do not count
+    against the next one (the chaos run found a rank's loss refused after two nodes had come back)."""
+    changes: list = []
+    survivors = KeptSurvivors(2, changes)
+    survivors.local_world_size = 2
+    assert survivors.node_lost(_Node("10.0.0.2", 7), 6, {0: record(0, LIVE)})
+    assert survivors.node_lost(_Node("10.0.0.3", 8), 6, {0: record(0, LIVE)})
+    assert survivors.ranks_lost() == 4 and survivors.exit_barrier_size(3) == 1
+    survivors.new_attempt()
+    assert survivors.ranks_lost() == 0 and survivors.exit_barrier_size(3) == 3
+    assert survivors.node_lost(_Node("10.0.0.3", 9), 6, {0: record(0, LIVE)})
+
+
+def test_each_regroup_of_the_workers_is_a_change_of_the_summary():
+    """The changes come from the workers' regroups, the same on every node; a rank of this node lost is named with
+    its signal and timed to the next step."""
+    changes: list = []
+    survivors = KeptSurvivors(2, changes)
+    survivors.local_world_size = 2
+    first = {"event": "generation", "number": 1, "members": [0, 1, 2, 3], "lost": [4, 5], "seconds": 0.012,
+             "redone": True, "step": 7, "at": 0.0}
+    second = {"event": "generation", "number": 2, "members": [0, 2, 3], "lost": [1], "seconds": 0.004,
+              "redone": False, "step": 9, "at": 0.0}
+    assert survivors.node_lost(_Node("10.0.0.3", 7), 6, {0: record(0, LIVE), 1: record(1, LIVE)})
+    survivors.tell_the_regroups({0: record(0, LIVE, first), 1: record(1, LIVE, first)})
+    assert changes == [{"change": "rank(s) [4, 5] lost, kept in-process", "world": [6, 4], "step": 7, "seconds": None,
+                        "regroup_seconds": 0.012, "redone": 7}]
+    survivors._note(1, -9, 6, {0: None, 1: -9}, {0: record(0, LIVE, first), 1: record(1, LIVE, first)})
+    survivors.tell_the_regroups({0: record(0, LIVE, first, second), 1: record(1, LIVE, first)})
+    assert changes[-1]["change"] == "rank 1 lost (SIGKILL), kept in-process" and changes[-1]["world"] == [4, 3]
+    assert changes[-1]["redone"] is None and len(changes) == 2
+    survivors._time_the_change({0: record(0, LIVE, first, second, step=6)})
+    assert changes[-1]["seconds"] is not None  # the next step came: the change is timed
+    survivors.new_attempt()
+    survivors.tell_the_regroups({0: record(0, LIVE)})  # a new attempt's workers have not regrouped: no change
+    assert len(changes) == 2
+
+
+def test_a_fixed_node_count_does_not_wait_for_nodes_its_workers_regrouped_without(capsys):
+    survivors = KeptSurvivors(2, [])
+    survivors.local_world_size = 2
+    regrouped = {"event": "generation", "number": 1, "members": [0, 1, 2], "lost": [3, 4, 5], "seconds": 0.01,
+                 "redone": False, "step": 3}
+    records = {0: record(0, LIVE, regrouped, state="exited"), 1: record(1, LIVE, regrouped, state="exited")}
+    assert survivors.exit_barrier_size(3, records) == 2  # node 1 keeps rank 2; node 2 (ranks 4, 5) is gone
+    assert "node 2 is not waited for at the end: its ranks [4, 5] were lost" in capsys.readouterr().err
+    assert survivors.exit_barrier_size(3, {0: record(0, LIVE)}) == 3  # no regroup: everyone is waited for
