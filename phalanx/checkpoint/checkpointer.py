@@ -273,10 +273,18 @@ class Checkpointer:
         return path
 
     def _agree(self) -> bool:
-        """The stop agreement's answer at this step; after a loss (live recovery) on the ranks left: a peer lost
-        since the last exchange (or while the agreement's Gloo group is made) is noticed here, and the ranks left
-        regroup and agree again, on a new agreement of theirs."""
-        return generation.again_after_loss(lambda: self._agreement_of_the_ranks().at_step())
+        """The stop agreement's answer at this step; after a loss (live recovery) on the ranks left. A peer lost
+        since the last exchange (or while the agreement's Gloo group is made) is noticed here: the ranks left
+        regroup, and this step is no stop. Their new agreement starts at the next step on every one of them,
+        whether a rank found the loss here or in the next step's exchange: its reads must fall on the same
+        steps everywhere, or one rank would stop a step before another."""
+        try:
+            return self._agreement_of_the_ranks().at_step()
+        except RuntimeError as lost:
+            if not generation.is_loss(lost):
+                raise
+            generation.recover(lost)
+            return False
 
     def _agreement_of_the_ranks(self) -> StopAgreement:
         if self._agreement is None or self._agreement.generation != world.live_generation():  # ranks were lost

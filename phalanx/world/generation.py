@@ -289,6 +289,11 @@ def recover(cause: BaseException, redoing: bool = False) -> Generation:
     return survivors
 
 
+def is_loss(failure: BaseException) -> bool:
+    """Whether `failure` is a peer lost that the ranks left recover from (live recovery on)."""
+    return live_recovery() and (isinstance(failure, PeerFailedError) or peer_gone(failure))
+
+
 def again_after_loss(action, warning: str | None = None):
     """`action()`; with live recovery, when a peer is lost during it (PeerFailedError, or Gloo's words for a closed
     connection), the ranks left regroup (recover) and do it again. `warning`, formatted with `left` (how many ranks
@@ -296,7 +301,7 @@ def again_after_loss(action, warning: str | None = None):
     try:
         return action()
     except RuntimeError as lost:  # PeerFailedError is one
-        if not live_recovery() or not (isinstance(lost, PeerFailedError) or peer_gone(lost)):
+        if not is_loss(lost):
             raise
         survivors = recover(lost)
         if warning:
