@@ -49,6 +49,10 @@ from tests.helpers.namespaces import bridged_hosts
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "benchmarks" / "live_recovery_chaos_job.py")
 HOSTS, PER_HOST = 3, 2
+LONG_LIVED, SETTLED = 90, 30  # seconds: a worker's RSS is checked from SETTLED seconds in, if it lived LONG_LIVED
+# How often each event is drawn: kills of one rank most (the others go on in-process); a stop and a host lost
+# restart every worker (the host comes back and joins), so they are rarer, and some workers live long.
+EVENTS = ("kill-rank", "kill-rank", "kill-rank", "kill-host", "cut-host", "stop")
 
 
 class Cluster:
@@ -148,7 +152,7 @@ def chaos(cluster: Cluster, minutes: float, rng: random.Random, rss: dict) -> Co
         if now < next_event:
             continue
         next_event = now + rng.uniform(15, 40)
-        kind = rng.choice(("kill-rank", "kill-rank", "kill-host", "cut-host", "stop"))
+        kind = rng.choice(EVENTS)
         if kind == "kill-rank":
             pids = cluster.workers()
             if pids:
@@ -205,6 +209,9 @@ def finish(cluster: Cluster) -> int:
             cluster.start(i)
     for launcher in cluster.launchers:
         launcher.wait(timeout=600)
+    # A host started again just before the end may find the run over before it could join: it gives up after
+    # --rdzv-timeout (exit 1), which is not the run's failure.
+    _say(f"the launchers' exit codes: {[launcher.returncode for launcher in cluster.launchers]}")
     return last
 
 
@@ -213,7 +220,7 @@ def check_steps(run_dir: Path, epochs: int) -> list[str]:
     for log in run_dir.glob("ids-*.jsonl"):
         for line in log.read_text().splitlines():
             try:
-                epoch, step, ids, _, incarnation = json.loads(line)
+                epoch, step, ids, _, incarnation, _ = json.loads(line)
             except ValueError:
                 continue  # a line cut by a SIGKILL
             applied.setdefault((epoch, step), []).append((tuple(incarnation), ids))
@@ -248,24 +255,39 @@ def check_params(run_dir: Path, epochs: int) -> list[str]:
     return [] if worst < 1e-4 else [f"final parameters off by {worst:.3g}"]
 
 
-def check_rss(rss: dict) -> list[str]:
+def check_rss(rss: dict, run_dir: Path) -> list[str]:
+    """Each worker that lived LONG_LIVED seconds: its RSS from SETTLED seconds in to its last sample, and the
+    regroups it went through (a leak in the regroup would grow with them)."""
     growths = []
     for pid, samples in rss.items():
-        if samples[-1][0] - samples[0][0] < 180:
+        if samples[-1][0] - samples[0][0] < LONG_LIVED:
             continue
-        settled = next(value for when, value in samples if when - samples[0][0] >= 60)
-        growths.append((samples[-1][1] - settled, pid, samples[-1][0] - samples[0][0]))
+        settled = next(value for when, value in samples if when - samples[0][0] >= SETTLED)
+        growths.append((samples[-1][1] - settled, pid, samples[-1][0] - samples[0][0], _regroups(run_dir, pid)))
     if not growths:
-        print("RSS: no worker lived 3 minutes")
+        print(f"RSS: no worker lived {LONG_LIVED} s")
         return []
-    growth, pid, lived = max(growths)
-    print(f"RSS: {len(growths)} workers lived over 3 minutes; the most grown: {growth:+.1f} MB (pid {pid}, "
-          f"{lived / 60:.1f} min)")
+    growth, pid, lived, regroups = max(growths)
+    print(f"RSS: {len(growths)} workers lived over {LONG_LIVED} s, through up to "
+          f"{max(g[3] for g in growths)} regroups; the most grown: {growth:+.1f} MB from its {SETTLED}th second "
+          f"(pid {pid}, {lived / 60:.1f} min, {regroups} regroups)")
     return [] if growth < 50 else [f"worker {pid} grew {growth:.0f} MB"]
 
 
+def _regroups(run_dir: Path, pid: int) -> int:
+    """How many times worker `pid` regrouped in-process: the generation of its last logged step."""
+    path = run_dir / f"ids-{pid}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in reversed(lines):
+        try:
+            return json.loads(line)[5]
+        except (ValueError, IndexError):
+            continue
+    return 0
+
+
 def check_leftovers(run_dir: Path, segments_before: set[str], prefix: str, killed: int) -> list[str]:
-    """`killed`: launchers SIGKILLed (each may leave its temporary folder: it cannot remove it)."""
+    """`killed`: launchers SIGKILLed (each may leave its two temporary folders: it cannot remove them)."""
     problems = []
     mine = [entry for entry in os.listdir("/proc") if entry.isdigit() and _cmdline_has(entry, str(run_dir))]
     if mine:
@@ -280,7 +302,7 @@ def check_leftovers(run_dir: Path, segments_before: set[str], prefix: str, kille
     # a failure's report (phalanx-report-*) is kept for the user on purpose: the launcher prints its path
     temp = [str(path) for path in (run_dir / "tmp").iterdir()
             if "torchinductor" not in path.name and not path.name.startswith("phalanx-report-")]
-    if len(temp) > killed:
+    if len(temp) > 2 * killed:  # each launcher makes two: its run folder and its workers' rings
         problems.append(f"temporary folders left by launchers that were not killed: {temp[:5]}")
     print(f"left behind: {len(mine)} processes, {len(segments)} segments, namespaces and links "
           f"{'left' if prefix in namespaces or prefix in links else 'none'}, {len(temp)} temporary folders "
@@ -333,7 +355,7 @@ def main() -> None:
     print(f"what the launchers said: {dict(outcomes)}")
     problems += check_steps(run_dir, epochs)
     problems += check_params(run_dir, epochs)
-    problems += check_rss(rss)
+    problems += check_rss(rss, run_dir)
     problems += check_leftovers(run_dir, segments_before, "phx", events["kill-host"] + cluster.killed_at_end)
     for problem in problems:
         print(f"PROBLEM: {problem}")

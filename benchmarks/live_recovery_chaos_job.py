@@ -5,9 +5,10 @@
 tests/helpers/global_batch_cases.py's run (80 samples, a global batch of 26 in micro-batches of 4, SGD with
 momentum) for as many epochs as RUN_DIR/last-epoch says once it exists (the harness writes it when the chaos is
 over; until then the run goes on). A Checkpointer every 4 steps; the state has the loader and the epoch, so a
-restart resumes exactly. Each rank appends `[epoch, step, ids, time, incarnation]` per applied step to
-RUN_DIR/ids-<pid>.jsonl (ids: the samples its part of the step averaged; incarnation: which launch and which
-rendezvous round applied it, so that a step redone after a restart replaces the first one), and writes its pid
+restart resumes exactly. Each rank appends `[epoch, step, ids, time, incarnation, generation]` per applied step
+to RUN_DIR/ids-<pid>.jsonl (ids: the samples its part of the step averaged; incarnation: which launch and which
+rendezvous round applied it, so that a step redone after a restart replaces the first one; generation: how many
+times its ranks regrouped in-process), and writes its pid
 and host to RUN_DIR/workers/<pid> at the start. The main rank writes the final parameters to RUN_DIR/final.pt.
 """
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
+from phalanx.world.group import live_generation
 from tests.helpers.global_batch_cases import GLOBAL_BATCH, MICRO_BATCH, SEED, Indexed, make_model, make_optimizer
 
 
@@ -62,7 +64,8 @@ def main():
                     if step.weight:
                         ids += index.tolist()
                 optimizer.step()
-                log.write(json.dumps([state["epoch"], step.index, ids, time.time(), incarnation]) + "\n")
+                log.write(json.dumps([state["epoch"], step.index, ids, time.time(), incarnation,
+                                      live_generation()]) + "\n")
                 log.flush()
                 checkpointer.step(state)
             state["epoch"] += 1
