@@ -331,7 +331,7 @@ def main() -> None:
     segments_before = {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}
     started = time.monotonic()
     problems: list[str] = []
-    with bridged_hosts("phx", 218, HOSTS) as hosts:
+    with bridged_hosts("phc", 218, HOSTS) as hosts:
         cluster = Cluster(hosts, run_dir, args.pause)
         try:
             for i in range(HOSTS):
@@ -356,7 +356,7 @@ def main() -> None:
     problems += check_steps(run_dir, epochs)
     problems += check_params(run_dir, epochs)
     problems += check_rss(rss, run_dir)
-    problems += check_leftovers(run_dir, segments_before, "phx", events["kill-host"] + cluster.killed_at_end)
+    problems += check_leftovers(run_dir, segments_before, "phc", events["kill-host"] + cluster.killed_at_end)
     for problem in problems:
         print(f"PROBLEM: {problem}")
     print("chaos run: " + ("passed" if not problems else f"{len(problems)} problem(s)") + f"; files in {run_dir}")

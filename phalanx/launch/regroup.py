@@ -78,6 +78,8 @@ class Regroup:
         None. Asks the workers to stop when a node waits to join. `records_of()`: this node's progress records
         (a worker already stopping, asked by another node's workers, makes it look at once)."""
         records = records_of()
+        if records and all(record.state == "exited" for record in records.values()):
+            return None  # this node's workers are done: a node lost now is not a reason to start them again
         self._report_resume(records)
         stopping = any(record.stop_step >= 0 for record in records.values())
         if self.growing_since is not None:
@@ -225,6 +227,8 @@ class KeptSurvivors:
         key = (node.addr, node.pid)
         if key in self.nodes:
             return True
+        if records is not None and records and all(r.state == "exited" for r in records.values()):
+            records = None  # this node's workers are done (the others finished first): only the count matters
         left = world_size - self.ranks_lost() - self.local_world_size
         if left < self.min_world_size:  # the elastic regroup from the newest checkpoint, as before
             self.why_not = f"{left} rank(s) would be left, fewer than --min-world-size {self.min_world_size}"

@@ -90,6 +90,19 @@ def _three_launchers(run_dir: Path, hosts: list[dict], pause: float, fixed: bool
         for i, host in enumerate(hosts)]
 
 
+def _outputs_of_the_hosts_left(launchers: list[subprocess.Popen]) -> list[str]:
+    """Hosts 0 and 1's launchers' outputs once they end; when one hangs, every launcher's output in the failure."""
+    try:
+        return [launcher.communicate(timeout=HANG_GUARD)[0] for launcher in launchers[:2]]
+    except subprocess.TimeoutExpired:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                kill_node(launcher)
+        texts = [f"== host {i} (exit {launcher.returncode}):\n{launcher.communicate()[0]}"
+                 for i, launcher in enumerate(launchers)]
+        pytest.fail(f"a launcher of the hosts left did not end within {HANG_GUARD} s:\n" + "\n".join(texts))
+
+
 def _host_two_stepped(run_dir: Path) -> bool:
     ranks = [r for r in range(3) if (run_dir / f"host-{r}").exists() and (run_dir / f"host-{r}").read_text() == "2"]
     log = run_dir / f"ids-{ranks[0]}.jsonl" if ranks else None
@@ -109,7 +122,7 @@ def test_a_host_killed_whole_costs_the_step_in_flight_and_the_others_finish(tmp_
     try:
         wait_until(lambda: _host_two_stepped(tmp_path), "host 2's first step", launchers)
         kill_node(launchers[2])
-        outputs = [launcher.communicate(timeout=HANG_GUARD)[0] for launcher in launchers[:2]]
+        outputs = _outputs_of_the_hosts_left(launchers)
     finally:
         for launcher in launchers:
             if launcher.poll() is None:
@@ -135,7 +148,7 @@ def test_a_host_cut_off_costs_at_most_the_heartbeat_window(tmp_path, three_hosts
         cut = time.time()
         host = three_hosts[2]
         subprocess.run(["ip", "-n", host["ns"], "link", "set", "dev", host["dev"], "down"], check=True, timeout=30)
-        outputs = [launcher.communicate(timeout=HANG_GUARD)[0] for launcher in launchers[:2]]
+        outputs = _outputs_of_the_hosts_left(launchers)
     finally:
         for launcher in launchers:
             if launcher.poll() is None:

@@ -90,3 +90,12 @@ def test_a_fixed_node_count_does_not_wait_for_nodes_its_workers_regrouped_withou
     assert survivors.exit_barrier_size(3, records) == 2  # node 1 keeps rank 2; node 2 (ranks 4, 5) is gone
     assert "node 2 is not waited for at the end: its ranks [4, 5] were lost" in capsys.readouterr().err
     assert survivors.exit_barrier_size(3, {0: record(0, LIVE)}) == 3  # no regroup: everyone is waited for
+
+
+def test_a_node_lost_after_this_nodes_workers_finished_is_counted_not_regrouped_for():
+    """The workers of this node are done (exited) when the lost node's heartbeats expire: the launcher must count it
+    lost for the meeting at the end, not restart a finished group (a run then hung in the exit barrier)."""
+    survivors = KeptSurvivors(2, [])
+    survivors.local_world_size = 1
+    assert survivors.node_lost(_Node("10.0.0.3", 7), 3, {1: record(1, LIVE, state="exited")})
+    assert survivors.exit_barrier_size(3) == 2
