@@ -1,10 +1,11 @@
 """A chaos run: three hosts training for minutes while ranks die, hosts die, are cut off, come back, and stop.
 
     sudo PYTHONPATH=. python benchmarks/live_recovery_chaos.py [--minutes 20] [--seed 0] [--pause 0.1]
+        [--every 15:40] [--only kill-rank,kill-host,cut-host,stop]
 
 Three hosts (network namespaces on a bridge, root needed), `phalanx run --nnodes 2:3 --nproc-per-node 2
 --min-world-size 2` on each, benchmarks/live_recovery_chaos_job.py (the loop of docs/data.md, resumable). Every
-15-40 s (drawn) one of:
+15-40 s (drawn; `--every`) one of (`--only` draws from some):
 - kill-rank: SIGKILL one worker of a host drawn at random (live recovery: the others go on in-process; when too few
   would be left, the group restarts from its newest checkpoint);
 - kill-host: SIGKILL host 1's or host 2's launcher and workers; it comes back 5-15 s later (it joins: the others
@@ -129,10 +130,11 @@ def _say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
 
-def chaos(cluster: Cluster, minutes: float, rng: random.Random, rss: dict) -> Counter:
+def chaos(cluster: Cluster, minutes: float, rng: random.Random, rss: dict, every: tuple[float, float],
+          kinds: tuple[str, ...]) -> Counter:
     events = Counter()
     end = time.monotonic() + minutes * 60
-    next_event = time.monotonic() + rng.uniform(15, 40)
+    next_event = time.monotonic() + rng.uniform(*every)
     down_until: dict[int, float] = {}
     while time.monotonic() < end:
         time.sleep(1.0)
@@ -151,8 +153,8 @@ def chaos(cluster: Cluster, minutes: float, rng: random.Random, rss: dict) -> Co
                 events["restarted"] += 1
         if now < next_event:
             continue
-        next_event = now + rng.uniform(15, 40)
-        kind = rng.choice(EVENTS)
+        next_event = now + rng.uniform(*every)
+        kind = rng.choice(kinds)
         if kind == "kill-rank":
             pids = cluster.workers()
             if pids:
@@ -325,7 +327,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pause", type=float, default=0.1, help="seconds of sleep per step (default 0.1)")
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (logs, step logs)")
+    parser.add_argument("--every", default="15:40", metavar="MIN:MAX",
+                        help="seconds between events, drawn (default 15:40)")
+    parser.add_argument("--only", default=None, metavar="KINDS",
+                        help="comma-separated events to draw from (default: all, rank kills weighted 3)")
     args = parser.parse_args()
+    every = tuple(float(part) for part in args.every.split(":"))
+    kinds = tuple(args.only.split(",")) if args.only else EVENTS
+    unknown = set(kinds) - set(EVENTS)
+    if unknown:
+        parser.error(f"--only: unknown events {sorted(unknown)}; choose from {sorted(set(EVENTS))}")
     rng, rss = random.Random(args.seed), {}
     run_dir = Path(tempfile.mkdtemp(prefix="phalanx-chaos-"))
     segments_before = {name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)}
@@ -336,7 +347,7 @@ def main() -> None:
         try:
             for i in range(HOSTS):
                 cluster.start(i)
-            events = chaos(cluster, args.minutes, rng, rss)
+            events = chaos(cluster, args.minutes, rng, rss, every, kinds)
             epochs = finish(cluster)
         finally:
             for i in range(HOSTS):
