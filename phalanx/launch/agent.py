@@ -100,27 +100,27 @@ class Agent(LocalElasticAgent):
         Nodes see a loss at different moments (each by its own heartbeat reads), so one may still be waiting
         for the lost node after another is done: the second round keeps the store's node (the master's) up
         until the last launcher has read what it waits for."""
-        deadline = time.monotonic() + self._exit_barrier_timeout
-        self._wait_for_the_nodes_left("arrived", deadline)
+        records = self._records()  # the workers are done: their regroups are all recorded
+        self.survivors.tell_the_regroups(records)
+        # A fixed --nnodes N has no heartbeats: the workers' last regroup says which nodes were left behind.
+        left_behind = records if self.regroup is None else None
+        self._wait_for_the_nodes_left("arrived", self._exit_barrier_timeout, left_behind)
         try:  # the others are here: at most a heartbeat window more for the last of them to see the loss too
-            self._wait_for_the_nodes_left("departed", time.monotonic() + KEEP_ALIVE_INTERVAL * (KEEP_ALIVE_MISSES + 2))
+            self._wait_for_the_nodes_left("departed", KEEP_ALIVE_INTERVAL * (KEEP_ALIVE_MISSES + 2), left_behind)
         except Exception:  # the store's node may leave once the others have all departed: nothing left to wait for
             pass
 
-    def _wait_for_the_nodes_left(self, what: str, deadline: float) -> None:
+    def _wait_for_the_nodes_left(self, what: str, seconds: float, records: dict | None) -> None:
         nodes, key = self._worker_group.group_world_size, f"phalanx/exit-barrier/{what}"
-        # A fixed --nnodes N has no heartbeats: the workers' last regroup says which nodes were left behind.
-        records = self._records() if self.regroup is None else None
+        deadline = time.monotonic() + seconds
         count = self._store.add(key, 1)
-        while count < self.survivors.exit_barrier_size(nodes, records):
+        while count < (expected := self.survivors.exit_barrier_size(nodes, records)):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{count} of {self.survivors.exit_barrier_size(nodes, records)} launchers {what} "
-                                   f"after {self._exit_barrier_timeout} s")
+                raise TimeoutError(f"{count} of {expected} launchers {what} after {seconds:g} s")
             time.sleep(0.1)
             if self.regroup is not None:  # a node killed whole: lost once its heartbeats expire
                 for node in self.regroup.rendezvous.lost():
-                    if self.survivors.node_lost(node, self.regroup.world, None):
-                        self.survivors.tell_the_regroups(self._records())
+                    self.survivors.node_lost(node, self.regroup.world, None)
             count = self._store.add(key, 0)
 
     def _start_workers(self, worker_group):

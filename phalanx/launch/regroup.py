@@ -163,18 +163,15 @@ class KeptSurvivors:
 
     def __init__(self, min_world_size: int, changes: list):
         self.min_world_size, self.changes = min_world_size, changes
-        self.lost: dict[int, int] = {}  # global rank -> exit code (minus the signal), this attempt
-        self.nodes: dict[tuple, int] = {}  # (address, pid) of each node lost this attempt -> its ranks
         self.local_world_size = 1  # set by the agent: ranks per node
-        self._timing: tuple[float, int, dict] | None = None  # (when, survivors' step then, the change) to time
         self.why_not = ""  # why the last loss could not be kept in-process (workers_recover)
         self.new_attempt()
 
     def new_attempt(self) -> None:
         """A new worker group (a restart, a regroup at another world size): every rank and node is in again."""
-        self.lost.clear()
-        self.nodes.clear()
-        self._timing = None
+        self.lost: dict[int, int] = {}  # global rank -> exit code (minus the signal), this attempt
+        self.nodes: dict[tuple, int] = {}  # (address, pid) of each node lost this attempt -> its ranks
+        self._timing: tuple[float, int, dict] | None = None  # (when, survivors' step then, its note) to time
         self._notes: dict[int, dict] = {}  # a rank of this node lost: how, and the seconds to the next step
         self._regroups_told = 0  # the workers' regroups (their "generation" events) made into the summary's changes
         self._nodes_said: set[int] = set()  # fixed --nnodes: nodes said to be left behind at the end
