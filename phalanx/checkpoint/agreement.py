@@ -97,12 +97,12 @@ class StopAgreement:
 
     def _launch(self, proposal: int) -> None:
         if self.group is None:
-            # Gloo on the CPU whatever the main backend: a flag read later needs no stream sync. Every rank
-            # makes this group at its first step, the same point of its collective order.
-            timeout = timedelta(seconds=self._limit())
-            self.group = (dist.new_group(backend="gloo", timeout=timeout) if self.generation == 0 else
-                          dist.new_group(list(self.members), backend="gloo", timeout=timeout,
-                                         use_local_synchronization=True))
+            # Gloo on the CPU whatever the main backend: a flag read later needs no stream sync. The world's
+            # control group (made with the generation, not in a step); outside phalanx's init() every rank
+            # makes one at its first step, the same point of its collective order.
+            self.group = world.control_group()
+            if self.group is None:
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._limit()))
         self.values[0], self.values[1] = stop.code_of(stop.requested()), -proposal
         # The group's own call: dist.all_reduce's checks cost more than the collective's launch (~70 vs 40 us).
         self.work = self.group.allreduce([self.payload], self.options)
@@ -121,8 +121,10 @@ class StopAgreement:
             self._wait(work)
         try:
             work.wait()
-        except Exception as exc:  # Gloo: a peer closed its connection
+        except Exception as exc:  # Gloo: a peer closed its connection, or the group's own timeout passed
             dead = recorder.dead_peers(self.members)
+            if not dead and "timed out" in str(exc).lower():
+                raise self._timed_out() from None
             raise PeerFailedError(explain(
                 "the ranks' agreement on a stop lost a rank", rank=world.group_rank(),
                 seen=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -147,11 +149,14 @@ class StopAgreement:
                         seen=f"rank(s) {sorted(dead)} ended (pid {', '.join(map(str, dead.values()))})",
                         expected="every rank alive", fix="Read the dead ranks' logs."), peer_rank=min(dead))
             if now > deadline:
-                raise RanksTimedOutError(explain(
-                    f"the ranks' agreement on a stop timed out after {limit:.0f}s", rank=world.group_rank(),
-                    seen=f"step {self.count}: some rank did not reach step {self.due - self.every}",
-                    expected="every rank calling checkpointer.step() once per step",
-                    fix="A rank is stuck, or calls checkpointer.step() fewer times than the others (every rank "
-                        "must make the same number of steps)."))
+                raise self._timed_out()
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
+
+    def _timed_out(self) -> RanksTimedOutError:
+        return RanksTimedOutError(explain(
+            f"the ranks' agreement on a stop timed out after {self._limit():.0f}s", rank=world.group_rank(),
+            seen=f"step {self.count}: some rank did not reach step {self.due - self.every}",
+            expected="every rank calling checkpointer.step() once per step",
+            fix="A rank is stuck, or calls checkpointer.step() fewer times than the others (every rank "
+                "must make the same number of steps)."))

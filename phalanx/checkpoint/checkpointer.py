@@ -274,7 +274,7 @@ class Checkpointer:
 
     def _agree(self) -> bool:
         """The stop agreement's answer at this step; after a loss (live recovery) on the ranks left. A peer lost
-        since the last exchange (or while the agreement's Gloo group is made) is noticed here: the ranks left
+        since the last exchange is noticed here: the ranks left
         regroup, and this step is no stop. Their new agreement starts at the next step on every one of them,
         whether a rank found the loss here or in the next step's exchange: its reads must fall on the same
         steps everywhere, or one rank would stop a step before another."""

@@ -365,8 +365,9 @@ def next_generation(cause: BaseException) -> Generation:
             fix="The run falls back to a restart from its newest checkpoint.")) from cause
     timeout = timedelta(seconds=membership_timeout())
     group = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
+    control = dist.new_group(list(members), backend="gloo", timeout=timeout, use_local_synchronization=True)
     _current, _commits = Generation(old.number + 1, members, group), 0
-    world.set_live(_current.number, members, group)
+    world.set_live(_current.number, members, group, control)
     store.set(_current._key("who", me), identity())
     if _current.rank == 0:
         logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s", lost,

@@ -40,6 +40,11 @@ lost_among = None  # generation.py's: which of some ranks are known gone (live r
 # After a loss (live recovery, generation.py): (generation number, members' global ranks, their process group).
 # None: the whole world, on torch's default group.
 _live: tuple[int, tuple[int, ...], object] | None = None
+# A Gloo group of the ranks that train, for phalanx's own small collectives (the checkpointer's stop agreement):
+# made with the world, and anew with each generation, never in the middle of a step. A group made lazily at a
+# rank's first step is made while a faster rank may already be in its next one: were that rank lost there,
+# the slower one would be left connecting to it, in a call that cannot be watched or aborted.
+_control = None
 _watchdog: Watchdog | None = None
 DEAD_CHECK_AFTER = 1.0  # seconds a barrier waits before it asks whether a missing rank's process died
 
@@ -131,10 +136,23 @@ def live_generation() -> int:
     return 0 if _live is None else _live[0]
 
 
-def set_live(number: int, members: tuple[int, ...], group) -> None:
-    """generation.py's: from now on the ranks that train are `members`, on `group`."""
-    global _live
-    _live = (number, tuple(members), group)
+def set_live(number: int, members: tuple[int, ...], group, control) -> None:
+    """generation.py's: from now on the ranks that train are `members`, on `group` (and `control`, a Gloo group of
+    theirs: control_group())."""
+    global _live, _control
+    _live, _control = (number, tuple(members), group), control
+
+
+def control_group():
+    """A Gloo group of the ranks that train, made at init() and with each generation: phalanx's own small
+    collectives run on it (None: a world of one, or before init())."""
+    return _control
+
+
+def _make_control_group(timeout: timedelta) -> None:
+    global _control
+    if dist.get_world_size() > 1:
+        _control = dist.new_group(backend="gloo", timeout=timeout)
 
 
 def collective_device(group=None, preferred: torch.device | None = None) -> torch.device:
@@ -206,6 +224,7 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
                                 rank=spec.rank, world_size=spec.world_size, timeout=timeout,
                                 device_id=chosen if chosen.type == "cuda" else None)
         _owns_group = True
+    _make_control_group(timeout)
     recorder.done(rendezvous)
     _share_cores(spec, chosen)
     _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
@@ -260,7 +279,7 @@ def shutdown() -> None:
     or still tearing its own group down. Measured on 2-rank runs: 7 of 20 aborted with no wait
     (torch DDP), 3 of 25 with a wait before the teardown only (phalanx DDP), 0 of 25 with both.
     """
-    global _spec, _device, _store, _owns_group, _watchdog, _live
+    global _spec, _device, _store, _owns_group, _watchdog, _live, _control
     run_before_shutdown()
     recorder.phase(recorder.SHUTDOWN)
     stop.stop_listening()  # nobody reads the flag any more: a signal ends the process again
@@ -281,7 +300,7 @@ def shutdown() -> None:
     stacks.unregister()
     recorder.stop(remove=not os.environ.get("PHALANX_RUN_DIR"))
     progress.stop()
-    _spec = _device = _store = _live = None
+    _spec = _device = _store = _live = _control = None
     _owns_group = False
 
 

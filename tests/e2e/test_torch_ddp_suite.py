@@ -14,6 +14,7 @@ Which of torch's DDP tests are not here, and why: docs/ddp.md, "torch's own DDP 
 
 import os
 import sys
+import time
 from types import SimpleNamespace
 from unittest import mock
 
@@ -76,6 +77,27 @@ def _use_phalanx_ddp() -> None:
         module.DistributedDataParallel = phalanx.DistributedDataParallel
 
 
+def _trainers_wait_for_their_group() -> None:
+    """In a test process: torch's DDP-under-RPC Trainer waits until its process's default group is made.
+
+    The master calls `Trainer(...)` on each trainer over RPC as soon as its own init_process_group returned; the
+    trainer runs it on an RPC thread, where `dist.new_group` fails with "Default process group has not been
+    initialized" if the trainer's main thread has not yet returned from its init_process_group (its rendezvous
+    was done, the group not yet set). A race in torch's test code, whichever DDP class it runs, seen here under
+    load; the wait changes nothing that the tests check.
+    """
+    trainer = ddp_under_dist_autograd_test.Trainer
+    made = trainer.__init__
+
+    def once_the_group_is_made(self, *args, **kwargs):
+        deadline = time.monotonic() + 60.0
+        while not dist.is_initialized() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        made(self, *args, **kwargs)
+
+    trainer.__init__ = once_the_group_is_made
+
+
 class _PhalanxProcesses:
     """torch's multi-process harness, with phalanx's DDP in the test processes.
 
@@ -108,6 +130,7 @@ class _PhalanxProcesses:
         # pool does not survive fork); one thread, as torch's DataLoader workers do. Ranks share the cores.
         torch.set_num_threads(1)
         os.environ.update(cls.phalanx_env)
+        _trainers_wait_for_their_group()
         if os.environ.get("PHALANX_TORCH_SUITE_DDP", "phalanx") != "torch":
             _use_phalanx_ddp()
         super()._run(rank, test_name, file_name, pipe, **kwargs)

@@ -13,12 +13,15 @@ writes the time it dies in `died-at`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
+import traceback
 from pathlib import Path
 
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import phalanx as px
@@ -57,7 +60,7 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     losses, started_as, doomed, armed = [], os.getpid(), rank == doomed_rank, [False]
     first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
     first_layer.register_hook(lambda grad: _die(directory) if armed[0] else None)
-    with open(os.path.join(directory, f"ids-{rank}.jsonl"), "a") as log:
+    with open(os.path.join(directory, f"ids-{rank}.jsonl"), "a") as log, _groups_made() as groups_made:
         for epoch in range(EPOCHS):
             loader.set_epoch(epoch)
             for step in loader:
@@ -85,7 +88,23 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                 checkpointer.step(state)
     current = generation.current()
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
-            "params": parameters(model), "losses": losses, "main": px.is_main()}
+            "params": parameters(model), "losses": losses, "main": px.is_main(), "groups_made": groups_made}
+
+
+@contextlib.contextmanager
+def _groups_made():
+    """The files whose code made a process group (dist.new_group) inside the block: only a regroup should."""
+    made, new_group = [], dist.new_group
+
+    def recorded(*args, **kwargs):
+        made.append(os.path.basename(traceback.extract_stack(limit=2)[0].filename))
+        return new_group(*args, **kwargs)
+
+    dist.new_group = recorded
+    try:
+        yield made
+    finally:
+        dist.new_group = new_group
 
 
 def applied_ids(directory: str, world_size: int) -> dict:
