@@ -112,21 +112,28 @@ class StepGuard:
         except RuntimeError as exc:  # Gloo: "Connection closed by peer", timeouts, ...
             self.fail(what, _failure(exc))
 
-    def wait_work(self, work, what: str) -> None:
-        """work.wait() with the same bounds as wait(): the timed wait is C++'s, no Python callback."""
+    def wait_work(self, work, what: str, aside: bool = False) -> None:
+        """work.wait() with the same bounds as wait(): the timed wait is C++'s, no Python callback. `aside`: for
+        a work whose own wait cannot be bounded (Gloo's reduce-scatter), waited in a thread aside under live
+        recovery (generation.waited_aside), while this one keeps the bounds and watches for a loss."""
         started = step_clock.now_ns()
         try:
-            self._wait_work(work, what)
+            self._wait_work(work, what, aside)
         finally:
             step_clock.add_exchange_wait(step_clock.now_ns() - started)
 
-    def _wait_work(self, work, what: str) -> None:
+    def _wait_work(self, work, what: str, aside: bool) -> None:
         if not self.bounded:
             work.wait()
             return
 
+        # Aside under live recovery only: that wait's blocking is what a run without it has always done.
+        waiting = generation.waited_aside(work) if aside and generation.live_recovery() else None
+
         def done_within(seconds: float) -> bool:
             try:
+                if waiting is not None:
+                    return generation.completes_within(waiting, seconds)
                 work.wait(timedelta(seconds=max(0.001, seconds)))
                 return True
             except RuntimeError as exc:

@@ -87,7 +87,9 @@ class GlobalStep:
     `sizes` / `weights`: this rank's micro-batches (a size of 0 is a padding micro-batch, weight 0);
     `weight`: the current micro-batch's; `loss`: this rank's part of the step's mean loss (the sum over
     ranks, e.g. `phalanx.metrics.all_reduce_sum(step.loss)`, is the mean over the step's samples);
-    `attempt`: 0, or how many times the micro-batch loop started over on another world (a rank was lost).
+    `attempt`: 0, or how many times the micro-batch loop started over on another world (a rank was lost);
+    `undone`: True once its optimizer step was rolled back after a loss (a sharded model's, before every rank
+    finished it): the loader hands the step out again, so a loop that logs each step can skip this one.
     """
 
     def __init__(self, layout: StepLayout, batches, world_size: int, rank: int, on_done, live=False) -> None:
@@ -95,6 +97,7 @@ class GlobalStep:
         self.sizes, self.weights = layout.sizes, layout.weights
         self.weight: float | None = None
         self.loss: torch.Tensor | float = 0.0
+        self.undone = False
         self._batches, self._world_size, self._rank, self._on_done = batches, world_size, rank, on_done
         # With live recovery (world/generation.py) a loss regroups the model and the loader, and this step's
         # micro-batch loop starts over on the ranks left.

@@ -21,7 +21,7 @@ from ..errors import DataConfigError, ResumeStateError, explain
 from ..log import logger
 from .global_plan import GlobalBatchPlan
 from .global_step import MicroBatchSampler, StepIterator
-from .regroup import follow_generations, regroup_loader
+from .regroup import follow_generations, regroup_loader, regroup_onto
 from .sampler import LAYOUT_KEYS, DistributedSampler
 
 _TORCH_ARGUMENTS = inspect.signature(torch.utils.data.DataLoader.__init__)
@@ -236,7 +236,7 @@ class DataLoader(torch.utils.data.DataLoader):
         return steps
 
     def _onto_generation(self, survivors) -> None:
-        self.regroup(survivors.rank, survivors.world_size)
+        regroup_onto(self, survivors)
 
     def regroup(self, rank: int, world_size: int, step: int | None = None) -> None:
         """Deal the rest of the epoch over `world_size` ranks, this process being `rank`, from step `step` on

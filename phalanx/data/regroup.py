@@ -40,6 +40,19 @@ def follow_generations(loader) -> bool:
     return True
 
 
+def regroup_onto(loader, survivors) -> None:
+    """A new generation (live recovery): the loader re-split over its ranks from the step in flight, or, when the
+    step the loop finished last was rolled back (a sharded optimizer's step that could not count everywhere),
+    from that step, which the loop is handed again (the one it saw says `undone`)."""
+    if not generation.undoing():
+        loader.regroup(survivors.rank, survivors.world_size)
+        return
+    live = loader._live_steps()
+    if live is not None and live._current is not None:
+        live._current.undone = True
+    loader.regroup(survivors.rank, survivors.world_size, step=max(0, loader._position["steps"] - 1))
+
+
 def regroup_loader(loader, rank: int, world_size: int, step: int | None) -> None:
     """DataLoader.regroup's work (see there)."""
     plan = loader.plan

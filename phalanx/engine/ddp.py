@@ -274,7 +274,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
             self._ensure_engine()
         named = self._named_params
         return ShardedOptimizer(optimizer, self._reducer.exchange, [p for _, p in named], [n for n, _ in named],
-                                overlap_forward)
+                                overlap_forward, live=self._live_sharding())
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:

@@ -7,15 +7,19 @@ aborted) and go on. `regroup(group)` rebuilds what was built from the old group 
 the step guard, the exchange, shared memory among the ranks left included, and the reducer's buckets)
 and drops the gradients of the step in flight, which the survivors redo. The parameters do not move.
 
-Sharded levels keep a part of the state on each rank: a lost rank takes its part with it (a copy on
-another host is the way back, not built yet), so they refuse and the run falls back to its checkpoint.
+Sharded levels keep a part of the state on each rank. With shard="optimizer" or "gradients" the model
+regroups like an unsharded one (its exchange cut again for the new world) and its ShardedOptimizer puts the
+optimizer state back together from the ranks left and the copies they keep of their peers' shards
+(sharding/shard_copies.py). shard="parameters" (FSDP2) refuses: the run falls back to its checkpoint.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch.distributed as dist
 
-from ..bucket.shard_levels import unsupported_with_sharding
+from ..bucket.shard_levels import GRADIENTS, OPTIMIZER, unsupported_with_sharding
 from ..errors import WorldConfigError, explain
 from ..exchange.choose import choose_exchange
 from ..world import generation
@@ -41,12 +45,16 @@ class RegroupMixin:
                 "regroup needs the process group this rank trains on next", rank=dist.get_rank(),
                 seen=repr(process_group), expected="a group this rank is a member of",
                 fix="Pass the group every surviving rank made (dist.new_group(survivors, ...)), on each survivor."))
-        if self.shard != "none":
+        if self.shard not in ("none", OPTIMIZER, GRADIENTS):
             raise unsupported_with_sharding("regroup()", self.shard, "A lost rank took its shards with it: restart "
-                                            "from the newest checkpoint (phalanx run does), or use shard='none'.")
+                                            "from the newest checkpoint (phalanx run does), or use shard='none', "
+                                            "'optimizer' or 'gradients'.")
         if self._reducer is not None:
             self._reducer.remove()  # the old hooks would launch buckets on the old group
             self._reducer.exchange.close()
+        for handle in getattr(self, "_gather_waits", None) or ():
+            handle.remove()  # they wait on the old exchange's all-gathers
+        self._gather_waits = None
         self.process_group = process_group
         self._group_rank0 = dist.get_global_rank(process_group, 0)
         self._control_device = collective_device(process_group, self._named_params[0][1].device)
@@ -67,6 +75,19 @@ class RegroupMixin:
 
     def _onto_generation(self, survivors) -> None:
         self.regroup(survivors.group)
+
+    def _live_sharding(self):
+        """For shard_optimizer(): what a ShardedOptimizer needs to follow the generations (the model's ranks by
+        host, its current exchange), when this model follows them; else None."""
+        if not (generation.live_recovery() and self.process_group in (None, dist.group.WORLD)):
+            return None
+        model = weakref.ref(self)
+
+        def hosts():
+            groups = getattr(model(), "_hosts", None)
+            return [list(ranks) for ranks in groups.topology.hosts] if groups is not None else None
+
+        return hosts, lambda: model()._reducer.exchange
 
     def _steps_settle_alike(self) -> bool:
         """Whether the coming step's collectives end the same way on every rank (live recovery then needs no

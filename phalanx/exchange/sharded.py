@@ -169,7 +169,7 @@ class ShardedExchange(BucketExchange):
 
     def _wait_reduce(self, index: int, what: str) -> None:
         with self.timer("wait", index):
-            self.guard.wait_work(self._reduces.pop(index), what)
+            self.guard.wait_work(self._reduces.pop(index), what, aside=True)  # Gloo's own wait ignores timeouts
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
         index = bucket.index

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from ..bucket.shard_plan import Piece
 from ..errors import ShardingError, explain
 from ..exchange.sharded import ShardedExchange, all_gather
+from ..world import generation
 from .optimizer_view import OptimizerView
+from .shard_copies import ShardCopies
 
 # Optimizers that read whole tensors (norms, factored moments, line searches): their update of a piece
 # would differ from their update of the parameter.
@@ -34,7 +36,7 @@ class ShardedOptimizer(OptimizerView):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, exchange: ShardedExchange, params: list, names: list[str],
-                 overlap_forward: bool = False):
+                 overlap_forward: bool = False, live=None):
         kind = type(optimizer).__name__
         rank = exchange.rank
         self._check_wrappable(optimizer, rank)
@@ -47,10 +49,6 @@ class ShardedOptimizer(OptimizerView):
         # into pieces like any state dict.
         existing = optimizer.state_dict() if any(optimizer.state.values()) else None
         index_of = {id(p): i for i, p in enumerate(params)}
-        pieces: dict[int, list[Piece]] = {}
-        for shard in exchange.shards:
-            for piece in shard.pieces:
-                pieces.setdefault(piece.index, []).append(piece)
         self._groups = []  # the model's parameters of each group, as the user passed them
         for number, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -62,29 +60,94 @@ class ShardedOptimizer(OptimizerView):
                         fix="Build the optimizer over model.parameters() (frozen ones are left out of the model's "
                             "buckets), or optimize extra tensors with an optimizer of their own."))
             self._groups.append(list(group["params"]))
-            group["params"] = [piece.tensor for p in group["params"] for piece in pieces.get(index_of[id(p)], [])]
         # each parameter's index in torch's state dict format: its position over the param groups
         self._numbers = {id(p): n for n, p in enumerate(p for params in self._groups for p in params)}
+        self._index_of = index_of
+        self._target(optimizer, exchange)
         self._wrap(optimizer, rank)
         self._only_through_view()
-        self.exchange = exchange
-        self._index_of = index_of
-        self._pieces = pieces
         self._names = names
         self.overlap_forward = overlap_forward
+        # Live recovery (world/generation.py): copies of this rank's shard on another rank, and a re-shard
+        # onto each new world. `live`: (the model's ranks by host, the model's current exchange), or None.
+        self._copies = None
+        if live is not None:
+            hosts, self._exchange_of = live
+            self._members = generation.current().members
+            self._copies = ShardCopies(self, hosts)
+            generation.on_regroup(self._onto_generation)
         if existing is not None:
             self.load_state_dict(existing)
 
+    def _target(self, optimizer: torch.optim.Optimizer, exchange: ShardedExchange) -> None:
+        """Point `optimizer`'s param groups at this rank's pieces of `exchange`'s chunks."""
+        pieces: dict[int, list[Piece]] = {}
+        for shard in exchange.shards:
+            for piece in shard.pieces:
+                pieces.setdefault(piece.index, []).append(piece)
+        for group, params in zip(optimizer.param_groups, self._groups):
+            group["params"] = [piece.tensor for p in params for piece in pieces.get(self._index_of[id(p)], [])]
+        self.exchange = exchange
+        self._pieces = pieces
+
     # -- one step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """The step of this rank's chunks, then the parameters' all-gather. Under live recovery a loss before
+        every rank finished the step (and refreshed its shard's copy) rolls it back on the ranks left, which
+        regroup and redo it: the loader hands it out again (shard_copies.py)."""
+        copies = self._copies
+        if copies is None or not generation.live_recovery():
+            return super().step(closure, grad_scaler)
+        copies.committing = False
+        try:
+            return super().step(closure, grad_scaler)
+        except Exception as lost:
+            if not generation.is_loss(lost):
+                raise
+            if not copies.committing:
+                generation.fail_step()  # the others' commit of this step fails too
+            copies.rolling_back = True
+            try:
+                generation.recover(lost, redoing=True, undone=True)
+            finally:
+                copies.rolling_back = False
+            return None
 
     def _before_step(self) -> None:
         self.exchange.wait_gathered()
+        if self._copies is not None:
+            self._copies.before_step()
 
     def _after_step(self) -> None:
         """All-gather the updated chunks (collective); complete it unless the next forward is to wait for it."""
+        if self._copies is not None:
+            self._copies.after_step()  # the all-gather completed, the copies refreshed, the step committed
+            return
         self.exchange.gather_parameters()
         if not self.overlap_forward:
             self.exchange.wait_gathered()
+
+    @torch.no_grad()
+    def _onto_generation(self, survivors) -> None:
+        """After the model's regroup: the whole state put together by the ranks left (rolled back to before the
+        step when it could not count), and this rank's pieces of it on the model's new exchange."""
+        entries, before = self._copies.whole_state(survivors, self._members)
+        if before is not None:  # the parameters as they were before the step, on every rank left
+            for bucket, whole in zip(self.exchange.buckets, before):
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    p.copy_(whole[offset:offset + p.numel()].view(p.shape))
+        self._target(self.optimizer, self._exchange_of())
+        self._load_whole({"state": entries, "param_groups": self._saved_groups()})
+        self._members = survivors.members
+        self._copies.rebind(entries)
+
+    def _saved_groups(self) -> list[dict]:
+        """The param groups in torch's state dict format: hyperparameters as they are now, parameter indices."""
+        return [{**{k: v for k, v in group.items() if k != "params"},
+                 "params": [self._numbers[id(p)] for p in params]}
+                for group, params in zip(self.optimizer.param_groups, self._groups)]
 
     def wait_parameters(self) -> None:
         """With overlap_forward=True: return once every parameter holds every rank's last update (the
@@ -183,7 +246,12 @@ class ShardedOptimizer(OptimizerView):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch's optimizer state dict of the whole model (saved sharded or not, at any world size):
-        this rank keeps the state of its own pieces."""
+        this rank keeps the state of its own pieces (and under live recovery its wards' copies)."""
+        self._load_whole(state_dict)
+        if self._copies is not None:
+            self._copies.take_whole(state_dict)
+
+    def _load_whole(self, state_dict: dict) -> None:
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self._groups) or any(
                 len(saved["params"]) != len(params) for saved, params in zip(saved_groups, self._groups)):

@@ -21,6 +21,7 @@ Three store protocols, all under `generation/<g>/` in phalanx's namespace of the
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 import weakref
@@ -47,6 +48,7 @@ MEMBERSHIP_MARGIN = 30.0
 AWAITED_SAY_EVERY = 10.0  # seconds between the lines naming the members the survivors still wait for
 LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
 WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
+WAIT_THREADS = 16  # threads that wait on collectives whose own waits cannot be bounded (waited_aside)
 
 
 def min_world_size() -> int | None:
@@ -179,6 +181,8 @@ class Generation:
 _current: Generation | None = None
 _followers: list = []  # weak methods called with each new generation: the models' and loaders' regroups
 _commits = 0  # steps committed (or failed) in the current generation: every member counts the same
+_undoing = False  # during recover(undone=True)
+_wait_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def current() -> Generation:
@@ -233,11 +237,35 @@ def wait_watching(ready, what: str, timeout: float) -> bool:
     return True
 
 
-def watch(work, what: str) -> None:
+def waited_aside(work) -> concurrent.futures.Future:
+    """work.wait() in a thread of a pool: for a collective whose own wait can be neither bounded nor aside. Gloo's
+    reduce-scatter waits for its peers whatever the timeout given, and says it completed only once waited for;
+    Gloo's point-to-point receive unbinds its buffer when a timed wait expires. The caller waits on the future, a
+    bounded wait; a wait given up keeps its thread until the collective ends (a peer's failure or its timeout)."""
+    global _wait_pool
+    if _wait_pool is None:
+        _wait_pool = concurrent.futures.ThreadPoolExecutor(max_workers=WAIT_THREADS, thread_name_prefix="phalanx-wait")
+    return _wait_pool.submit(work.wait)
+
+
+def completes_within(waiting: concurrent.futures.Future, seconds: float) -> bool:
+    """Whether the wait `waiting` (waited_aside) ended within `seconds`; raises what work.wait() raised."""
+    try:
+        waiting.result(timeout=max(0.0, seconds))
+        return True
+    except concurrent.futures.TimeoutError:
+        return False
+
+
+def watch(work, what: str, aside: bool = False) -> None:
     """work.wait() for an asynchronous collective, watched (wait_watching); a failure that says a peer's connection
-    went away is PeerDiedError."""
+    went away is PeerDiedError. `aside`: waited aside (waited_aside)."""
+    waiting = waited_aside(work) if aside else None
+
     def done_within(seconds: float) -> bool:
         try:
+            if waiting is not None:
+                return completes_within(waiting, seconds)
             work.wait(timedelta(seconds=max(0.001, seconds)))
             return True
         except RuntimeError as exc:
@@ -251,10 +279,10 @@ def watch(work, what: str) -> None:
     wait_watching(done_within, what, float("inf"))  # a Gloo collective ends at its group's timeout anyway
 
 
-def wait_for(work, what: str) -> None:
-    """work.wait(), watched for a lost peer when live recovery is on (watch)."""
+def wait_for(work, what: str, aside: bool = False) -> None:
+    """work.wait(), watched for a lost peer when live recovery is on (watch; `aside`: see waited_aside)."""
     if live_recovery():
-        watch(work, what)
+        watch(work, what, aside)
     else:
         work.wait()
 
@@ -273,20 +301,31 @@ def on_regroup(method) -> None:
     _followers.append(weakref.WeakMethod(method))
 
 
-def recover(cause: BaseException, redoing: bool = False) -> Generation:
+def recover(cause: BaseException, redoing: bool = False, undone: bool = False) -> Generation:
     """Collective over the survivors of a loss: the next generation (next_generation), then every model and
     loader that follows the generations regrouped onto it. `redoing`: the step in flight starts over (for the
-    launcher's run summary)."""
+    launcher's run summary). `undone`: the step whose micro-batch loop ended last was rolled back (a sharded
+    optimizer's step that could not count everywhere): the loaders hand it out again (undoing())."""
+    global _undoing
     started, before = time.monotonic(), current().members
     survivors = next_generation(cause)
     _followers[:] = [ref for ref in _followers if ref() is not None]
-    for ref in list(_followers):
-        method = ref()
-        if method is not None:
-            method(survivors)
+    _undoing = undone
+    try:
+        for ref in list(_followers):
+            method = ref()
+            if method is not None:
+                method(survivors)
+    finally:
+        _undoing = False
     progress.regrouped(survivors.number, survivors.members, sorted(set(before) - set(survivors.members)),
                        time.monotonic() - started, redoing)
     return survivors
+
+
+def undoing() -> bool:
+    """During recover(): whether the step last finished by the loop is to be redone (see recover's `undone`)."""
+    return _undoing
 
 
 def is_loss(failure: BaseException) -> bool:

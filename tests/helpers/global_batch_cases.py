@@ -33,7 +33,10 @@ def make_model():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-def make_optimizer(model):
+def make_optimizer(model, adam=False):
+    """SGD with momentum (state per element); with `adam`, AdamW (a scalar step count per parameter besides)."""
+    if adam:
+        return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     return torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
 
 
@@ -42,13 +45,13 @@ def epoch_order(epoch, size=SIZE, seed=SEED):
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
-def reference_run(epochs=EPOCHS, global_batch=GLOBAL_BATCH, size=SIZE, drop_last=False):
+def reference_run(epochs=EPOCHS, global_batch=GLOBAL_BATCH, size=SIZE, drop_last=False, adam=False):
     """One process, no accumulation: step s of each epoch is the mean loss over entries [s*B, (s+1)*B) of its order.
 
     Returns (final parameters, {(epoch, step): sorted sample ids}).
     """
     data, model = Indexed(size), make_model()
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, adam)
     steps = {}
     for epoch in range(epochs):
         order = epoch_order(epoch, size)

@@ -47,14 +47,17 @@ def _die(directory: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], moment: str, pause: float = 0.0) -> dict:
+def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], moment: str, pause: float = 0.0,
+          shard: str = "none", adam: bool = False) -> dict:
     """The loop; returns what the survivors' checks read (the doomed rank never returns). `pause`: seconds of
-    sleep per step, so that a test can kill a host in the middle of the run."""
+    sleep per step, so that a test can kill a host in the middle of the run. `shard`: the model's shard level
+    (its optimizer then from model.shard_optimizer); a step rolled back after a loss (`step.undone`) is not
+    logged, and comes again. `adam`: AdamW instead of SGD with momentum."""
     dataset = Indexed()
     loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                            sampler=px.DistributedSampler(dataset, seed=SEED))
-    model = px.DistributedDataParallel(make_model(), bucket_cap_mb=1e-6)  # a bucket per parameter
-    optimizer = make_optimizer(model)
+    model = px.DistributedDataParallel(make_model(), bucket_cap_mb=1e-6, shard=shard)  # a bucket per parameter
+    optimizer = model.shard_optimizer(make_optimizer(model, adam))
     checkpointer = px.Checkpointer(os.path.join(directory, "checkpoints"), every=2)  # saves before and after
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     losses, started_as, doomed, armed = [], os.getpid(), rank == doomed_rank, [False]
@@ -78,13 +81,17 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                     if step.weight:
                         ids += index.tolist()
                 if doomed and (epoch, step.index) == at and moment == "optimizer":
-                    log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")  # applied by the others
-                    log.flush()
+                    if shard == "none":  # applied by the others; a sharded step is rolled back and redone instead
+                        log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
+                        log.flush()
                     _die(directory)
                 optimizer.step()
-                log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
-                log.flush()
-                losses.append(px.metrics.all_reduce_sum(step.loss).item())  # over the ranks that train
+                if not step.undone:
+                    log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
+                    log.flush()
+                loss = px.metrics.all_reduce_sum(step.loss).item()  # over the ranks that train
+                if not step.undone:
+                    losses.append(loss)
                 checkpointer.step(state)
     current = generation.current()
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),

@@ -18,26 +18,51 @@ from phalanx.testing import run_ranks
 from tests.helpers.global_batch_cases import reference_run
 from tests.helpers.live_recovery_cases import applied_ids, newest_checkpoint, train
 
-LOST, LOST_AT = 2, (0, 1)  # rank 2, in step 1 of epoch 0
+LOST_AT = (0, 1)  # step 1 of epoch 0
 
 
-@pytest.mark.parametrize("moment, shm", [("exchange", "1"), ("exchange", "0"), ("forward", "1"), ("optimizer", "0")],
-                         ids=["mid-exchange-shm", "mid-exchange-gloo", "mid-forward-shm", "before-optimizer-gloo"])
-def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, shm):
-    results = run_ranks(train, 3, (str(tmp_path), LOST, LOST_AT, moment), min_world_size=2, timeout=180,
+# A sharded run loses rank 1: on this model (a bucket per parameter, chunks of 16 elements) rank 2 owns no
+# parameter's elements, only padding, while rank 1 owns half of the first layer's weights, kept by rank 2.
+@pytest.mark.parametrize("moment, shm, shard, lost", [
+    ("exchange", "1", "none", 2), ("exchange", "0", "none", 2), ("forward", "1", "none", 2),
+    ("optimizer", "0", "none", 2), ("exchange", "0", "gradients", 1), ("optimizer", "1", "gradients", 1),
+    ("forward", "0", "optimizer", 1), ("optimizer", "0", "optimizer", 1)],
+    ids=["mid-exchange-shm", "mid-exchange-gloo", "mid-forward-shm", "before-optimizer-gloo",
+         "gradients-mid-exchange-gloo", "gradients-before-optimizer-shm", "optimizer-mid-forward-gloo",
+         "optimizer-before-optimizer-gloo"])
+def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost):
+    results = run_ranks(train, 3, (str(tmp_path), lost, LOST_AT, moment, 0.0, shard), min_world_size=2, timeout=180,
                         env={"PHALANX_SHM": shm, "PHALANX_DDP_STALL_TIMEOUT": "20", "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
-    assert results[LOST] is None, "rank 2 was expected to die"
+    assert results[lost] is None, f"rank {lost} was expected to die"
+    survivors = tuple(rank for rank in range(3) if rank != lost)
     expected_params, expected_steps = reference_run()
-    for rank in (0, 1):
+    for rank in survivors:
         result = results[rank]
         assert result["pid"][0] == result["pid"][1], f"rank {rank} changed process"
-        assert result["generation"] == (1, (0, 1)), f"rank {rank}: generation {result['generation']}"
+        assert result["generation"] == (1, survivors), f"rank {rank}: generation {result['generation']}"
         # Groups are made with a generation, never in a step: a rank lost while a slower one made a group in a
         # step would leave that one connecting to it, in a call nothing can watch or abort.
         assert result["groups_made"] == ["generation.py"] * 2, f"rank {rank}: {result['groups_made']}"
         for ours, theirs in zip(result["params"], expected_params):
             assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
     assert applied_ids(str(tmp_path), 3) == expected_steps, "a sample was lost or used twice"
-    assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == len(expected_steps)
-    assert (results[0]["main"], results[1]["main"]) == (True, False)
+    first, second = (results[rank] for rank in survivors)
+    assert first["losses"] == second["losses"] and len(first["losses"]) == len(expected_steps)
+    assert (first["main"], second["main"]) == (True, False)
     assert newest_checkpoint(str(tmp_path))["world_size"] == 2  # saved by the two ranks left, and loadable
+
+
+@pytest.mark.parametrize("moment", ["optimizer", "exchange"])
+def test_a_sharded_adam_state_is_put_back_together_from_the_copies(tmp_path, moment):
+    """AdamW at shard="gradients": its per-element moments and its step count of the lost rank's chunk come back
+    from the copy its keeper holds (rolled back to before the step when the loss came in the optimizer step), so
+    the run ends as one process's on whole global batches."""
+    results = run_ranks(train, 3, (str(tmp_path), 1, LOST_AT, moment, 0.0, "gradients", True), min_world_size=2,
+                        timeout=180, env={"PHALANX_SHM": "0", "PHALANX_DDP_STALL_TIMEOUT": "20",
+                                          "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
+    expected_params, expected_steps = reference_run(adam=True)
+    for rank in (0, 2):
+        assert results[rank]["generation"] == (1, (0, 2))
+        for ours, theirs in zip(results[rank]["params"], expected_params):
+            assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
+    assert applied_ids(str(tmp_path), 3) == expected_steps, "a sample was lost or used twice"

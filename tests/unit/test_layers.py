@@ -50,7 +50,7 @@ ALLOWED = {
     "nn": {"errors"},
     "bucket": {"errors", "world", "diagnose"},  # diagnose: the step clock the step guard's waits add to
     "exchange": {"errors", "log", "diagnose", "shm", "bucket"},
-    "sharding": {"errors", "bucket", "exchange"},
+    "sharding": {"errors", "log", "world", "bucket", "exchange"},  # world, log: live recovery's shard copies
     "engine": {"errors", "log", "world", "nn", "diagnose", "allocator", "bucket", "exchange", "sharding"},
     "data": {"errors", "log", "world", "diagnose"},
     "checkpoint": {"errors", "log", "world", "engine", "sharding", "diagnose"},

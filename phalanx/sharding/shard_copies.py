@@ -1,0 +1,368 @@
+"""Copies of every rank's optimizer shard on another rank, so that live recovery outlives a lost shard.
+
+With shard="optimizer" or "gradients" a rank holds the optimizer state of its own chunk of every bucket
+(bucket/shard_plan.py) and no other rank does: lost, it would take that state along. Under live recovery
+(world/generation.py) each rank's chunk state is also held by its *keeper*, the rank with its local index
+on the next host (the next rank, on one host), refreshed after every step. After a loss the ranks left put
+the whole state together, each giving its own chunk and its lost wards' copies, and cut it again for the
+new world; nothing is read from disk.
+
+A step, around the wrapped optimizer's (ShardedOptimizer.step):
+- before: a snapshot of this rank's chunk (parameters and state) and of its wards' parameter chunks;
+- after: the parameters' all-gather, this rank's new chunk state sent to its keeper while its wards'
+  arrive in spare buffers, then a commit through the store: the step counts once every rank got that far.
+  A loss before that rolls every rank left back to the snapshots, and the step is redone on the new world
+  (the loader hands it out again; the step the loop already saw says `undone`).
+Two ranks lost together, one the other's keeper, leave a chunk with no copy: the run then falls back to its
+newest checkpoint (MembershipError, which `phalanx run` answers with a restart).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..bucket.shard_plan import BucketShard, cut_bucket
+from ..errors import MembershipError, PeerDiedError, ShardingError, explain
+from ..log import logger
+from ..world import generation
+
+
+def keepers(hosts: list[list[int]]) -> dict[int, int]:
+    """Each rank's keeper, from the ranks of each host: the rank with its local index (modulo that host's ranks)
+    on the next host; on one host, the next rank. A rank alone in its world keeps its own (no copy).
+
+    >>> keepers([[0, 1], [2, 3], [4, 5]])
+    {0: 2, 1: 3, 2: 4, 3: 5, 4: 0, 5: 1}
+    >>> keepers([[0, 1, 2]])
+    {0: 1, 1: 2, 2: 0}
+    >>> keepers([[0], [1, 2]])
+    {0: 1, 1: 0, 2: 0}
+    """
+    if len(hosts) == 1:
+        ranks = hosts[0]
+        return {rank: ranks[(i + 1) % len(ranks)] for i, rank in enumerate(ranks)}
+    kept = {}
+    for h, ranks in enumerate(hosts):
+        following = hosts[(h + 1) % len(hosts)]
+        for i, rank in enumerate(ranks):
+            kept[rank] = following[i % len(following)]
+    return kept
+
+
+class Layout:
+    """What a chunk's state holds, the same on every rank: the keys kept per element (packed after each other,
+    a chunk each, in the bucket's dtype) and the scalar ones (a float64 each per piece, after a presence flag),
+    with what each scalar was (a tensor's dtype and device, or a Python number's type) to give it back as such."""
+
+    def __init__(self, per_element: list[str], scalars: dict[str, tuple]):
+        self.per_element, self.scalars = sorted(per_element), scalars
+        self.scalar_keys = sorted(scalars)
+
+    @staticmethod
+    def describe(state: dict, shape: torch.Size) -> tuple[list[str], dict[str, tuple]]:
+        per_element, scalars = [], {}
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == shape and value.dim() > 0:
+                per_element.append(key)
+            elif isinstance(value, torch.Tensor):
+                scalars[key] = ("tensor", str(value.dtype).split(".")[-1], str(value.device))
+            elif isinstance(value, (bool, int, float)):
+                scalars[key] = ("number", type(value).__name__, "")
+        return per_element, scalars
+
+    def scalar_value(self, key: str, number: float):
+        kind, name, device = self.scalars[key]
+        if kind == "tensor":
+            return torch.tensor(number, dtype=getattr(torch, name), device=device)
+        return {"bool": bool, "int": int, "float": float}[name](number)
+
+    @property
+    def piece_width(self) -> int:
+        return 1 + len(self.scalar_keys)
+
+
+class Packed:
+    """One rank's chunk state, bucket by bucket: `state[b]` (keys x chunk, the bucket's dtype) and `scalars[b]`
+    (pieces x (presence + scalar keys), float64)."""
+
+    def __init__(self, state: list[torch.Tensor], scalars: list[torch.Tensor]):
+        self.state, self.scalars = state, scalars
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.state + self.scalars
+
+
+class ShardCopies:
+    """The keeper's side and the owner's side of the copies, for one ShardedOptimizer (see the module docstring).
+
+    `owner` is the ShardedOptimizer: its `exchange` (shards and buckets of the current world), its wrapped
+    optimizer's `state` keyed by piece tensors, and `hosts()`, the model's ranks by host."""
+
+    def __init__(self, owner, hosts):
+        self.owner, self.hosts = owner, hosts
+        self.layout: Layout | None = None  # None until the ranks agreed on one (no state anywhere before)
+        self.copies: dict[int, Packed] = {}  # ward (group rank) -> its chunk state after the last committed step
+        self.snapshot = None  # during a step: this rank's pieces and its wards' parameter chunks before it
+        self.rolling_back = False
+        self._bind()
+
+    def _bind(self) -> None:
+        """The current world's ranks, keeper and wards (after each regroup)."""
+        exchange = self.owner.exchange
+        self.rank, self.world_size = exchange.rank, exchange.world_size
+        topology = self.hosts()
+        hosts = topology if topology else [list(range(self.world_size))]
+        kept = keepers(hosts)
+        self.keeper = kept.get(self.rank, self.rank)
+        self.wards = sorted(r for r, keeper in kept.items() if keeper == self.rank and r != self.rank)
+        self.keepers = kept
+        self.ward_shards = {w: [cut_bucket(b, w, self.world_size) for b in exchange.buckets] for w in self.wards}
+
+    # -- packing ------------------------------------------------------------------------------------
+
+    def _agree_on_layout(self) -> None:
+        """Collective, once state exists: the keys every rank's state has (a rank may hold none)."""
+        mine = ([], {})
+        for piece_list in self.owner._pieces.values():
+            for piece in piece_list:
+                found = self.owner.state.get(piece.tensor)
+                if found:
+                    mine = Layout.describe(found, piece.tensor.shape)
+                    break
+            if mine[0] or mine[1]:
+                break
+        everyone = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.owner.exchange.group)
+        per_element = sorted({key for keys, _ in everyone for key in keys})
+        scalars = {}
+        for _, found in everyone:
+            scalars.update(found)
+        self.layout = Layout(per_element, scalars)
+
+    def _pack(self, shards: list[BucketShard], state_of) -> Packed:
+        """A rank's chunk state laid out as `self.layout` says; `state_of(piece)` gives a piece's state (or None)."""
+        packed = [self._pack_bucket(shard, bucket.storage, state_of)
+                  for shard, bucket in zip(shards, self.owner.exchange.buckets)]
+        return Packed([state for state, _ in packed], [flags for _, flags in packed])
+
+    def _pack_bucket(self, shard: BucketShard, storage: torch.Tensor, state_of) -> tuple:
+        layout = self.layout
+        packed = torch.zeros(len(layout.per_element), shard.chunk, dtype=storage.dtype, device=storage.device)
+        flags = torch.zeros(len(shard.pieces), layout.piece_width, dtype=torch.float64, device=storage.device)
+        for row, piece in enumerate(shard.pieces):
+            found = state_of(piece)
+            if not found:
+                continue
+            flags[row, 0] = 1.0
+            for k, key in enumerate(layout.per_element):
+                value = found.get(key)
+                if value is not None:
+                    packed[k, piece.offset:piece.offset + piece.numel].copy_(value.reshape(-1))
+            for k, key in enumerate(layout.scalar_keys):
+                value = found.get(key)
+                if value is not None:
+                    flags[row, 1 + k] = float(value)
+        return packed, flags
+
+    def _own_state(self, piece):
+        return self.owner.state.get(piece.tensor)
+
+    def _check_keys(self) -> None:
+        """The state this rank holds fits the agreed layout (an optimizer whose state keys change mid-run does not)."""
+        known = set(self.layout.per_element) | set(self.layout.scalars)
+        for piece_list in self.owner._pieces.values():
+            for piece in piece_list:
+                found = self.owner.state.get(piece.tensor) or {}
+                extra = set(found) - known
+                if extra:
+                    raise ShardingError(explain(
+                        "the optimizer's state grew keys after its first step: the shard copies cannot hold them",
+                        rank=dist.get_rank(), seen=sorted(extra), expected=sorted(known),
+                        fix="Use an optimizer whose state keys are set at its first step, or turn live recovery "
+                            "off (--min-world-size 0)."))
+                for key in self.layout.per_element:
+                    value = found.get(key)
+                    if value is not None and value.dtype != piece.tensor.dtype:
+                        raise ShardingError(explain(
+                            "the shard copies keep optimizer state in the parameters' dtype", rank=dist.get_rank(),
+                            seen=f"state {key!r} in {value.dtype} for a {piece.tensor.dtype} parameter",
+                            expected=str(piece.tensor.dtype),
+                            fix="Keep the optimizer's state in the parameters' dtype, or turn live recovery off "
+                                "(--min-world-size 0)."))
+
+    # -- a step ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        """Snapshot this rank's pieces (parameters and state) and its wards' parameter chunks."""
+        own = {}
+        for piece_list in self.owner._pieces.values():
+            for piece in piece_list:
+                found = self.owner.state.get(piece.tensor)
+                own[id(piece.tensor)] = (piece.tensor.clone(), _cloned(found))
+        wards = {w: [[piece.tensor.clone() for piece in shard.pieces] for shard in shards]
+                 for w, shards in self.ward_shards.items()}
+        self.snapshot = (own, wards)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Complete the all-gather, refresh the copies, commit (see the module docstring). Raises a loss
+        (generation.is_loss) or PeerDiedError when the step cannot count; ShardedOptimizer.step rolls back."""
+        exchange = self.owner.exchange
+        exchange.gather_parameters()
+        exchange.wait_gathered()
+        arriving = self._refresh()
+        self.committing = True
+        if not generation.commit_step():
+            raise PeerDiedError(explain("another rank could not finish the sharded optimizer step",
+                                        rank=dist.get_rank(), seen="the step's commit failed",
+                                        fix="The ranks left roll the step back and redo it (live recovery)."))
+        self.copies.update(arriving)
+        self.snapshot = None
+
+    def _refresh(self) -> dict[int, Packed]:
+        """Send this rank's new chunk state to its keeper; receive each ward's into new buffers (returned)."""
+        if self.keeper == self.rank:
+            return {}
+        if self.layout is None:
+            if not self._anyone_has_state():  # collective: a rank may hold no state while others do
+                return {}
+            self._agree_on_layout()
+        self._check_keys()
+        exchange = self.owner.exchange
+        group = exchange.group
+        mine = self._pack(exchange.shards, self._own_state)
+        arriving = {w: Packed([torch.empty_like(t) for t in mine.state],
+                              [torch.empty(len(s.pieces), self.layout.piece_width, dtype=torch.float64,
+                                           device=t.device) for s, t in zip(shards, mine.state)])
+                    for w, shards in self.ward_shards.items()}
+        works = [dist.isend(t, group_dst=self.keeper, group=group) for t in mine.tensors()]
+        for w, packed in arriving.items():
+            works += [dist.irecv(t, group_src=w, group=group) for t in packed.tensors()]
+        for work in works:  # aside: a timed wait that expired would abort a receive
+            generation.wait_for(work, "the shard copies' refresh", aside=True)
+        return arriving
+
+    def _anyone_has_state(self) -> bool:
+        flag = torch.tensor([1.0 if any(self.owner.state.values()) else 0.0])
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.owner.exchange.group, async_op=True)
+        generation.wait_for(work, "the shard copies' first look at the optimizer state")
+        return bool(flag.item())
+
+    # -- after a loss: the whole state, cut again ----------------------------------------------------
+
+    @torch.no_grad()
+    def whole_state(self, survivors, old_members: tuple[int, ...]) -> tuple[dict, list | None]:
+        """Collective over the survivors' group: ({parameter index: its whole state} in torch's format, keyed as
+        the owner's `_numbers`; and on a roll-back each bucket's whole parameters before the step, else None).
+        Raises MembershipError when a lost rank's chunk has no copy left."""
+        exchange = self.owner.exchange  # the old world's, still
+        lost = {i for i, member in enumerate(old_members) if member not in survivors.members}
+        orphans = sorted(old_members[r] for r in lost if self.keepers.get(r, r) in lost | {r})
+        if orphans:
+            logger.error("rank(s) %s lost with the rank(s) that kept their optimizer shards: no copy is left; the "
+                         "run falls back to its newest checkpoint", orphans)
+            raise MembershipError(explain(
+                "a lost rank's optimizer shard has no copy left", rank=dist.get_rank(),
+                seen=f"rank(s) {orphans} lost together with their keepers", expected="at most one of each pair",
+                fix="The run restarts from its newest checkpoint (phalanx run does it, under --max-restarts)."))
+        group, layout = survivors.group, self.layout
+        rolling_back = self.rolling_back and self.snapshot is not None
+        own, ward_params = self.snapshot if rolling_back else ({}, {})
+        mine = [self.rank] + [w for w in self.wards if w in lost]
+        states, scalars, params = [], [], []
+        for b, bucket in enumerate(exchange.buckets):
+            chunk, storage = exchange.shards[b].chunk, bucket.storage
+            cuts = {r: cut_bucket(bucket, r, self.world_size) for r in range(self.world_size)}
+            rows = [0]
+            for r in range(self.world_size):
+                rows.append(rows[-1] + len(cuts[r].pieces))
+            keys = len(layout.per_element) if layout else 0
+            whole = torch.zeros(keys, chunk * self.world_size, dtype=storage.dtype, device=storage.device)
+            flags = torch.zeros(rows[-1], layout.piece_width if layout else 1, dtype=torch.float64,
+                                device=storage.device)
+            before = torch.zeros(chunk * self.world_size, dtype=storage.dtype, device=storage.device) \
+                if rolling_back else None
+            for r in mine:
+                at = slice(r * chunk, (r + 1) * chunk)
+                if r == self.rank:
+                    if layout:
+                        state_of = (lambda piece: own[id(piece.tensor)][1]) if rolling_back else self._own_state
+                        whole[:, at], flags[rows[r]:rows[r + 1]] = self._pack_bucket(exchange.shards[b], storage,
+                                                                                     state_of)
+                    if rolling_back:
+                        for piece in exchange.shards[b].pieces:
+                            before[at][piece.offset:piece.offset + piece.numel] = own[id(piece.tensor)][0].reshape(-1)
+                else:
+                    if layout and r in self.copies:
+                        whole[:, at], flags[rows[r]:rows[r + 1]] = self.copies[r].state[b], self.copies[r].scalars[b]
+                    if rolling_back:
+                        for piece, value in zip(cuts[r].pieces, ward_params[r][b]):
+                            before[at][piece.offset:piece.offset + piece.numel] = value.reshape(-1)
+            for tensor in (whole, flags) + ((before,) if rolling_back else ()):
+                generation.wait_for(dist.all_reduce(tensor, group=group, async_op=True), "the optimizer's re-shard")
+            states.append(whole)
+            scalars.append((flags, rows, cuts))
+            params.append(before)
+        return self._entries(states, scalars), (params if rolling_back else None)
+
+    def _entries(self, states, scalars) -> dict:
+        """{parameter number: state} from the buckets' whole state (the scalars of a parameter's first piece)."""
+        layout, exchange, entries = self.layout, self.owner.exchange, {}
+        if layout is None:
+            return entries
+        for b, bucket in enumerate(exchange.buckets):
+            flags, rows, cuts = scalars[b]
+            chunk = exchange.shards[b].chunk
+            for i, p, offset in zip(bucket.indices, bucket.params, bucket.offsets):
+                number = self.owner._numbers.get(id(p))
+                if number is None:
+                    continue
+                r = offset // chunk
+                row = next(rows[r] + j for j, piece in enumerate(cuts[r].pieces) if piece.index == i)
+                if flags[row, 0] == 0:
+                    continue  # never stepped: no state, as in the unsharded optimizer
+                entry = {key: states[b][k, offset:offset + p.numel()].view(p.shape).clone()
+                         for k, key in enumerate(layout.per_element)}
+                for k, key in enumerate(layout.scalar_keys):
+                    entry[key] = layout.scalar_value(key, float(flags[row, 1 + k]))
+                entries[number] = entry
+        return entries
+
+    def rebind(self, entries: dict) -> None:
+        """On the new world (the owner re-targeted at its exchange): the wards' copies cut from the whole state
+        `entries` that every rank holds now, without a transfer."""
+        self.snapshot = None
+        self._bind()
+        self.copies = {}
+        if self.layout is None or not entries:
+            return
+        by_index = {i: self.owner._numbers.get(id(p)) for b in self.owner.exchange.buckets
+                    for i, p in zip(b.indices, b.params)}
+        for w, shards in self.ward_shards.items():
+            def state_of(piece, by_index=by_index):
+                entry = entries.get(by_index.get(piece.index))
+                if entry is None:
+                    return None
+                return {key: (value.reshape(-1)[piece.start:piece.stop] if key in self.layout.per_element
+                              else value) for key, value in entry.items()}
+            self.copies[w] = self._pack(shards, state_of)
+
+    def take_whole(self, state_dict: dict) -> None:
+        """After load_state_dict(state_dict) (torch's whole format, on every rank): the wards' copies from it."""
+        entries = state_dict.get("state", {})
+        if self.keeper == self.rank or not entries:
+            return
+        if self.layout is None:
+            first = next(iter(entries.values()))
+            shape = next((v.shape for v in first.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+                         torch.Size([]))
+            self.layout = Layout(*Layout.describe(first, shape))
+        self.rebind(entries)
+
+
+def _cloned(state):
+    if not state:
+        return None
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
