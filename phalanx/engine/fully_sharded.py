@@ -31,6 +31,7 @@ from ..sharding.meta_init import check_all_meta, has_meta_tensors, initializer, 
 from ..sharding.optimizer_view import OptimizerView
 from ..sharding.param_retarget import retarget
 from ..sharding.stray_optimizers import forbid
+from ..world import generation
 from .ddp import DistributedDataParallel
 from .torch_surface import check_device_ids, check_ready_to_wrap, move_to
 
@@ -121,6 +122,9 @@ class ParameterShardedDDP(DistributedDataParallel, level=PARAMETERS):
                "Pass the optimizer through model.shard_optimizer(optimizer), which re-targets it, or build it "
                "over model.parameters() after wrapping.")
         self._reducer = None
+        if generation.live_recovery():  # said before the loader says the loop could recover: this level cannot
+            generation.say_mode(False, "shard='parameters' keeps no copy of a rank's shards (shard='optimizer' and "
+                                       "'gradients' do)")
 
     def forward(self, *inputs, **kwargs):
         if self.device_ids:

@@ -8,14 +8,23 @@ processes, agree on generation 1 through the store, regroup the model and the lo
 flight. Their final parameters equal one process's on whole global batches (the run that never lost a rank: a
 global batch averages the same samples at any world size), every sample weighs in exactly once per epoch, the
 metric and the checkpoints go on over the two ranks left.
+
+Sharded (shard="optimizer" and "gradients", SGD with momentum and AdamW): rank 1 is lost instead (rank 2 owns no
+parameter's elements on this model), its optimizer shard comes back from the copy rank 2 keeps, and a loss in
+the optimizer step rolls that step back and redoes it; the same final parameters. shard="parameters" says at the
+start that a loss restarts the run.
 """
 
 from __future__ import annotations
 
-import pytest
+import logging
 
+import pytest
+import torch.nn.functional as F
+
+import phalanx as px
 from phalanx.testing import run_ranks
-from tests.helpers.global_batch_cases import reference_run
+from tests.helpers.global_batch_cases import Indexed, make_model, reference_run
 from tests.helpers.live_recovery_cases import applied_ids, newest_checkpoint, train
 
 LOST_AT = (0, 1)  # step 1 of epoch 0
@@ -66,3 +75,26 @@ def test_a_sharded_adam_state_is_put_back_together_from_the_copies(tmp_path, mom
         for ours, theirs in zip(results[rank]["params"], expected_params):
             assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
     assert applied_ids(str(tmp_path), 3) == expected_steps, "a sample was lost or used twice"
+
+
+def _parameters_level_says_why(rank: int) -> list[str]:
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("phalanx").addHandler(handler)
+    model = px.DistributedDataParallel(make_model(), shard="parameters")
+    dataset = Indexed()
+    loader = px.DataLoader(dataset, batch_size=4, global_batch_size=8, sampler=px.DistributedSampler(dataset))
+    for step in loader:
+        for _, x, y in step.micro_batches(model):
+            step.backward(F.mse_loss(model(x), y))
+        break
+    return said
+
+
+def test_shard_parameters_says_at_the_start_that_a_loss_restarts_the_run():
+    """FSDP2's level keeps no copy of a rank's shards: its run says so, and that a loss falls back to the restart
+    (the launcher then does not keep the others), although its loop is a global batch's."""
+    said = run_ranks(_parameters_level_says_why, 2, (), min_world_size=1, timeout=120)[0]
+    assert any("live recovery off for this loop: shard='parameters' keeps no copy" in line for line in said), said
+    assert not any(line.startswith("live recovery on") for line in said), said
