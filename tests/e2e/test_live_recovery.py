@@ -74,9 +74,11 @@ def three_hosts():
         pytest.skip(f"multi-host test skipped: {exc}")
 
 
-def _three_launchers(run_dir: Path, hosts: list[dict], pause: float, fixed: bool = False) -> list[subprocess.Popen]:
+def _three_launchers(run_dir: Path, hosts: list[dict], pause: float, fixed: bool = False,
+                     job: tuple = ()) -> list[subprocess.Popen]:
     """One worker on each host, the job's `--host` its index: `--nnodes 2:3` (live recovery on by default: at least
-    2 nodes' ranks), or with `fixed` `--nnodes 3 --node-rank i --min-world-size 2` (no heartbeats)."""
+    2 nodes' ranks), or with `fixed` `--nnodes 3 --node-rank i --min-world-size 2` (no heartbeats). `job`: more of
+    the job's arguments."""
     port = free_port()
 
     def nodes(i: int) -> list[str]:
@@ -85,8 +87,8 @@ def _three_launchers(run_dir: Path, hosts: list[dict], pause: float, fixed: bool
     return [subprocess.Popen(
         ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", *nodes(i), "--nproc-per-node", "1",
          "--master-addr", hosts[0]["addr"], "--master-port", str(port), "--rdzv-timeout", "60", JOB, str(run_dir),
-         "--doomed", "-1", "--pause", str(pause), "--host", str(i)], env=job_env(), cwd=ROOT, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+         "--doomed", "-1", "--pause", str(pause), "--host", str(i), *job], env=job_env(), cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i, host in enumerate(hosts)]
 
 
@@ -110,14 +112,17 @@ def _host_two_stepped(run_dir: Path) -> bool:
 
 
 @pytest.mark.waiting(seconds=30)
-@pytest.mark.parametrize("fixed", [False, True], ids=["nnodes-2:3", "nnodes-3-min-world-size-2"])
-def test_a_host_killed_whole_costs_the_step_in_flight_and_the_others_finish(tmp_path, three_hosts, fixed):
+@pytest.mark.parametrize("fixed, shard", [(False, "none"), (True, "none"), (False, "gradients")],
+                         ids=["nnodes-2:3", "nnodes-3-min-world-size-2", "nnodes-2:3-shard-gradients"])
+def test_a_host_killed_whole_costs_the_step_in_flight_and_the_others_finish(tmp_path, three_hosts, fixed, shard):
     """3 hosts x 1 worker under `--nnodes 2:3` (live recovery is its default), or a fixed `--nnodes 3` with
     `--min-world-size 2`: host 2's launcher and worker are SIGKILLed after its first step. Hosts 0 and 1 keep their
     workers (no restart, no checkpoint read), their launchers say the node was lost and meet at the end without
     it (under a fixed node count, which has no heartbeats, from the workers' regroup: not after torch's 300 s
-    wait for every node); the run equals the one that never lost a host."""
-    launchers = _three_launchers(tmp_path, three_hosts, 0.3, fixed)
+    wait for every node); the run equals the one that never lost a host. At shard="gradients" (a model wide enough
+    that every rank owns parameter elements) the lost host's optimizer shard comes back from its keeper's copy."""
+    hidden = 64 if shard != "none" else 8
+    launchers = _three_launchers(tmp_path, three_hosts, 0.3, fixed, ("--shard", shard, "--hidden", str(hidden)))
     started = time.monotonic()
     try:
         wait_until(lambda: _host_two_stepped(tmp_path), "host 2's first step", launchers)
@@ -129,7 +134,7 @@ def test_a_host_killed_whole_costs_the_step_in_flight_and_the_others_finish(tmp_
                 kill_node(launcher)
     lost = ("node 2 is not waited for at the end: its ranks [2] were lost" if fixed else
             "lost (no heartbeat for 4 s): its ranks are lost, the 2 ranks left go on in-process")
-    _check_the_hosts_left(tmp_path, launchers, outputs, lost)
+    _check_the_hosts_left(tmp_path, launchers, outputs, lost, hidden)
     assert time.monotonic() - started < 90, "the launchers left waited for the lost node at the end"
     if not fixed:
         for output in outputs:
@@ -159,7 +164,7 @@ def test_a_host_cut_off_costs_at_most_the_heartbeat_window(tmp_path, three_hosts
     assert took is not None and took <= SILENT_WINDOW + 1.0 + 0.1, f"the next step came {took} s after the cut"
 
 
-def _check_the_hosts_left(tmp_path: Path, launchers, outputs, lost: str) -> list[int]:
+def _check_the_hosts_left(tmp_path: Path, launchers, outputs, lost: str, hidden: int = 8) -> list[int]:
     for launcher, output in zip(launchers[:2], outputs):
         assert launcher.returncode == 0, output
         assert lost in output, output
@@ -167,7 +172,7 @@ def _check_the_hosts_left(tmp_path: Path, launchers, outputs, lost: str) -> list
     hosts = {rank: (tmp_path / f"host-{rank}").read_text() for rank in range(3)}
     lost = next(rank for rank, host in hosts.items() if host == "2")
     survivors = sorted(rank for rank in hosts if rank != lost)
-    expected_params, expected_steps = reference_run()
+    expected_params, expected_steps = reference_run(hidden=hidden)
     for rank in survivors:
         result = torch.load(tmp_path / f"result-{rank}.pt", weights_only=True)
         assert result["pid"][0] == result["pid"][1], f"rank {rank} changed process"

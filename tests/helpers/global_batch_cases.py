@@ -28,9 +28,9 @@ class Indexed(torch.utils.data.Dataset):
         return index, self.x[index], self.y[index]
 
 
-def make_model():
+def make_model(hidden=8):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
 
 
 def make_optimizer(model, adam=False):
@@ -45,12 +45,12 @@ def epoch_order(epoch, size=SIZE, seed=SEED):
     return torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
 
 
-def reference_run(epochs=EPOCHS, global_batch=GLOBAL_BATCH, size=SIZE, drop_last=False, adam=False):
+def reference_run(epochs=EPOCHS, global_batch=GLOBAL_BATCH, size=SIZE, drop_last=False, adam=False, hidden=8):
     """One process, no accumulation: step s of each epoch is the mean loss over entries [s*B, (s+1)*B) of its order.
 
     Returns (final parameters, {(epoch, step): sorted sample ids}).
     """
-    data, model = Indexed(size), make_model()
+    data, model = Indexed(size), make_model(hidden)
     optimizer = make_optimizer(model, adam)
     steps = {}
     for epoch in range(epochs):

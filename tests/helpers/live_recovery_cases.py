@@ -48,15 +48,15 @@ def _die(directory: str) -> None:
 
 
 def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], moment: str, pause: float = 0.0,
-          shard: str = "none", adam: bool = False) -> dict:
+          shard: str = "none", adam: bool = False, hidden: int = 8) -> dict:
     """The loop; returns what the survivors' checks read (the doomed rank never returns). `pause`: seconds of
     sleep per step, so that a test can kill a host in the middle of the run. `shard`: the model's shard level
     (its optimizer then from model.shard_optimizer); a step rolled back after a loss (`step.undone`) is not
-    logged, and comes again. `adam`: AdamW instead of SGD with momentum."""
+    logged, and comes again. `adam`: AdamW instead of SGD with momentum; `hidden`: the model's hidden width."""
     dataset = Indexed()
     loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                            sampler=px.DistributedSampler(dataset, seed=SEED))
-    model = px.DistributedDataParallel(make_model(), bucket_cap_mb=1e-6, shard=shard)  # a bucket per parameter
+    model = px.DistributedDataParallel(make_model(hidden), bucket_cap_mb=1e-6, shard=shard)  # a bucket per parameter
     optimizer = model.shard_optimizer(make_optimizer(model, adam))
     checkpointer = px.Checkpointer(os.path.join(directory, "checkpoints"), every=2)  # saves before and after
     state = {"model": model, "optimizer": optimizer, "loader": loader}
