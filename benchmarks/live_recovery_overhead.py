@@ -1,6 +1,7 @@
 """What live recovery costs a healthy training step: the per-step commit and the watched waits, an A/B.
 
     PYTHONPATH=. python benchmarks/live_recovery_overhead.py [deep wide gpt ...] [--blocks N] [--steps N]
+        [--transport shm|gloo] [--shard gradients|optimizer]
 
 Two CPU ranks (1 thread each) train phalanx DDP on `phalanx bench`'s models, over the shared-memory exchange
 or Gloo's (`--transport`). Blocks of steps alternate between live recovery on (PHALANX_MIN_WORLD_SIZE=1: every
@@ -10,6 +11,11 @@ machine's drift hits both alike. Prints the median step time of the slowest rank
 and, since on a shared machine that ratio moves by more than the cost measured, the commit's own cost: its
 wall time per step on the main thread (store round trips, which a busy machine stretches too) and its CPU time,
 against the step time.
+
+With `--shard`, the model is sharded (AdamW; two ShardedOptimizers over the same model, one made with live recovery
+on, whose steps also snapshot this rank's chunk, refresh its copy on the other rank and commit a second time:
+sharding/shard_copies.py); the copies' own time (the snapshot and the refresh) is printed besides, with the
+memory they hold.
 """
 
 from __future__ import annotations
@@ -28,20 +34,42 @@ from phalanx.tools.bench_models import MODELS, make_batches
 from phalanx.world import generation
 
 
-def _rank(rank: int, names: list[str], blocks: int, steps: int) -> dict:
-    return {name: _measure(name, rank, blocks, steps) for name in names}
+def _rank(rank: int, names: list[str], blocks: int, steps: int, shard: str) -> dict:
+    return {name: _measure(name, rank, blocks, steps, shard) for name in names}
 
 
-def _measure(name: str, rank: int, blocks: int, steps: int) -> dict:
+def _timed(record: list, method):
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            record.append(time.perf_counter() - started)
+    return timed
+
+
+def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
     bench_model = MODELS[name]
     torch.manual_seed(0)
-    model = phalanx.DistributedDataParallel(bench_model.build())
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model = phalanx.DistributedDataParallel(bench_model.build(), shard=shard)
+    copies_wall: list[float] = []
+    copies_bytes = 0
+    if shard == "none":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        live_optimizer = optimizer
+    else:
+        os.environ[generation.MIN_WORLD_ENV] = "1"
+        live_optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+        os.environ.pop(generation.MIN_WORLD_ENV, None)
+        optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+        copies = live_optimizer._copies
+        copies.before_step = _timed(copies_wall, copies.before_step)
+        copies._refresh = _timed(copies_wall, copies._refresh)
     batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
     generation.announce()
     wall: list[float] = []
     cpu: list[float] = []
-    plain_step = optimizer.step
+    plain_step, live_step = optimizer.step, live_optimizer.step
 
     def commit_then_step(*args, **kwargs):
         started, started_cpu = time.perf_counter(), time.thread_time()
@@ -49,22 +77,29 @@ def _measure(name: str, rank: int, blocks: int, steps: int) -> dict:
             raise RuntimeError("a healthy step did not commit")
         wall.append(time.perf_counter() - started)
         cpu.append(time.thread_time() - started_cpu)
-        return plain_step(*args, **kwargs)
+        return live_step(*args, **kwargs)
 
     times = {"on": [], "off": []}
     for block in range(2 * blocks):
         setting = ("on", "off")[block % 2]
         if setting == "on":
             os.environ[generation.MIN_WORLD_ENV] = "1"
-            optimizer.step = commit_then_step
+            live_optimizer.step = commit_then_step
+            times[setting] += run_block(model, live_optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
         else:
             os.environ.pop(generation.MIN_WORLD_ENV, None)
-            optimizer.step = plain_step
-        times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+            times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
     os.environ.pop(generation.MIN_WORLD_ENV, None)
-    optimizer.step = plain_step
+    live_optimizer.step = live_step
+    if shard != "none":
+        held = [t for packed in live_optimizer._copies.copies.values() for t in packed.tensors()]
+        copies_bytes = sum(t.numel() * t.element_size() for t in held)
+    per_step = 2 if shard != "none" else 1  # the snapshot and the refresh
     return {**{s: statistics.median(v) for s, v in times.items()}, "commit_ms": 1e3 * statistics.median(wall),
-            "commit_cpu_ms": 1e3 * statistics.median(cpu)}
+            "commit_cpu_ms": 1e3 * statistics.median(cpu),
+            "copies_ms": 1e3 * per_step * statistics.median(copies_wall) if copies_wall else 0.0,
+            "copies_mb": copies_bytes / 1e6,
+            "model_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6}
 
 
 def main() -> None:
@@ -75,14 +110,20 @@ def main() -> None:
     parser.add_argument("--transport", choices=("shm", "gloo"), default="shm",
                         help="the exchange: shared memory (phalanx's default on one host: its steps end alike on "
                              "every rank, no commit) or Gloo's all-reduce (PHALANX_SHM=0: a commit per step)")
+    parser.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
+                        help="shard the model (AdamW): the shard copies' cost besides the commits")
     args = parser.parse_args()
     env = {"PHALANX_SHM": "1" if args.transport == "shm" else "0"}
-    results = run_ranks(_rank, 2, (args.models, args.blocks, args.steps), timeout=3600, env=env)[0]
+    results = run_ranks(_rank, 2, (args.models, args.blocks, args.steps, args.shard), timeout=3600, env=env)[0]
     for name, r in results.items():
         print(f"{name:<6} {args.transport:<4} step: on {r['on']:8.2f} ms   off {r['off']:8.2f} ms   "
               f"on/off {r['on'] / r['off']:.4f};   commit per step: {r['commit_ms']:.3f} ms wall "
               f"({100 * r['commit_ms'] / r['off']:.2f} % of a step), {r['commit_cpu_ms']:.3f} ms CPU "
               f"({100 * r['commit_cpu_ms'] / r['off']:.2f} %)")
+        if args.shard != "none":
+            print(f"{'':<6} shard={args.shard}: copies {r['copies_ms']:.3f} ms per step "
+                  f"({100 * r['copies_ms'] / r['off']:.2f} % of a step), holding {r['copies_mb']:.1f} MB per rank "
+                  f"(the model: {r['model_mb']:.1f} MB)")
 
 
 if __name__ == "__main__":

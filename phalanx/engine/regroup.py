@@ -19,9 +19,10 @@ import weakref
 
 import torch.distributed as dist
 
-from ..bucket.shard_levels import GRADIENTS, OPTIMIZER, unsupported_with_sharding
+from ..bucket.shard_levels import unsupported_with_sharding
 from ..errors import WorldConfigError, explain
 from ..exchange.choose import choose_exchange
+from ..sharding.shard_copies import COPIES_ENV, copies_on
 from ..world import generation
 from ..world.group import collective_device
 from .replicas import check_same_signature
@@ -45,10 +46,11 @@ class RegroupMixin:
                 "regroup needs the process group this rank trains on next", rank=dist.get_rank(),
                 seen=repr(process_group), expected="a group this rank is a member of",
                 fix="Pass the group every surviving rank made (dist.new_group(survivors, ...)), on each survivor."))
-        if self.shard not in ("none", OPTIMIZER, GRADIENTS):
+        if self.shard != "none" and not getattr(self, "_shards_copied", False):
             raise unsupported_with_sharding("regroup()", self.shard, "A lost rank took its shards with it: restart "
-                                            "from the newest checkpoint (phalanx run does), or use shard='none', "
-                                            "'optimizer' or 'gradients'.")
+                                            "from the newest checkpoint (phalanx run does), or use shard='none', or "
+                                            "'optimizer' or 'gradients' with their shard copies on (under live "
+                                            "recovery, unless PHALANX_SHARD_COPIES=0).")
         if self._reducer is not None:
             self._reducer.remove()  # the old hooks would launch buckets on the old group
             self._reducer.exchange.close()
@@ -81,6 +83,10 @@ class RegroupMixin:
         host, its current exchange), when this model follows them; else None."""
         if not (generation.live_recovery() and self.process_group in (None, dist.group.WORLD)):
             return None
+        if not copies_on():
+            generation.say_mode(False, f"{COPIES_ENV}=0: no copy of a rank's optimizer shard is kept")
+            return None
+        self._shards_copied = True
         model = weakref.ref(self)
 
         def hosts():

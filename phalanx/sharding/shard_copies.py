@@ -14,10 +14,13 @@ A step, around the wrapped optimizer's (ShardedOptimizer.step):
   A loss before that rolls every rank left back to the snapshots, and the step is redone on the new world
   (the loader hands it out again; the step the loop already saw says `undone`).
 Two ranks lost together, one the other's keeper, leave a chunk with no copy: the run then falls back to its
-newest checkpoint (MembershipError, which `phalanx run` answers with a restart).
+newest checkpoint (MembershipError, which `phalanx run` answers with a restart). So does any loss with the copies
+turned off (`PHALANX_SHARD_COPIES=0`), which saves their cost (docs/benchmarks.md).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,14 @@ from ..bucket.shard_plan import BucketShard, cut_bucket
 from ..errors import MembershipError, PeerDiedError, ShardingError, explain
 from ..log import logger
 from ..world import generation
+
+COPIES_ENV = "PHALANX_SHARD_COPIES"
+
+
+def copies_on() -> bool:
+    """Whether sharded models keep copies of their optimizer shards under live recovery (`PHALANX_SHARD_COPIES=0`
+    turns them off: a loss then restarts the run from its newest checkpoint, and a healthy step costs nothing)."""
+    return os.environ.get(COPIES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def keepers(hosts: list[list[int]]) -> dict[int, int]:

@@ -97,8 +97,8 @@ class ShardedOptimizer(OptimizerView):
         """The step of this rank's chunks, then the parameters' all-gather. Under live recovery a loss before
         every rank finished the step (and refreshed its shard's copy) rolls it back on the ranks left, which
         regroup and redo it: the loader hands it out again (shard_copies.py)."""
-        copies = self._copies
-        if copies is None or not generation.live_recovery():
+        copies = self._copies_now()
+        if copies is None:
             return super().step(closure, grad_scaler)
         copies.committing = False
         try:
@@ -115,14 +115,17 @@ class ShardedOptimizer(OptimizerView):
                 copies.rolling_back = False
             return None
 
+    def _copies_now(self):
+        return self._copies if self._copies is not None and generation.live_recovery() else None
+
     def _before_step(self) -> None:
         self.exchange.wait_gathered()
-        if self._copies is not None:
+        if self._copies_now() is not None:
             self._copies.before_step()
 
     def _after_step(self) -> None:
         """All-gather the updated chunks (collective); complete it unless the next forward is to wait for it."""
-        if self._copies is not None:
+        if self._copies_now() is not None:
             self._copies.after_step()  # the all-gather completed, the copies refreshed, the step committed
             return
         self.exchange.gather_parameters()

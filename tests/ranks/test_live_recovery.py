@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 import phalanx as px
@@ -77,12 +78,13 @@ def test_a_sharded_adam_state_is_put_back_together_from_the_copies(tmp_path, mom
     assert applied_ids(str(tmp_path), 3) == expected_steps, "a sample was lost or used twice"
 
 
-def _parameters_level_says_why(rank: int) -> list[str]:
+def _what_the_run_says(rank: int, shard: str = "parameters") -> list[str]:
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("phalanx").addHandler(handler)
-    model = px.DistributedDataParallel(make_model(), shard="parameters")
+    model = px.DistributedDataParallel(make_model(), shard=shard)
+    model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     dataset = Indexed()
     loader = px.DataLoader(dataset, batch_size=4, global_batch_size=8, sampler=px.DistributedSampler(dataset))
     for step in loader:
@@ -95,6 +97,14 @@ def _parameters_level_says_why(rank: int) -> list[str]:
 def test_shard_parameters_says_at_the_start_that_a_loss_restarts_the_run():
     """FSDP2's level keeps no copy of a rank's shards: its run says so, and that a loss falls back to the restart
     (the launcher then does not keep the others), although its loop is a global batch's."""
-    said = run_ranks(_parameters_level_says_why, 2, (), min_world_size=1, timeout=120)[0]
+    said = run_ranks(_what_the_run_says, 2, (), min_world_size=1, timeout=120)[0]
     assert any("live recovery off for this loop: shard='parameters' keeps no copy" in line for line in said), said
+    assert not any(line.startswith("live recovery on") for line in said), said
+
+
+def test_with_the_shard_copies_off_a_sharded_run_says_a_loss_restarts_it():
+    """PHALANX_SHARD_COPIES=0: no copy of a shard, so a loss falls back to the restart, and the run says so at the
+    start (its launcher keeps no survivors)."""
+    said = run_ranks(_what_the_run_says, 2, ("gradients",), min_world_size=1, timeout=120, env={"PHALANX_SHARD_COPIES": "0"})[0]
+    assert any("live recovery off for this loop: PHALANX_SHARD_COPIES=0" in line for line in said), said
     assert not any(line.startswith("live recovery on") for line in said), said
