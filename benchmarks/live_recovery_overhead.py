@@ -69,7 +69,7 @@ def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
     generation.announce()
     wall: list[float] = []
     cpu: list[float] = []
-    plain_step, live_step = optimizer.step, live_optimizer.step
+    live_step = live_optimizer.step
 
     def commit_then_step(*args, **kwargs):
         started, started_cpu = time.perf_counter(), time.thread_time()
