@@ -105,6 +105,7 @@ def test_shard_parameters_says_at_the_start_that_a_loss_restarts_the_run():
 def test_with_the_shard_copies_off_a_sharded_run_says_a_loss_restarts_it():
     """PHALANX_SHARD_COPIES=0: no copy of a shard, so a loss falls back to the restart, and the run says so at the
     start (its launcher keeps no survivors)."""
-    said = run_ranks(_what_the_run_says, 2, ("gradients",), min_world_size=1, timeout=120, env={"PHALANX_SHARD_COPIES": "0"})[0]
+    said = run_ranks(_what_the_run_says, 2, ("gradients",), min_world_size=1, timeout=120,
+                     env={"PHALANX_SHARD_COPIES": "0"})[0]
     assert any("live recovery off for this loop: PHALANX_SHARD_COPIES=0" in line for line in said), said
     assert not any(line.startswith("live recovery on") for line in said), said
