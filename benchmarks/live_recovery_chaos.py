@@ -1,7 +1,7 @@
 """A chaos run: three hosts training for minutes while ranks die, hosts die, are cut off, come back, and stop.
 
     sudo PYTHONPATH=. python benchmarks/live_recovery_chaos.py [--minutes 20] [--seed 0] [--pause 0.1]
-        [--every 15:40] [--only kill-rank,kill-host,cut-host,stop]
+        [--every 15:40] [--only kill-rank,kill-host,cut-host,stop] [--shard optimizer|gradients]
 
 Three hosts (network namespaces on a bridge, root needed), `phalanx run --nnodes 2:3 --nproc-per-node 2
 --min-world-size 2` on each, benchmarks/live_recovery_chaos_job.py (the loop of docs/data.md, resumable). Every
@@ -22,6 +22,8 @@ the checks are printed:
 - the final parameters against one process on whole global batches for as many epochs;
 - RSS: each worker that lived over 3 minutes, from its 60th second to its last sample;
 - nothing left behind: processes of the run, shared-memory segments, namespaces and links, the run's temporary files.
+With `--shard`, the model is sharded at that level (its optimizer shards kept in copies on the next host's ranks:
+a lost rank's shard comes back from its keeper, sharding/shard_copies.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.live_recovery_chaos_job import hidden_width
 from phalanx.shm.segment import PREFIX, SHM_DIR
 from phalanx.testing import free_port
 from tests.e2e.test_elastic import kill_node
@@ -59,8 +62,8 @@ EVENTS = ("kill-rank", "kill-rank", "kill-rank", "kill-host", "cut-host", "stop"
 class Cluster:
     """The three hosts' launchers: started, killed, cut off, stopped, started again."""
 
-    def __init__(self, hosts: list[dict], run_dir: Path, pause: float):
-        self.hosts, self.run_dir, self.pause = hosts, run_dir, pause
+    def __init__(self, hosts: list[dict], run_dir: Path, pause: float, shard: str = "none"):
+        self.hosts, self.run_dir, self.pause, self.shard = hosts, run_dir, pause, shard
         self.port = free_port()
         self.launch = 0
         self.launchers: list[subprocess.Popen | None] = [None] * HOSTS
@@ -81,7 +84,7 @@ class Cluster:
              f"2:{HOSTS}", "--nproc-per-node", str(PER_HOST), "--min-world-size", "2", "--max-restarts", "100",
              "--master-addr",
              self.hosts[0]["addr"], "--master-port", str(self.port), "--rdzv-timeout", "120", JOB,
-             str(self.run_dir), "--host", str(i), "--pause", str(self.pause)],
+             str(self.run_dir), "--host", str(i), "--pause", str(self.pause), "--shard", self.shard],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         self.starts[i] += 1
 
@@ -249,9 +252,9 @@ def check_steps(run_dir: Path, epochs: int) -> list[str]:
     return problems
 
 
-def check_params(run_dir: Path, epochs: int) -> list[str]:
+def check_params(run_dir: Path, epochs: int, shard: str) -> list[str]:
     final = torch.load(run_dir / "final.pt", weights_only=True)
-    expected, _ = reference_run(epochs=epochs)
+    expected, _ = reference_run(epochs=epochs, hidden=hidden_width(shard))
     worst = max((ours - theirs).abs().max().item() for ours, theirs in zip(final["params"], expected))
     print(f"final parameters: max |difference| to one process on whole global batches: {worst:.3g}")
     return [] if worst < 1e-4 else [f"final parameters off by {worst:.3g}"]
@@ -327,6 +330,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pause", type=float, default=0.1, help="seconds of sleep per step (default 0.1)")
     parser.add_argument("--keep", action="store_true", help="keep the run's folder (logs, step logs)")
+    parser.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
+                        help="the model's shard level (default none)")
     parser.add_argument("--every", default="15:40", metavar="MIN:MAX",
                         help="seconds between events, drawn (default 15:40)")
     parser.add_argument("--only", default=None, metavar="KINDS",
@@ -343,7 +348,7 @@ def main() -> None:
     started = time.monotonic()
     problems: list[str] = []
     with bridged_hosts("phc", 218, HOSTS) as hosts:
-        cluster = Cluster(hosts, run_dir, args.pause)
+        cluster = Cluster(hosts, run_dir, args.pause, args.shard)
         try:
             for i in range(HOSTS):
                 cluster.start(i)
@@ -365,7 +370,7 @@ def main() -> None:
         outcomes["joins"] += text.count("waiting to join")
     print(f"what the launchers said: {dict(outcomes)}")
     problems += check_steps(run_dir, epochs)
-    problems += check_params(run_dir, epochs)
+    problems += check_params(run_dir, epochs, args.shard)
     problems += check_rss(rss, run_dir)
     problems += check_leftovers(run_dir, segments_before, "phc", events["kill-host"] + cluster.killed_at_end)
     for problem in problems:

@@ -1,11 +1,13 @@
 """The training loop of benchmarks/live_recovery_chaos.py: the loop of docs/data.md, resumable, for as long as asked.
 
-    phalanx run ... benchmarks/live_recovery_chaos_job.py RUN_DIR --host I [--pause S]
+    phalanx run ... benchmarks/live_recovery_chaos_job.py RUN_DIR --host I [--pause S] [--shard LEVEL]
 
 tests/helpers/global_batch_cases.py's run (80 samples, a global batch of 26 in micro-batches of 4, SGD with
 momentum) for as many epochs as RUN_DIR/last-epoch says once it exists (the harness writes it when the chaos is
 over; until then the run goes on). A Checkpointer every 4 steps; the state has the loader and the epoch, so a
-restart resumes exactly. Each rank appends `[epoch, step, ids, time, incarnation, generation]` per applied step
+restart resumes exactly. With `--shard optimizer|gradients` the model is sharded (a hidden width of 64, so that every
+rank owns parameter elements) and its optimizer comes from model.shard_optimizer; a step rolled back after a loss
+(`step.undone`) is not logged. Each rank appends `[epoch, step, ids, time, incarnation, generation]` per applied step
 to RUN_DIR/ids-<pid>.jsonl (ids: the samples its part of the step averaged; incarnation: which launch and which
 rendezvous round applied it, so that a step redone after a restart replaces the first one; generation: how many
 times its ranks regrouped in-process), and writes its pid
@@ -26,6 +28,10 @@ from phalanx.world.group import live_generation
 from tests.helpers.global_batch_cases import GLOBAL_BATCH, MICRO_BATCH, SEED, Indexed, make_model, make_optimizer
 
 
+def hidden_width(shard: str) -> int:
+    return 8 if shard == "none" else 64
+
+
 def last_epoch(run_dir: Path) -> int:
     path = run_dir / "last-epoch"
     return int(path.read_text()) if path.exists() else 1 << 30
@@ -36,6 +42,7 @@ def main():
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--host", type=int, required=True)
     parser.add_argument("--pause", type=float, default=0.1, help="seconds of sleep per step")
+    parser.add_argument("--shard", default="none", help="the model's shard level")
     args = parser.parse_args()
     px.init()
     (args.run_dir / "workers").mkdir(parents=True, exist_ok=True)
@@ -45,8 +52,8 @@ def main():
     dataset = Indexed()
     loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                            sampler=px.DistributedSampler(dataset, seed=SEED))
-    model = px.DistributedDataParallel(make_model())
-    optimizer = make_optimizer(model)
+    model = px.DistributedDataParallel(make_model(hidden_width(args.shard)), shard=args.shard)
+    optimizer = model.shard_optimizer(make_optimizer(model))
     state = {"model": model, "optimizer": optimizer, "loader": loader, "epoch": 0}
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints", every=4, keep=2)
     checkpointer.restore(state)
@@ -64,9 +71,10 @@ def main():
                     if step.weight:
                         ids += index.tolist()
                 optimizer.step()
-                log.write(json.dumps([state["epoch"], step.index, ids, time.time(), incarnation,
-                                      live_generation()]) + "\n")
-                log.flush()
+                if not step.undone:
+                    log.write(json.dumps([state["epoch"], step.index, ids, time.time(), incarnation,
+                                          live_generation()]) + "\n")
+                    log.flush()
                 checkpointer.step(state)
             state["epoch"] += 1
     if px.is_main():
