@@ -118,9 +118,16 @@ class ShardCopies:
         self.rolling_back = False
         self._bind()
 
+    def _forget_buffers(self) -> None:
+        """Drop the buffers kept for reuse (the chunks change with the world)."""
+        self._spare_snapshot = None  # the last step's snapshot, written over by the next one
+        self._spare_copies: dict[int, Packed] = {}  # copies replaced, received into by the next refresh
+        self._outgoing: Packed | None = None  # this rank's packed chunk state, sent to its keeper
+
     def _bind(self) -> None:
         """The current world's ranks, keeper and wards (after each regroup)."""
         exchange = self.owner.exchange
+        self._forget_buffers()
         self.rank, self.world_size = exchange.rank, exchange.world_size
         topology = self.hosts()
         hosts = topology if topology else [list(range(self.world_size))]
@@ -151,21 +158,27 @@ class ShardCopies:
             scalars.update(found)
         self.layout = Layout(per_element, scalars)
 
-    def _pack(self, shards: list[BucketShard], state_of) -> Packed:
-        """A rank's chunk state laid out as `self.layout` says; `state_of(piece)` gives a piece's state (or None)."""
-        packed = [self._pack_bucket(shard, bucket.storage, state_of)
-                  for shard, bucket in zip(shards, self.owner.exchange.buckets)]
+    def _pack(self, shards: list[BucketShard], state_of, into: Packed | None = None) -> Packed:
+        """A rank's chunk state laid out as `self.layout` says; `state_of(piece)` gives a piece's state (or None).
+        `into`: buffers of an earlier pack of the same chunks, written over (what a piece without state leaves in
+        them is flagged absent)."""
+        packed = [self._pack_bucket(shard, bucket.storage, state_of,
+                                    None if into is None else (into.state[b], into.scalars[b]))
+                  for b, (shard, bucket) in enumerate(zip(shards, self.owner.exchange.buckets))]
         return Packed([state for state, _ in packed], [flags for _, flags in packed])
 
-    def _pack_bucket(self, shard: BucketShard, storage: torch.Tensor, state_of) -> tuple:
+    def _pack_bucket(self, shard: BucketShard, storage: torch.Tensor, state_of, into: tuple | None = None) -> tuple:
         layout = self.layout
-        packed = torch.zeros(len(layout.per_element), shard.chunk, dtype=storage.dtype, device=storage.device)
-        flags = torch.zeros(len(shard.pieces), layout.piece_width, dtype=torch.float64, device=storage.device)
+        if into is None:
+            packed = torch.zeros(len(layout.per_element), shard.chunk, dtype=storage.dtype, device=storage.device)
+            flags = torch.zeros(len(shard.pieces), layout.piece_width, dtype=torch.float64, device=storage.device)
+        else:
+            packed, flags = into
         for row, piece in enumerate(shard.pieces):
             found = state_of(piece)
+            flags[row, 0] = 1.0 if found else 0.0
             if not found:
                 continue
-            flags[row, 0] = 1.0
             for k, key in enumerate(layout.per_element):
                 value = found.get(key)
                 if value is not None:
@@ -206,14 +219,22 @@ class ShardCopies:
 
     @torch.no_grad()
     def before_step(self) -> None:
-        """Snapshot this rank's pieces (parameters and state) and its wards' parameter chunks."""
+        """Snapshot this rank's pieces (parameters and state) and its wards' parameter chunks (into the buffers of
+        the step before, once there are some)."""
+        before, self._spare_snapshot = self._spare_snapshot, None
+        own_before, wards_before = before if before is not None else ({}, {})
         own = {}
         for piece_list in self.owner._pieces.values():
             for piece in piece_list:
-                found = self.owner.state.get(piece.tensor)
-                own[id(piece.tensor)] = (piece.tensor.clone(), _cloned(found))
-        wards = {w: [[piece.tensor.clone() for piece in shard.pieces] for shard in shards]
-                 for w, shards in self.ward_shards.items()}
+                key = id(piece.tensor)
+                old_param, old_state = own_before.get(key, (None, None))
+                own[key] = (_copied(piece.tensor, old_param), _copied_state(self.owner.state.get(piece.tensor),
+                                                                            old_state))
+        wards = {}
+        for w, shards in self.ward_shards.items():
+            old = wards_before.get(w)
+            wards[w] = [[_copied(piece.tensor, old[b][j] if old else None) for j, piece in enumerate(shard.pieces)]
+                        for b, shard in enumerate(shards)]
         self.snapshot = (own, wards)
 
     @torch.no_grad()
@@ -229,8 +250,9 @@ class ShardCopies:
             raise PeerDiedError(explain("another rank could not finish the sharded optimizer step",
                                         rank=dist.get_rank(), seen="the step's commit failed",
                                         fix="The ranks left roll the step back and redo it (live recovery)."))
-        self.copies.update(arriving)
-        self.snapshot = None
+        for w, packed in arriving.items():  # the copies replaced become the next refresh's buffers
+            self._spare_copies[w], self.copies[w] = self.copies.get(w), packed
+        self._spare_snapshot, self.snapshot = self.snapshot, None
 
     def _refresh(self) -> dict[int, Packed]:
         """Send this rank's new chunk state to its keeper; receive each ward's into new buffers (returned)."""
@@ -243,11 +265,14 @@ class ShardCopies:
         self._check_keys()
         exchange = self.owner.exchange
         group = exchange.group
-        mine = self._pack(exchange.shards, self._own_state)
-        arriving = {w: Packed([torch.empty_like(t) for t in mine.state],
-                              [torch.empty(len(s.pieces), self.layout.piece_width, dtype=torch.float64,
-                                           device=t.device) for s, t in zip(shards, mine.state)])
-                    for w, shards in self.ward_shards.items()}
+        mine = self._outgoing = self._pack(exchange.shards, self._own_state, self._outgoing)
+        arriving = {}
+        for w, shards in self.ward_shards.items():
+            spare = self._spare_copies.pop(w, None)
+            arriving[w] = spare if spare is not None else Packed(
+                [torch.empty_like(t) for t in mine.state],
+                [torch.empty(len(s.pieces), self.layout.piece_width, dtype=torch.float64, device=t.device)
+                 for s, t in zip(shards, mine.state)])
         works = [dist.isend(t, group_dst=self.keeper, group=group) for t in mine.tensors()]
         for w, packed in arriving.items():
             works += [dist.irecv(t, group_src=w, group=group) for t in packed.tensors()]
@@ -373,7 +398,16 @@ class ShardCopies:
         self.rebind(entries)
 
 
-def _cloned(state):
+def _copied(tensor: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """`tensor`'s values, in `into` when it fits (a buffer of the step before), else in a new tensor."""
+    if into is not None and into.shape == tensor.shape and into.dtype == tensor.dtype:
+        return into.copy_(tensor)
+    return tensor.clone()
+
+
+def _copied_state(state, into):
     if not state:
         return None
-    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
+    into = into or {}
+    return {key: _copied(value, into.get(key)) if isinstance(value, torch.Tensor) else value
+            for key, value in state.items()}
