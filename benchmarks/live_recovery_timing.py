@@ -1,6 +1,7 @@
 """How long a loss costs under live recovery: from the kill to the next step every rank left applied.
 
-    sudo PYTHONPATH=. python benchmarks/live_recovery_timing.py [--rounds 10] [--where rank|host] [--pause 0.1]
+    sudo PYTHONPATH=. python benchmarks/live_recovery_timing.py [--rounds 10] [--where rank|host|cut] [--pause 0.1]
+        [--shard optimizer|gradients]
 
 `--where rank` (one host): `phalanx run --nproc-per-node 3 --min-world-size 2` on tests/e2e/jobs/live_recovery_job.py;
 rank 2 kills itself (SIGKILL) in a step drawn at random, at a moment drawn at random (before its forward, in the
@@ -10,7 +11,9 @@ launcher and worker are SIGKILLed together after a number of its steps drawn at 
 host 2's link is set down instead (its processes run on, unreachable; the round tears them down after). Each round
 then reads the survivors' step logs: the seconds from the kill to the first step that both applied after it (a step
 takes `--pause` seconds of sleep plus its compute, so that is in the figure too). Prints each round, the median, the
-p95 and the worst, and checks each round's final parameters against the uninterrupted run's.
+p95 and the worst, and checks each round's final parameters against the uninterrupted run's. `--shard`: the model
+sharded at that level (a hidden width of 64, so that every rank owns parameter elements; the lost rank's optimizer
+shard comes back from its keeper's copy).
 """
 
 from __future__ import annotations
@@ -37,8 +40,16 @@ JOB = str(Path(__file__).resolve().parent.parent / "tests" / "e2e" / "jobs" / "l
 STEPS_PER_EPOCH = 4  # the job: 80 samples, a global batch of 26
 
 
-def _same_as_uninterrupted(run_dir: Path, survivors) -> bool:
-    expected, _ = reference_run()
+def _job_model(shard: str) -> list[str]:
+    return ["--shard", shard, "--hidden", str(_hidden(shard))]
+
+
+def _hidden(shard: str) -> int:
+    return 8 if shard == "none" else 64
+
+
+def _same_as_uninterrupted(run_dir: Path, survivors, shard: str) -> bool:
+    expected, _ = reference_run(hidden=_hidden(shard))
     for rank in survivors:
         params = torch.load(run_dir / f"result-{rank}.pt", weights_only=True)["params"]
         if any((ours - theirs).abs().max() >= 1e-5 for ours, theirs in zip(params, expected)):
@@ -46,17 +57,20 @@ def _same_as_uninterrupted(run_dir: Path, survivors) -> bool:
     return True
 
 
-def rank_round(run_dir: Path, pause: float, rng: random.Random) -> tuple[float | None, bool, str]:
+def rank_round(run_dir: Path, pause: float, rng: random.Random, shard: str) -> tuple[float | None, bool, str]:
     step, moment = rng.randrange(1, 2 * STEPS_PER_EPOCH - 1), rng.choice(MOMENTS)
     at = f"{step // STEPS_PER_EPOCH}:{step % STEPS_PER_EPOCH}"
     subprocess.run([sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "3", "--min-world-size", "2", JOB,
-                    str(run_dir), "--doomed", "2", "--at", at, "--moment", moment, "--pause", str(pause)],
+                    str(run_dir), "--doomed", "2", "--at", at, "--moment", moment, "--pause", str(pause),
+                    *_job_model(shard)],
                    env=job_env(), check=True, capture_output=True, timeout=300)
     died = float((run_dir / "died-at").read_text())
-    return next_step_after(str(run_dir), (0, 1), died), _same_as_uninterrupted(run_dir, (0, 1)), f"{at} {moment}"
+    return (next_step_after(str(run_dir), (0, 1), died), _same_as_uninterrupted(run_dir, (0, 1), shard),
+            f"{at} {moment}")
 
 
-def host_round(run_dir: Path, pause: float, rng: random.Random, cut: bool = False) -> tuple[float | None, bool, str]:
+def host_round(run_dir: Path, pause: float, rng: random.Random, shard: str,
+               cut: bool = False) -> tuple[float | None, bool, str]:
     after = rng.randrange(1, 2 * STEPS_PER_EPOCH - 1)  # host 2's applied steps before the kill
     with bridged_hosts("phb", 216, 3) as hosts:
         port = free_port()
@@ -64,7 +78,7 @@ def host_round(run_dir: Path, pause: float, rng: random.Random, cut: bool = Fals
             ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "2:3",
              "--nproc-per-node", "1", "--min-world-size", "2", "--master-addr", hosts[0]["addr"], "--master-port",
              str(port), "--rdzv-timeout", "60", JOB, str(run_dir), "--doomed", "-1", "--pause", str(pause),
-             "--host", str(i)], env=job_env(), stdout=(run_dir / f"launcher-{i}.log").open("w"),
+             "--host", str(i), *_job_model(shard)], env=job_env(), stdout=(run_dir / f"launcher-{i}.log").open("w"),
             stderr=subprocess.STDOUT) for i, host in enumerate(hosts)]
         try:
             lost = None
@@ -89,7 +103,7 @@ def host_round(run_dir: Path, pause: float, rng: random.Random, cut: bool = Fals
                 if launcher.poll() is None:
                     kill_node(launcher)
     survivors = [r for r in range(3) if r != lost]
-    return (next_step_after(str(run_dir), survivors, killed), _same_as_uninterrupted(run_dir, survivors),
+    return (next_step_after(str(run_dir), survivors, killed), _same_as_uninterrupted(run_dir, survivors, shard),
             f"after {after} steps")
 
 
@@ -102,6 +116,8 @@ def main() -> None:
                         help="kill a rank, kill a host whole, or cut a host's link (default rank)")
     parser.add_argument("--pause", type=float, default=0.1, help="seconds of sleep per step (default 0.1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
+                        help="the model's shard level (default none)")
     parser.add_argument("--keep-slow", type=float, default=None, metavar="S",
                         help="keep the files (logs, step logs) of a round whose next step took more than S seconds")
     args = parser.parse_args()
@@ -109,7 +125,7 @@ def main() -> None:
     for round_number in range(args.rounds):
         with tempfile.TemporaryDirectory() as directory:
             play = {"rank": rank_round, "host": host_round, "cut": lambda *a: host_round(*a, cut=True)}[args.where]
-            took, same, what = play(Path(directory), args.pause, rng)
+            took, same, what = play(Path(directory), args.pause, rng, args.shard)
             if args.keep_slow is not None and (took is None or took > args.keep_slow):
                 kept = Path(tempfile.mkdtemp(prefix="live-recovery-slow-"))
                 subprocess.run(["cp", "-r", f"{directory}/.", str(kept)], check=False)
