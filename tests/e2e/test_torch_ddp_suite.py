@@ -102,7 +102,11 @@ class _PhalanxProcesses:
     """torch's multi-process harness, with phalanx's DDP in the test processes.
 
     Processes are forked (torch's harness spawns; forking skips importing torch twice per test),
-    unless this process holds a process group or a phalanx world that a fork would inherit.
+    unless this process holds a process group or a phalanx world that a fork would inherit. The suites
+    that run torch's RPC agent fork from a forkserver instead (one per test process, torch and this
+    module imported once): its children start from a process with one thread, not from pytest's. Forked
+    from pytest, the RPC suites' remote worker (which runs no DDP) once died of SIGSEGV while pickling a
+    reply on one of the agent's threads, and its trainers failed with TensorPipe's "EOF".
     """
 
     phalanx_env: dict = {}
@@ -122,6 +126,9 @@ class _PhalanxProcesses:
         super().setUp()
         inherited = dist.is_initialized() or phalanx.is_initialized()
         method = "fork" if sys.platform == "linux" and not inherited else "spawn"
+        if method == "fork" and isinstance(self, _RpcOverLoopback):
+            method = "forkserver"
+            torch.multiprocessing.get_context(method).set_forkserver_preload(["torch", __name__])
         self._start_processes(torch.multiprocessing.get_context(method).Process)
 
     @classmethod
