@@ -281,7 +281,7 @@ class ShardCopies:
         return arriving
 
     def _anyone_has_state(self) -> bool:
-        flag = torch.tensor([1.0 if any(self.owner.state.values()) else 0.0])
+        flag = torch.tensor([1.0 if any(self.owner.state.values()) else 0.0], device=self.owner._control_device())
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.owner.exchange.group, async_op=True)
         generation.wait_for(work, "the shard copies' first look at the optimizer state")
         return bool(flag.item())
@@ -295,8 +295,9 @@ class ShardCopies:
         Raises MembershipError when a lost rank's chunk has no copy left."""
         exchange = self.owner.exchange  # the old world's, still
         lost = {i for i, member in enumerate(old_members) if member not in survivors.members}
+        rolling_back = self.rolling_back and self.snapshot is not None
         orphans = sorted(old_members[r] for r in lost if self.keepers.get(r, r) in lost | {r})
-        if orphans:
+        if orphans and (self.layout is not None or rolling_back):  # no state yet, and no step to undo: no loss
             logger.error("rank(s) %s lost with the rank(s) that kept their optimizer shards: no copy is left; the "
                          "run falls back to its newest checkpoint", orphans)
             raise MembershipError(explain(
@@ -304,7 +305,6 @@ class ShardCopies:
                 seen=f"rank(s) {orphans} lost together with their keepers", expected="at most one of each pair",
                 fix="The run restarts from its newest checkpoint (phalanx run does it, under --max-restarts)."))
         group, layout = survivors.group, self.layout
-        rolling_back = self.rolling_back and self.snapshot is not None
         own, ward_params = self.snapshot if rolling_back else ({}, {})
         mine = [self.rank] + [w for w in self.wards if w in lost]
         states, scalars, params = [], [], []
