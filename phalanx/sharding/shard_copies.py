@@ -243,8 +243,9 @@ class ShardCopies:
         (generation.is_loss) or PeerDiedError when the step cannot count; ShardedOptimizer.step rolls back."""
         exchange = self.owner.exchange
         exchange.gather_parameters()
+        arriving, works = self._start_refresh()  # beside the all-gather
         exchange.wait_gathered()
-        arriving = self._refresh()
+        self._finish_refresh(works)
         self.committing = True
         if not generation.commit_step():
             raise PeerDiedError(explain("another rank could not finish the sharded optimizer step",
@@ -254,13 +255,14 @@ class ShardCopies:
             self._spare_copies[w], self.copies[w] = self.copies.get(w), packed
         self._spare_snapshot, self.snapshot = self.snapshot, None
 
-    def _refresh(self) -> dict[int, Packed]:
-        """Send this rank's new chunk state to its keeper; receive each ward's into new buffers (returned)."""
+    def _start_refresh(self) -> tuple[dict[int, Packed], list]:
+        """Start sending this rank's new chunk state to its keeper and receiving each ward's into spare buffers:
+        ({ward: its buffers}, the transfers to finish)."""
         if self.keeper == self.rank:
-            return {}
+            return {}, []
         if self.layout is None:
             if not self._anyone_has_state():  # collective: a rank may hold no state while others do
-                return {}
+                return {}, []
             self._agree_on_layout()
         self._check_keys()
         exchange = self.owner.exchange
@@ -276,9 +278,12 @@ class ShardCopies:
         works = [dist.isend(t, group_dst=self.keeper, group=group) for t in mine.tensors()]
         for w, packed in arriving.items():
             works += [dist.irecv(t, group_src=w, group=group) for t in packed.tensors()]
+        return arriving, works
+
+    @staticmethod
+    def _finish_refresh(works: list) -> None:
         for work in works:  # aside: a timed wait that expired would abort a receive
             generation.wait_for(work, "the shard copies' refresh", aside=True)
-        return arriving
 
     def _anyone_has_state(self) -> bool:
         flag = torch.tensor([1.0 if any(self.owner.state.values()) else 0.0], device=self.owner._control_device())
