@@ -68,6 +68,7 @@ def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
         copies._finish_refresh = _timed(copies_wall, copies._finish_refresh)  # their end, after the all-gather's
     batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
     generation.announce()
+    generation.say_mode(True, "a benchmark's loop")  # as a global-batch loader says it: the copies are made
     wall: list[float] = []
     cpu: list[float] = []
     live_step = live_optimizer.step

@@ -116,7 +116,10 @@ class ShardedOptimizer(OptimizerView):
             return None
 
     def _copies_now(self):
-        return self._copies if self._copies is not None and generation.live_recovery() else None
+        """The shard copies, when a loss is to be recovered in-process (a global-batch loop under live recovery)."""
+        if self._copies is not None and generation.live_recovery() and generation.recovers_in_process():
+            return self._copies
+        return None
 
     def _before_step(self) -> None:
         self.exchange.wait_gathered()

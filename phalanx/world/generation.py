@@ -348,16 +348,22 @@ def again_after_loss(action, warning: str | None = None):
         return action()
 
 
-_mode_said = False
+_mode: bool | None = None  # what say_mode() said: a loss recovered in-process (True) or by a restart (False)
+
+
+def recovers_in_process() -> bool:
+    """Whether this process said that a loss will be recovered in-process (say_mode): what only such a loop needs
+    (a sharded optimizer's copies) is done from then on."""
+    return _mode is True
 
 
 def say_mode(live: bool, why: str) -> None:
     """Once per process: whether a loss will be recovered in-process or by a restart (said on the main rank,
     recorded on every rank for its launcher)."""
-    global _mode_said
-    if _mode_said:
+    global _mode
+    if _mode is not None:
         return
-    _mode_said = True
+    _mode = live
     progress.recovery(live)  # every rank: its launcher keeps the others after a loss only if they recover
     if not world.is_main():
         return
