@@ -6,7 +6,8 @@ momentum) with a Checkpointer saving every 2 steps and the step's loss summed ov
 each step. The doomed rank SIGKILLs itself in step `at` = (epoch, step) at `moment`: "forward" (before its first
 forward of the step), "exchange" (from a gradient hook in its last backward: with a bucket per parameter, some
 buckets are in flight), or "optimizer" (after its backward, before its optimizer step; the step was committed, so
-its samples are logged as applied). Every rank appends `[epoch, step, ids]` per applied step to
+its samples are logged as applied); with a sharded model also "clip" (before `model.clip_grad_norm_`, whose
+all-reduce the others are then in). Every rank appends `[epoch, step, ids]` per applied step to
 `ids-<rank>.jsonl` in `directory`: the ids its part of the step averaged, and the time (`time.time()`); a doomed rank
 writes the time it dies in `died-at`.
 """
@@ -80,6 +81,10 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                     step.backward(F.mse_loss(model(x), y))
                     if step.weight:
                         ids += index.tolist()
+                if shard != "none":  # a collective between the micro-batches and the optimizer step
+                    if doomed and (epoch, step.index) == at and moment == "clip":
+                        _die(directory)
+                    model.clip_grad_norm_(1e9)  # the norm's all-reduce; no gradient is scaled (by 1.0 exactly)
                 if doomed and (epoch, step.index) == at and moment == "optimizer":
                     if shard == "none":  # applied by the others; a sharded step is rolled back and redone instead
                         log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")

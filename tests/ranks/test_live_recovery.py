@@ -62,11 +62,12 @@ def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, 
     assert newest_checkpoint(str(tmp_path))["world_size"] == 2  # saved by the two ranks left, and loadable
 
 
-@pytest.mark.parametrize("moment", ["optimizer", "exchange"])
+@pytest.mark.parametrize("moment", ["optimizer", "exchange", "clip"])
 def test_a_sharded_adam_state_is_put_back_together_from_the_copies(tmp_path, moment):
     """AdamW at shard="gradients": its per-element moments and its step count of the lost rank's chunk come back
-    from the copy its keeper holds (rolled back to before the step when the loss came in the optimizer step), so
-    the run ends as one process's on whole global batches."""
+    from the copy its keeper holds (rolled back to before the step when the loss came in the optimizer step; the
+    step redone when it came in clip_grad_norm_'s all-reduce), so the run ends as one process's on whole global
+    batches."""
     results = run_ranks(train, 3, (str(tmp_path), 1, LOST_AT, moment, 0.0, "gradients", True), min_world_size=2,
                         timeout=180, env={"PHALANX_SHM": "0", "PHALANX_DDP_STALL_TIMEOUT": "20",
                                           "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
