@@ -115,7 +115,8 @@ class ShardCopies:
         self.layout: Layout | None = None  # None until the ranks agreed on one (no state anywhere before)
         self.copies: dict[int, Packed] = {}  # ward (group rank) -> its chunk state after the last committed step
         self.snapshot = None  # during a step: this rank's pieces and its wards' parameter chunks before it
-        self.rolling_back = False
+        self.rolling_back = False  # during a regroup after a loss inside the step: back to the snapshot
+        self.committing = False  # the step reached its commit (a failure then needs no fail_step of its own)
         self._bind()
 
     def _forget_buffers(self) -> None:
