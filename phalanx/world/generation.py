@@ -48,6 +48,7 @@ MEMBERSHIP_MARGIN = 30.0
 AWAITED_SAY_EVERY = 10.0  # seconds between the lines naming the members the survivors still wait for
 LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
 WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
+REGROUP_CONNECT_SECONDS = 30.0  # the ranks left making a new generation's process groups wait this long for each other
 WAIT_THREADS = 16  # threads that wait on collectives whose own waits cannot be bounded (waited_aside)
 
 
@@ -408,9 +409,22 @@ def next_generation(cause: BaseException) -> Generation:
             f"too few ranks are left to go on after losing ranks {lost}", rank=me,
             seen=f"{len(members)} left: {list(members)}", expected=f"at least {MIN_WORLD_ENV}={minimum}",
             fix="The run falls back to a restart from its newest checkpoint.")) from cause
-    timeout = timedelta(seconds=membership_timeout())
-    group = dist.new_group(list(members), timeout=timeout, use_local_synchronization=True)
-    control = dist.new_group(list(members), backend="gloo", timeout=timeout, use_local_synchronization=True)
+    # The groups are made with a short timeout (every member agreed moments ago, so all are making them now), then
+    # given the membership timeout for their collectives: a member lost while they are made (a second loss within
+    # the regroup) would otherwise hold the others in Gloo's connection set-up, which cannot be watched, for that long.
+    connect = timedelta(seconds=min(membership_timeout(), REGROUP_CONNECT_SECONDS))
+    try:
+        group = dist.new_group(list(members), timeout=connect, use_local_synchronization=True)
+        control = dist.new_group(list(members), backend="gloo", timeout=connect, use_local_synchronization=True)
+    except RuntimeError as exc:
+        raise MembershipError(explain(
+            f"the ranks left could not make generation {old.number + 1}'s process group", rank=me,
+            seen=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (members {list(members)})",
+            expected=f"every member connected within {connect.total_seconds():g} s",
+            fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
+                "checkpoint.")) from exc
+    for made in (group, control):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), made)
     _current, _commits = Generation(old.number + 1, members, group), 0
     world.set_live(_current.number, members, group, control)
     store.set(_current._key("who", me), identity())
