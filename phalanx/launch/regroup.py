@@ -79,7 +79,10 @@ class Regroup:
         (a worker already stopping, asked by another node's workers, makes it look at once)."""
         records = records_of()
         if records and all(record.state == "exited" for record in records.values()):
-            return None  # this node's workers are done: a node lost now is not a reason to start them again
+            # This node's workers are done: a node lost now is no reason to start them again, and a node that asked
+            # to join as they finished (they were asked to save for it, and ended instead) has no run left to join.
+            self.growing_since = None
+            return None
         self._report_resume(records)
         stopping = any(record.stop_step >= 0 for record in records.values())
         if self.growing_since is not None:

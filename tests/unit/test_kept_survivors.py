@@ -99,3 +99,30 @@ def test_a_node_lost_after_this_nodes_workers_finished_is_counted_not_regrouped_
     survivors.local_world_size = 1
     assert survivors.node_lost(_Node("10.0.0.3", 7), 3, {1: record(1, LIVE, state="exited")})
     assert survivors.exit_barrier_size(3) == 2
+
+
+class _Rendezvous:
+    """An elastic rendezvous where one node waits to join."""
+
+    round, current, previous = 1, [], []
+
+    def lost(self):
+        return []
+
+    def waiting(self):
+        return ["node 2 (10.0.0.3)"]
+
+
+def test_workers_that_finish_while_asked_to_save_for_a_joining_node_end_the_run(capsys):
+    """A node asks to join as the workers end their training: they were asked to save for it (SIGTERM), and exit
+    having finished instead. The launcher must then let the run end, not wait for a save that will never come."""
+    from phalanx.launch.regroup import Regroup
+
+    regroup = Regroup(_Rendezvous(), grace_period=30.0, changes=[])
+    running = {0: record(0, LIVE), 1: record(1, LIVE)}
+    assert regroup.poll([], lambda: running) is None  # pids [] : nobody to signal in this test
+    assert regroup.growing_since is not None
+    assert "node(s) waiting to join" in capsys.readouterr().err
+    finished = {0: record(0, LIVE, state="exited"), 1: record(1, LIVE, state="exited")}
+    assert regroup.poll([], lambda: finished) is None
+    assert regroup.growing_since is None  # the agent then reads the workers' exit: the run succeeded
