@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -128,18 +127,13 @@ class StepGuard:
             return
 
         # Aside under live recovery only: that wait's blocking is what a run without it has always done.
-        waiting = generation.waited_aside(work) if aside and generation.live_recovery() else None
+        wait = generation.timed_wait(work, aside and generation.live_recovery())
 
         def done_within(seconds: float) -> bool:
             try:
-                if waiting is not None:
-                    return generation.completes_within(waiting, seconds)
-                work.wait(timedelta(seconds=max(0.001, seconds)))
-                return True
+                return wait(seconds)
             except RuntimeError as exc:
-                if work.is_completed() or "timed out" not in str(exc).lower():
-                    self.fail(what, _failure(exc))
-                return False
+                self.fail(what, _failure(exc))
         self._wait_until(done_within, what)
 
     def tag_for(self, dtype: torch.dtype) -> int:

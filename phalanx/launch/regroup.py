@@ -24,6 +24,11 @@ POLL = 1.0  # seconds between looks at the rendezvous state (lost nodes, waiting
 NOTE_WAIT = 2.0  # seconds a regroup of the workers waits for this launcher to see its own lost rank gone
 
 
+def all_exited(records: dict) -> bool:
+    """Whether this node's workers (their progress records) have all ended their run."""
+    return bool(records) and all(record.state == "exited" for record in records.values())
+
+
 def _say(text: str) -> None:
     print(f"phalanx run: {text}", file=sys.stderr, flush=True)
 
@@ -78,7 +83,7 @@ class Regroup:
         None. Asks the workers to stop when a node waits to join. `records_of()`: this node's progress records
         (a worker already stopping, asked by another node's workers, makes it look at once)."""
         records = records_of()
-        if records and all(record.state == "exited" for record in records.values()):
+        if all_exited(records):
             # This node's workers are done: a node lost now is no reason to start them again, and a node that asked
             # to join as they finished (they were asked to save for it, and ended instead) has no run left to join.
             self.growing_since = None
@@ -227,7 +232,7 @@ class KeptSurvivors:
         key = (node.addr, node.pid)
         if key in self.nodes:
             return True
-        if records is not None and records and all(r.state == "exited" for r in records.values()):
+        if records is not None and all_exited(records):
             records = None  # this node's workers are done (the others finished first): only the count matters
         left = world_size - self.ranks_lost() - self.local_world_size
         if left < self.min_world_size:  # the elastic regroup from the newest checkpoint, as before

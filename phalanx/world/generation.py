@@ -239,7 +239,7 @@ def wait_watching(ready, what: str, timeout: float) -> bool:
 
 
 def waited_aside(work) -> concurrent.futures.Future:
-    """work.wait() in a thread of a pool: for a collective whose own wait can be neither bounded nor aside. Gloo's
+    """work.wait() in a thread of a pool: for a collective whose own wait can be neither bounded nor polled. Gloo's
     reduce-scatter waits for its peers whatever the timeout given, and says it completed only once waited for;
     Gloo's point-to-point receive unbinds its buffer when a timed wait expires. The caller waits on the future, a
     bounded wait; a wait given up keeps its thread until the collective ends (a peer's failure or its timeout)."""
@@ -249,29 +249,37 @@ def waited_aside(work) -> concurrent.futures.Future:
     return _wait_pool.submit(work.wait)
 
 
-def completes_within(waiting: concurrent.futures.Future, seconds: float) -> bool:
-    """Whether the wait `waiting` (waited_aside) ended within `seconds`; raises what work.wait() raised."""
-    try:
-        waiting.result(timeout=max(0.0, seconds))
-        return True
-    except concurrent.futures.TimeoutError:
-        return False
+def timed_wait(work, aside: bool = False):
+    """`wait(seconds)` for `work`: True once it completed, False when `seconds` passed first; raises what
+    work.wait() raised otherwise. `aside`: waited in a thread aside (waited_aside), the bound kept here. The step
+    guard's waits and watch() share it."""
+    waiting = waited_aside(work) if aside else None
+
+    def wait(seconds: float) -> bool:
+        try:
+            if waiting is not None:
+                waiting.result(timeout=max(0.0, seconds))
+            else:
+                work.wait(timedelta(seconds=max(0.001, seconds)))
+            return True
+        except concurrent.futures.TimeoutError:
+            return False
+        except RuntimeError as exc:
+            if not work.is_completed() and "timed out" in str(exc).lower():
+                return False
+            raise
+    return wait
 
 
 def watch(work, what: str, aside: bool = False) -> None:
     """work.wait() for an asynchronous collective, watched (wait_watching); a failure that says a peer's connection
     went away is PeerDiedError. `aside`: waited aside (waited_aside)."""
-    waiting = waited_aside(work) if aside else None
+    wait = timed_wait(work, aside)
 
     def done_within(seconds: float) -> bool:
         try:
-            if waiting is not None:
-                return completes_within(waiting, seconds)
-            work.wait(timedelta(seconds=max(0.001, seconds)))
-            return True
+            return wait(seconds)
         except RuntimeError as exc:
-            if not work.is_completed() and "timed out" in str(exc).lower():
-                return False
             if not peer_gone(exc):
                 raise
             raise PeerDiedError(explain(f"{what} lost a peer", rank=dist.get_rank(), seen=str(exc).splitlines()[0],
