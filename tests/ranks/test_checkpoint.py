@@ -94,7 +94,9 @@ def ddp_saves_and_restores(rank, directory):
 def test_ddp_wrapped_and_plain_models_load_each_others_checkpoints(tmp_path):
     """World size 2 with torch's DDP, and a single process with the plain model."""
     plain_state = {"model": make_net(seed=3), "optimizer": torch.optim.SGD(make_net().parameters(), lr=0.1)}
-    px.Checkpointer(tmp_path / "plain").save(plain_state)
+    plain_saver = px.Checkpointer(tmp_path / "plain")
+    plain_saver.save(plain_state)
+    plain_saver.wait()  # written in the background: the ranks, other processes, read it next
 
     results = run_ranks(ddp_saves_and_restores, 2, args=(str(tmp_path),))
     for _, restored in results:
