@@ -7,6 +7,9 @@ same on every rank and read at the same step count, so all ranks save at that st
 carries each rank's proposal for the next `every`, so that agreements come about INTERVAL seconds
 apart whatever a step takes, and every rank adopts the same value. A stop request is acted on within
 two intervals (plus a step); with INTERVAL = 0 the ranks agree at every step.
+
+Under live recovery the same agreement carries the number of ranks waiting to join the run (world/joining.py),
+as the first rank read it from the store: every rank learns at the same step that they are to be taken in.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ import torch.distributed as dist
 
 from ..diagnose import recorder
 from ..errors import PeerFailedError, RanksTimedOutError, explain, seconds_setting
+from ..world import generation, joining, stop
 from ..world import group as world
-from ..world import stop
 
 # Seconds between agreements: a stop is acted on within about twice this (plus a step). Measured on the
 # 2-core bench machine, one agreement costs 50-110 us of the main thread and 100-250 us of Gloo's; 0.5 s
@@ -60,16 +63,21 @@ class StopAgreement:
         self.count = 0  # steps seen
         self.group = None
         self.work = None
-        self.payload = torch.zeros(2, dtype=torch.int64)
+        self.payload = torch.zeros(3, dtype=torch.int64)
         self.values = self.payload.numpy()  # written and read without a torch call each
         self.options = dist.AllreduceOptions()
-        # MAX of the flags: any rank's request stops them all; MAX of minus the proposals: the smallest one.
+        # MAX of the flags: any rank's request stops them all; MAX of minus the proposals: the smallest one; MAX of
+        # the joiners waiting: the first rank's count (the others say 0).
         self.options.reduceOp = dist.ReduceOp.MAX
         self.due = 0  # the step at which the pending agreement is read
         self.every = 1  # agreed: steps between agreements
         self.launched_at = (0, 0.0)  # (count, time) of the last launch, for the next proposal
         self.agreed = False
+        self.joiners_due = False  # ranks wait to join: the ranks take them in at this step (checkpointer.step())
         self.world_size = world.group_size()  # asked once: torch's get_world_size() costs ~20 us a call
+        # Only the first rank reads the store, under live recovery: a count of joiners, not a collective.
+        self.reads_joiners = generation.live_recovery() and world.group_rank() == 0 and world.store() is not None
+        self._looked_at = time.monotonic()
         # The ranks that train when it is made: after a loss (live recovery) the Checkpointer makes a new one.
         self.generation, self.members = world.live_generation(), world.live_members()
 
@@ -79,21 +87,33 @@ class StopAgreement:
             return True
         if self.world_size == 1:  # nobody to agree with: act on this process's own flag
             self.agreed = stop.requested() is not None
+            if not self.agreed and self.reads_joiners and time.monotonic() > self._looked_at + self.target:
+                self._looked_at = time.monotonic()
+                self.joiners_due = joining.waiting(world.store()) > 0
             return self.agreed
         if self.work is None:
             self._launch(proposal=1)
             return False
         if self.count < self.due:
             return False
-        flag, minus_every = self._result()
+        flag, minus_every, joiners = self._result()
         if flag:
             self.agreed = True
             stop.request(stop.reason_of(flag))  # a rank that was not asked learns why the others stop
             return True
+        if joiners:
+            self.joiners_due = True  # taken in at this step; the next generation makes its own agreement
+            return False
         self.every = max(1, -minus_every)
         count, then = self.launched_at
         self._launch(next_every((time.monotonic() - then) / max(1, self.count - count), self.target))
         return False
+
+    def resume(self) -> None:
+        """The joiners counted were not there to take in after all: agree on as before."""
+        self.joiners_due = False
+        if self.world_size > 1:
+            self._launch(proposal=self.every)
 
     def _launch(self, proposal: int) -> None:
         if self.group is None:
@@ -104,6 +124,7 @@ class StopAgreement:
             if self.group is None:
                 self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self._limit()))
         self.values[0], self.values[1] = stop.code_of(stop.requested()), -proposal
+        self.values[2] = joining.waiting(world.store()) if self.reads_joiners else 0
         # The group's own call: dist.all_reduce's checks cost more than the collective's launch (~70 vs 40 us).
         self.work = self.group.allreduce([self.payload], self.options)
         self.due = self.count + self.every
@@ -114,7 +135,7 @@ class StopAgreement:
             return float(self.timeout)
         return float(os.environ.get("PHALANX_TIMEOUT", 600))
 
-    def _result(self) -> tuple[int, int]:
+    def _result(self) -> tuple[int, int, int]:
         """The pending agreement's answer; it finished long ago unless a rank fell behind or left."""
         work = self.work
         if not work.is_completed():
@@ -132,7 +153,7 @@ class StopAgreement:
                 expected="every rank calling checkpointer.step() once per step",
                 fix="Read the other ranks' logs: one failed, or left the training loop before the others."),
                 peer_rank=min(dead) if dead else None) from None
-        return int(self.values[0]), int(self.values[1])
+        return int(self.values[0]), int(self.values[1]), int(self.values[2])
 
     def _wait(self, work) -> None:
         limit = self._limit()

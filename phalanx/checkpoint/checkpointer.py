@@ -24,9 +24,9 @@ import torch.distributed as dist
 from ..diagnose import progress, recorder
 from ..errors import CheckpointError, CheckpointWriteError, explain
 from ..log import logger
-from ..world import generation, stop
+from ..world import generation, joining, stop
 from ..world import group as world
-from . import atomic_files, background, random_state, restoring, shard_files, spreading
+from . import atomic_files, background, handover, random_state, restoring, shard_files, spreading
 from .agreement import StopAgreement
 from .background import BackgroundSaves, commit, report, staging
 from .entries import check_plain, kind_of, unwrap
@@ -286,6 +286,40 @@ class Checkpointer:
             generation.recover(lost)
             return False
 
+    def _take_in_joiners(self, state: dict) -> None:
+        """Ranks wait to join (world/joining.py) and every rank agreed on this step: take them in, hand them the
+        state over the network, and go on in the larger generation."""
+        started, before = time.monotonic(), world.live_members()
+        joiners = generation.admit_joiners()
+        if not joiners:
+            self._agreement.resume()
+            return
+        members = world.live_members()
+        healed = handover.send(state, self.steps, members, joiners)
+        generation.regroup_followers(world.live_generation(), members, [], started, joined=joiners, healed=healed)
+        if world.is_main():
+            logger.warning("rank(s) %s joined: %d ranks go on in generation %d (world size %d -> %d), taken in at step "
+                           "%d in %.2f s, %.1f MB of state handed over in %.2f s", list(joiners), len(members),
+                           world.live_generation(), len(before), len(members), self.steps,
+                           time.monotonic() - started, healed[0] / 1e6, healed[1])
+
+    def _join_the_run(self, state: dict) -> bool:
+        """A joiner's restore(): wait until the ranks that train take it in, then load the state they hand over
+        (no disk read), and regroup its model and loader onto the run's generation."""
+        started = time.monotonic()
+        joined, joiners = generation.join_run()
+        members = joined.members
+        self.steps, size, seconds = handover.receive(state, members, joiners)
+        progress.step(self.steps)
+        generation.regroup_followers(joined.number, members, [], started, joined=joiners, healed=(size, seconds))
+        for value in state.values():  # a global-batch loader whose pass has not begun: dealt over the run's ranks
+            if getattr(value, "plan", None) is not None and not getattr(value, "_follows_generations", True):
+                value.regroup(joined.rank, joined.world_size)
+        logger.info("rank %d joined the run at step %d (generation %d, %d ranks): %.1f MB of state received in "
+                    "%.2f s, %.2f s after it was ready", dist.get_rank(), self.steps, joined.number, len(members),
+                    size / 1e6, seconds, time.monotonic() - started)
+        return True
+
     def _agreement_of_the_ranks(self) -> StopAgreement:
         if self._agreement is None or self._agreement.generation != world.live_generation():  # ranks were lost
             progress.listening()
@@ -330,7 +364,10 @@ class Checkpointer:
         return [self.directory / e.file for e in atomic_files.read_manifest(self.directory) or []]
 
     def restore(self, state: dict) -> bool:
-        """Load the newest complete checkpoint into `state`; False (and `state` untouched) if there is none."""
+        """Load the newest complete checkpoint into `state`; False (and `state` untouched) if there is none. A rank
+        that joins a run in progress (world/joining.py) loads the state the ranks that train hand it instead."""
+        if joining.pending():
+            return self._join_the_run(state)
         before, started = progress.restoring(), time.monotonic()
         self._settle_quietly()  # rank 0's write in flight is committed once its writer answers
         device = _own_device()
@@ -379,6 +416,8 @@ class Checkpointer:
         self.steps += 1
         progress.step(self.steps)
         stopping = self._agree()
+        if not stopping and self._agreement is not None and self._agreement.joiners_due:
+            self._take_in_joiners(state)
         path = None
         if stopping or last or (self.every is not None and self.steps % self.every == 0):
             path = self._save_recovering(state)

@@ -230,11 +230,13 @@ def recovery(live: bool) -> None:
         _record.event(event="recovery", live=live)
 
 
-def regrouped(number: int, members, lost, seconds: float, redone: bool) -> None:
-    """Generation `number` of the world began: `members` go on without `lost` after `seconds` of regrouping;
-    `redone`: the step in flight (the one after `step`, the last applied) starts over at the new generation."""
+def regrouped(number: int, members, lost, seconds: float, redone: bool, joined=(), healed=None) -> None:
+    """Generation `number` of the world began: `members` go on without `lost` (and with `joined`, ranks taken in)
+    after `seconds` of regrouping; `redone`: the step in flight (the one after `step`, the last applied) starts
+    over at the new generation; `healed`: (bytes, seconds) of the state handed to the joiners."""
     if _record is not None:
         _record.event(event="generation", number=number, members=list(members), lost=list(lost),
+                      joined=list(joined), healed=list(healed) if healed else None,
                       seconds=round(seconds, 4), redone=redone, step=int(_record.slots[P_STEP]), at=time.monotonic())
 
 

@@ -36,7 +36,7 @@ from ..sharding.grad_norm import clip_sharded_grad_norm_
 from ..sharding.shard_waits import install_gather_waits
 from ..sharding.sharded_optimizer import ShardedOptimizer
 from ..sharding.stray_optimizers import guard_level
-from ..world.group import collective_device
+from ..world.group import collective_device, live_group
 from ..world.topology import HostGroups, host_topology
 from .comm_hook_checks import check_comm_hook
 from .dist_autograd import current_context
@@ -90,7 +90,8 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         Joinable.__init__(self)
         check_ready_to_wrap(unsupported)
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self._on_the_world = process_group is None or process_group == dist.group.WORLD  # followed: regroup.py
+        self.process_group = process_group if process_group is not None else (live_group() or dist.group.WORLD)
         self._ignored = ignored_names(module)  # torch's _ddp_params_and_buffers_to_ignore
         named = trained(module, self._ignored)
         if not named:

@@ -72,7 +72,7 @@ class RegroupMixin:
     def _follow_generations(self) -> None:
         """With live recovery on (world/generation.py), regroup onto each new generation of the world. Only a
         model on the whole world: the ranks of a group of the user's own are the user's to rebuild."""
-        if generation.live_recovery() and self.process_group in (None, dist.group.WORLD):
+        if generation.live_recovery() and self._on_the_world:
             generation.on_regroup(self._onto_generation)
 
     def _onto_generation(self, survivors) -> None:
@@ -81,7 +81,7 @@ class RegroupMixin:
     def _live_sharding(self):
         """For shard_optimizer(): what a ShardedOptimizer needs to follow the generations (the model's ranks by
         host, its current exchange), when this model follows them; else None."""
-        if not (generation.live_recovery() and self.process_group in (None, dist.group.WORLD)):
+        if not (generation.live_recovery() and self._on_the_world):
             return None
         if not copies_on():
             generation.say_mode(False, f"{COPIES_ENV}=0: no copy of a rank's optimizer shard is kept")

@@ -56,8 +56,7 @@ def choose_exchange(group, guard: StepGuard, params: list[torch.Tensor], *, owne
     cpu_floats = all(p.device.type == "cpu" and p.dtype in SHM_DTYPES for p in params)
     if topology is not None and topology.spans_hosts:
         _check_forced(topology, guard)
-        whole_world = group.size() == dist.get_world_size()  # the host groups are built from every rank
-        if cpu_floats and whole_world and topology.hierarchical():
+        if cpu_floats and hosts.whole_world and topology.hierarchical():  # the host groups are made from every rank
             exchange = _hierarchical(hosts, group, guard, owner, shard)
             if exchange is not None:
                 return exchange

@@ -35,6 +35,7 @@ from ..diagnose.watch import ddp_stall_seconds
 from ..errors import MembershipError, PeerDiedError, PeerFailedError, explain
 from ..log import logger
 from . import group as world
+from . import joining
 from .liveness import PeerWatch, identity
 
 MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
@@ -183,6 +184,7 @@ _current: Generation | None = None
 _followers: list = []  # weak methods called with each new generation: the models' and loaders' regroups
 _commits = 0  # steps committed (or failed) in the current generation: every member counts the same
 _undoing = False  # during recover(undone=True)
+_admissions = 0  # admit_joiners() calls in the current generation: every member counts the same
 _wait_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -318,17 +320,12 @@ def recover(cause: BaseException, redoing: bool = False, undone: bool = False) -
     global _undoing
     started, before = time.monotonic(), current().members
     survivors = next_generation(cause)
-    _followers[:] = [ref for ref in _followers if ref() is not None]
     _undoing = undone
     try:
-        for ref in list(_followers):
-            method = ref()
-            if method is not None:
-                method(survivors)
+        regroup_followers(survivors.number, survivors.members, sorted(set(before) - set(survivors.members)),
+                          started, redoing)
     finally:
         _undoing = False
-    progress.regrouped(survivors.number, survivors.members, sorted(set(before) - set(survivors.members)),
-                       time.monotonic() - started, redoing)
     return survivors
 
 
@@ -373,6 +370,8 @@ def say_mode(live: bool, why: str) -> None:
     if _mode is not None:
         return
     _mode = live
+    if live and world.is_main() and current().number == 0:
+        joining.count_ranks_from(world.store(), world.world_size())  # before the launcher may let a node join
     progress.recovery(live)  # every rank: its launcher keeps the others after a loss only if they recover
     if not world.is_main():
         return
@@ -399,7 +398,6 @@ def next_generation(cause: BaseException) -> Generation:
     """Collective over the survivors of the current generation: agree on who is left, meet on a new process
     group, and make it the current generation. Raises MembershipError when this rank was counted lost or
     fewer ranks are left than the minimum world size."""
-    global _current, _commits
     store, old = world.store(), current()
     started = time.monotonic()
     members = old.agree_on_survivors(store)
@@ -417,29 +415,135 @@ def next_generation(cause: BaseException) -> Generation:
             f"too few ranks are left to go on after losing ranks {lost}", rank=me,
             seen=f"{len(members)} left: {list(members)}", expected=f"at least {MIN_WORLD_ENV}={minimum}",
             fix="The run falls back to a restart from its newest checkpoint.")) from cause
+    _meet(old.number + 1, members, "the ranks left")
+    if _current.rank == 0:
+        logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s", lost,
+                       type(cause).__name__, len(members), _current.number, time.monotonic() - started)
+    return _current
+
+
+def _meet(number: int, members: tuple[int, ...], who: str) -> None:
+    """Collective over `members`: make generation `number`'s process groups (by name: joiners take part, whose
+    default group is not the others', joining.py) and make it the current generation."""
+    global _current, _commits, _admissions
     # The groups are made with a short timeout (every member agreed moments ago, so all are making them now), then
     # given the membership timeout for their collectives: a member lost while they are made (a second loss within
     # the regroup) would otherwise hold the others in Gloo's connection set-up, which cannot be watched, for that long.
     connect = timedelta(seconds=min(membership_timeout(), REGROUP_CONNECT_SECONDS))
+    name = f"phalanx/{world.attempt()}/generation{number}"
     try:
-        group = dist.new_group(list(members), timeout=connect, use_local_synchronization=True)
-        control = dist.new_group(list(members), backend="gloo", timeout=connect, use_local_synchronization=True)
+        group = joining.make_group(members, f"{name}/main", connect)
+        control = joining.make_group(members, f"{name}/control", connect, backend="gloo")
     except RuntimeError as exc:
         raise MembershipError(explain(
-            f"the ranks left could not make generation {old.number + 1}'s process group", rank=me,
+            f"{who} could not make generation {number}'s process group", rank=dist.get_rank(),
             seen=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (members {list(members)})",
             expected=f"every member connected within {connect.total_seconds():g} s",
             fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
                 "checkpoint.")) from exc
     for made in (group, control):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), made)
-    _current, _commits = Generation(old.number + 1, members, group), 0
-    world.set_live(_current.number, members, group, control)
-    store.set(_current._key("who", me), identity())
-    if _current.rank == 0:
-        logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s", lost,
-                       type(cause).__name__, len(members), _current.number, time.monotonic() - started)
-    return _current
+    current()  # generation 0 registered its end-of-run reset
+    _current, _commits, _admissions = Generation(number, tuple(members), group), 0, 0
+    world.set_live(_current.number, _current.members, group, control)
+    world.store().set(_current._key("who", dist.get_rank()), identity())
+
+
+# -- ranks that join (joining.py) --------------------------------------------------------------------
+
+
+def start_solo() -> None:
+    """A joiner, before it is taken in: a generation of its own (its model and loader are built as in a world of
+    one), on groups of its own."""
+    global _current
+    me = dist.get_rank()
+    timeout = timedelta(seconds=REGROUP_CONNECT_SECONDS)
+    group = joining.make_group([me], f"phalanx/{world.attempt()}/join{me}/main", timeout)
+    control = joining.make_group([me], f"phalanx/{world.attempt()}/join{me}/control", timeout, backend="gloo")
+    current()
+    _current = Generation(joining.SOLO, (me,), group)
+    world.set_live(joining.SOLO, (me,), group, control)
+
+
+def admit_joiners() -> tuple[int, ...]:
+    """Collective over the current generation, at a step every member agreed on (the checkpointer's agreement saw
+    joiners waiting): the ranks ready to join are taken in, and the next generation is the members and them.
+    Returns the joiners (none: nobody was ready after all)."""
+    global _admissions
+    store, old = world.store(), current()
+    decision = old._key("joined", _admissions)
+    _admissions += 1
+    if old.rank == 0:
+        ready = [rank for rank in joining.ready_ranks(store, world.world_size()) if rank not in old.members]
+        text = ",".join(map(str, ready)) or "-"
+        if store.compare_set(decision, "", text) == text.encode():  # decided here (the first writer wins)
+            for rank in ready:
+                store.delete_key(joining.ready_key(rank))
+            store.add(joining.WAITING, -len(ready))
+    store.wait([decision], timedelta(seconds=membership_timeout()))
+    text = store.get(decision).decode()
+    joiners = tuple(int(rank) for rank in text.split(",")) if text != "-" else ()
+    if not joiners:
+        return ()
+    members = tuple(sorted(old.members + joiners))
+    if old.rank == 0:
+        for rank in joiners:
+            store.set(joining.admitted_key(rank), f"{old.number + 1}:{','.join(map(str, members))}:"
+                                                  f"{','.join(map(str, joiners))}")
+    _meet(old.number + 1, members, "the ranks that train and the ones joining")
+    return joiners
+
+
+def join_run() -> tuple[Generation, tuple[int, ...]]:
+    """A joiner: say it is ready, wait until the ranks that train take it in at a step boundary (up to
+    PHALANX_JOIN_TIMEOUT), and meet them on the generation that takes it in. Returns it, and the ranks it took
+    in (this one among them)."""
+    store, me = world.store(), dist.get_rank()
+    store.set(joining.ready_key(me), identity())
+    store.add(joining.WAITING, 1)
+    started = time.monotonic()
+    deadline, say_at = started + joining.join_timeout(), started + AWAITED_SAY_EVERY
+    while not _admitted(store, me):
+        now = time.monotonic()
+        if now > deadline:
+            raise MembershipError(explain(
+                "this rank was not taken into the run it was started to join", rank=me,
+                seen=f"no answer within {joining.join_timeout():g} s ({joining.JOIN_TIMEOUT_ENV})",
+                expected="the ranks that train taking it in at their next step boundary (checkpointer.step())",
+                fix="The others may be stopping, or their loop does not call checkpointer.step(state); its launcher "
+                    "starts it again to join."))
+        if now > say_at:
+            say_at += AWAITED_SAY_EVERY
+            logger.info("rank %d: waiting %.0f s so far to be taken into the run at a step boundary", me,
+                        now - started)
+        time.sleep(0.01)
+    number, members, joiners = store.get(joining.admitted_key(me)).decode().split(":")
+    _meet(int(number), tuple(int(rank) for rank in members.split(",")), "a joining rank")
+    joining.set_pending(False)
+    return _current, tuple(int(rank) for rank in joiners.split(","))
+
+
+def _admitted(store, me: int) -> bool:
+    try:
+        return store.check([joining.admitted_key(me)])
+    except RuntimeError as exc:  # the store's host is gone: the run ended (or its master node was lost)
+        raise MembershipError(explain(
+            "the run this rank was started to join ended before it was taken in", rank=me,
+            seen=f"its store no longer answers ({type(exc).__name__})", expected="the run in progress",
+            fix="Nothing to do if the run finished; else start it again (its newest checkpoint).")) from None
+
+
+def regroup_followers(number: int, members, lost, started: float, redoing: bool = False, joined=(),
+                      healed: tuple[int, float] | None = None) -> None:
+    """Every model and loader that follows the generations regrouped onto the current one, and the change
+    recorded for the launcher's run summary."""
+    _followers[:] = [ref for ref in _followers if ref() is not None]
+    for ref in list(_followers):
+        method = ref()
+        if method is not None:
+            method(_current)
+    progress.regrouped(number, members, lost, time.monotonic() - started, redoing, joined=list(joined),
+                       healed=healed)
 
 
 def _lost_among(ranks) -> set[int]:
@@ -448,6 +552,7 @@ def _lost_among(ranks) -> set[int]:
 
 
 world.lost_among = _lost_among
+world.start_solo = start_solo
 
 
 def forget() -> None:

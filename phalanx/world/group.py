@@ -23,7 +23,7 @@ from ..diagnose import progress, recorder, stacks
 from ..diagnose.watch import stall_timeout
 from ..diagnose.watchdog import Watchdog
 from ..errors import PeerDiedError, RanksTimedOutError, WorldConfigError, explain
-from . import interface, stop
+from . import interface, joining, stop
 from .discovery import WorldSpec, discover
 from .rendezvous import host_store, join_store
 
@@ -34,9 +34,11 @@ SHUTDOWN_WAIT = 60.0  # seconds shutdown() waits for the other ranks before leav
 _spec: WorldSpec | None = None
 _device: torch.device | None = None
 _store = None  # phalanx's own namespace in the rendezvous store (barriers, host identity)
+_attempt = "0"  # the worker group's keys in the store: its restart count, or the elastic round
 _owns_group = False
 _barrier_count = 0
 lost_among = None  # generation.py's: which of some ranks are known gone (live recovery), for barrier()
+start_solo = None  # generation.py's: a joiner's generation of its own, until the run takes it in (joining.py)
 # After a loss (live recovery, generation.py): (generation number, members' global ranks, their process group).
 # None: the whole world, on torch's default group.
 _live: tuple[int, tuple[int, ...], object] | None = None
@@ -139,8 +141,9 @@ def live_generation() -> int:
 def set_live(number: int, members: tuple[int, ...], group, control) -> None:
     """generation.py's: from now on the ranks that train are `members`, on `group` (and `control`, a Gloo group of
     theirs: control_group())."""
-    global _live, _control
-    _live, _control = (number, tuple(members), group), control
+    global _live, _control, _barrier_count
+    # Barriers count from 0 in each generation (their keys name it): a rank that joined counted none before.
+    _live, _control, _barrier_count = (number, tuple(members), group), control, 0
 
 
 def control_group():
@@ -193,7 +196,7 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     >>> phalanx.rank(), phalanx.world_size()
     (0, 1)
     """
-    global _spec, _device, _store, _owns_group
+    global _spec, _device, _store, _owns_group, _attempt
     if _spec is not None:
         return _device
     spec = discover()
@@ -219,21 +222,28 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
         store = _connect_store(spec, connect_timeout, timeout)
         # The launcher's store outlives a restart of the workers: keys are per attempt, so a
         # restarted rank never reads a peer's address from the attempt before.
-        dist.init_process_group(_choose_backend(chosen, backend), store=dist.PrefixStore(f"default_pg/{attempt}",
-                                                                                         store),
-                                rank=spec.rank, world_size=spec.world_size, timeout=timeout,
-                                device_id=chosen if chosen.type == "cuda" else None)
+        default_store = dist.PrefixStore(f"default_pg/{attempt}", store)
+        if joining.requested():  # a run in progress takes this rank in later: nobody to connect to now
+            joining.init_unconnected(_choose_backend(chosen, backend), default_store, spec.rank,
+                                     max(spec.world_size, spec.rank + 1), timeout)
+        else:
+            dist.init_process_group(_choose_backend(chosen, backend), store=default_store, rank=spec.rank,
+                                    world_size=spec.world_size, timeout=timeout,
+                                    device_id=chosen if chosen.type == "cuda" else None)
         _owns_group = True
-    _make_control_group(timeout)
+    if not joining.pending():
+        _make_control_group(timeout)
     recorder.done(rendezvous)
     _share_cores(spec, chosen)
     _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
-    _spec, _device = spec, chosen
+    _spec, _device, _attempt = spec, chosen, attempt
     log.configure(spec.rank)
     if network is not None:
         getattr(log.logger, network.level)(network.sentence)
     allocator.say_at_init(spec.rank, spec.world_size)  # under torchrun/srun: the allocator, and the LD_PRELOAD
-    if _owns_group:
+    if joining.pending():
+        start_solo()  # a world of its own until the run takes it in (checkpointer.restore())
+    elif _owns_group:
         # Gloo finishes connecting on some ranks before others; a rank that returned from init()
         # and exited at once would break its peers' half-made connections. Leave init() together.
         try:
@@ -390,7 +400,15 @@ def device() -> torch.device:
 def is_main() -> bool:
     """True on global rank 0 (after a loss: on the first of the ranks left), and in a process that has not joined
     a world."""
+    if joining.pending():
+        return False  # a joiner before the run took it in: its world of its own is not the run's
     return _spec is None or (rank() == 0 if _live is None else rank() == _live[1][0])
+
+
+def attempt() -> str:
+    """The worker group's name in the store: its restart count, or under `--nnodes MIN:MAX` the rendezvous round
+    (a joiner is given the round of the group it joins)."""
+    return _attempt
 
 
 def store():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..errors import WorldConfigError, explain
+from .group import live_group
 
 XHOST_CHOICES = ("auto", "flat", "hier")
 
@@ -131,6 +132,9 @@ class HostGroups:
     def __init__(self, topology: Topology, group=None):
         self.topology = topology
         self.group = group if group is not None else dist.group.WORLD
+        # Whether the group is the whole world, the world torch's default group was made with: never once ranks were
+        # lost or joined (a joiner's default group is a world it never talks to: world/joining.py).
+        self.whole_world = dist.get_world_size(self.group) == dist.get_world_size() and live_group() is None
         self.host = self.network = None
         self._built = False
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.checkpoint.atomic_files import checkpoint_files, load_safely
-from phalanx.world import generation
+from phalanx.world import generation, joining
 from tests.helpers.global_batch_cases import (
     EPOCHS,
     GLOBAL_BATCH,
@@ -105,18 +105,21 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
 
 @contextlib.contextmanager
 def _groups_made():
-    """The files whose code made a process group (dist.new_group) inside the block: only a regroup should."""
-    made, new_group = [], dist.new_group
+    """The files whose code made a process group (dist.new_group, or joining.make_group: a generation's groups, made
+    by name) inside the block: only a regroup should."""
+    made, new_group, make_group = [], dist.new_group, joining.make_group
 
-    def recorded(*args, **kwargs):
-        made.append(os.path.basename(traceback.extract_stack(limit=2)[0].filename))
-        return new_group(*args, **kwargs)
+    def recording(make):
+        def recorded(*args, **kwargs):
+            made.append(os.path.basename(traceback.extract_stack(limit=2)[0].filename))
+            return make(*args, **kwargs)
+        return recorded
 
-    dist.new_group = recorded
+    dist.new_group, joining.make_group = recording(new_group), recording(make_group)
     try:
         yield made
     finally:
-        dist.new_group = new_group
+        dist.new_group, joining.make_group = new_group, make_group
 
 
 def applied_ids(directory: str, world_size: int) -> dict:

@@ -1,0 +1,117 @@
+"""Ranks that join a run in progress, taken in at a step boundary without a restart of the ranks that train.
+
+Under live recovery (generation.py) the ranks that train never restart for a change of membership: a node that
+starts, or comes back, under `phalanx run --nnodes MIN:MAX` starts its workers with PHALANX_JOIN=1. Each gets a
+global rank that this run never used (the store's counter NEXT_RANK, which starts at the first world's size), so
+the ranks that train keep theirs and their order, and the joiners come after them.
+
+torch's default process group cannot grow, and a new one cannot be made in-process beside the old one (pytorch
+#55967), so a joining process makes its default group without connecting it (Gloo's lazy start: a world whose
+other members it never talks to), trains nothing in it, and meets the others on groups made by name from their
+members (make_group): the generations' groups. Until it is taken in, it is a world of its own (a solo generation),
+where its model and loader are built as in a world of one.
+
+The store protocol, in phalanx's namespace of the run's store:
+- join/next-rank: the counter the joiners' launcher draws global ranks from (NEXT_RANK);
+- join/ready/<rank>: a joiner is ready (it waits in `checkpointer.restore()`); join/waiting counts them;
+- join/admitted/<rank>: the generation that took it in ("<number>:<members>"), written by that generation's
+  first rank at a step every rank of the old generation agreed on.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+JOIN_ENV = "PHALANX_JOIN"
+JOIN_TIMEOUT_ENV = "PHALANX_JOIN_TIMEOUT"
+DEFAULT_JOIN_TIMEOUT = 300.0  # seconds a joiner waits to be taken in: the ranks that train take it at a step boundary
+NEXT_RANK = "join/next-rank"
+WAITING = "join/waiting"
+SOLO = -1  # the number of a joiner's generation of its own, before it is taken in
+
+_pending = False  # this process started as a joiner and was not taken in yet
+
+
+def requested() -> bool:
+    """Whether this process was started to join a run in progress (its launcher set PHALANX_JOIN=1)."""
+    return os.environ.get(JOIN_ENV) == "1"
+
+
+def pending() -> bool:
+    """Whether this process joins a run in progress and was not taken in yet."""
+    return _pending
+
+
+def set_pending(value: bool) -> None:
+    global _pending
+    _pending = value
+
+
+def join_timeout() -> float:
+    value = os.environ.get(JOIN_TIMEOUT_ENV)
+    return float(value) if value else DEFAULT_JOIN_TIMEOUT
+
+
+def ready_key(rank: int) -> str:
+    return f"join/ready/{rank}"
+
+
+def admitted_key(rank: int) -> str:
+    return f"join/admitted/{rank}"
+
+
+def count_ranks_from(store, world_size: int) -> None:
+    """The first rank of the first world: the joiners' ranks are drawn from `world_size` on (once per run's store
+    namespace: a restarted group counts in a namespace of its own)."""
+    store.add(NEXT_RANK, world_size)
+
+
+def draw_ranks(store, count: int) -> list[int]:
+    """The launcher of a joining node: `count` global ranks this run never used, in order."""
+    last = store.add(NEXT_RANK, count)
+    return list(range(last - count, last))
+
+
+def waiting(store) -> int:
+    """How many joiners are ready and not yet taken in."""
+    return store.add(WAITING, 0)
+
+
+def ready_ranks(store, world_size: int) -> list[int]:
+    """The ranks ready to be taken in (those drawn after the first world's `world_size` whose ready key is set)."""
+    drawn = store.add(NEXT_RANK, 0)
+    candidates = list(range(world_size, drawn))
+    return [rank for rank in candidates if store.check([ready_key(rank)])]
+
+
+def make_group(members, name: str, timeout: timedelta, backend: str | None = None):
+    """A process group of `members` (global ranks, ascending), made by its name: every member calls it with the
+    same name, whatever groups each process made before (dist.new_group names a group by how many the process
+    made, which differs in a joiner), and whatever the size of each one's default group. Registered with torch
+    like dist.new_group's groups, so that every collective and rank query takes it."""
+    members = list(members)
+    default = c10d._get_default_group()
+    default_backend, default_store = c10d._world.pg_map[default]
+    group, _ = c10d._new_process_group_helper(len(members), members.index(dist.get_rank()), members,
+                                              backend or default_backend, default_store, name, timeout=timeout)
+    c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}
+    return group
+
+
+def init_unconnected(backend: str, store, rank: int, world_size: int, timeout: timedelta) -> None:
+    """A joiner's default process group: rank `rank` of a world it never talks to (Gloo, not connected until used,
+    which it never is), so that its global rank is `rank` in every group it makes with the others."""
+    previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    finally:
+        if previous is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = previous
+    set_pending(True)

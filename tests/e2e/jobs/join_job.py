@@ -1,0 +1,96 @@
+"""The loop of docs/data.md ("A global batch") with `checkpointer.restore(state)` first: a rank that joins the run in
+progress (PHALANX_JOIN=1, started by `phalanx run` on a node that joins, or by a test) gets its state there.
+
+    python tests/e2e/jobs/join_job.py RUN_DIR [--pause S] [--wait-for-joiners-at EPOCH:STEP] [--adam] [--hidden N]
+
+The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs). Every rank
+appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
+averaged); each rank that finishes writes RUN_DIR/result-<rank>.pt (weights_only): its process ids at the start and
+the end, its generation (number, members), its final parameters, whether its restore() read a checkpoint file, the
+checkpoint's step count when it joined, and the step it first trained. `--wait-for-joiners-at`: at that step the
+ranks that train wait (up to 120 s) until a joiner is ready, so that a test need not race the joiner's start-up.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.checkpoint import atomic_files
+from phalanx.world import generation, joining
+from phalanx.world import group as world
+from tests.helpers.global_batch_cases import (
+    EPOCHS,
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    SEED,
+    Indexed,
+    make_model,
+    make_optimizer,
+    parameters,
+)
+
+
+def _wait_for_a_joiner() -> None:
+    deadline = time.monotonic() + 120
+    while joining.waiting(world.store()) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds of sleep per step")
+    parser.add_argument("--wait-for-joiners-at", default="", help="EPOCH:STEP")
+    parser.add_argument("--adam", action="store_true")
+    parser.add_argument("--hidden", type=int, default=8)
+    args = parser.parse_args()
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    started_as = os.getpid()
+    px.init()
+    rank = px.rank()
+    wait_at = tuple(int(part) for part in args.wait_for_joiners_at.split(":")) if args.wait_for_joiners_at else None
+    dataset = Indexed()
+    loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
+                           sampler=px.DistributedSampler(dataset, seed=SEED))
+    model = px.DistributedDataParallel(make_model(args.hidden), bucket_cap_mb=1e-6)
+    optimizer = make_optimizer(model, args.adam)
+    checkpointer = px.Checkpointer(args.run_dir / "checkpoints", every=1000)  # never saves: a join reads no file
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    loads = []
+    load_safely = atomic_files.load_safely
+    atomic_files.load_safely = lambda *a, **k: loads.append(a[0]) or load_safely(*a, **k)
+    checkpointer.restore(state)
+    joined_at, first_step = checkpointer.steps, None
+    with open(args.run_dir / f"ids-{rank}.jsonl", "a") as log:
+        for epoch in range(loader.state_dict()["epoch"], EPOCHS):
+            loader.set_epoch(epoch)
+            for step in loader:
+                first_step = first_step if first_step is not None else (epoch, step.index)
+                if (epoch, step.index) == wait_at and not joining.requested():
+                    _wait_for_a_joiner()
+                time.sleep(args.pause)
+                optimizer.zero_grad()
+                ids = []
+                for index, x, y in step.micro_batches(model):
+                    step.backward(F.mse_loss(model(x), y))
+                    if step.weight:
+                        ids += index.tolist()
+                optimizer.step()
+                log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
+                log.flush()
+                checkpointer.step(state)
+    current = generation.current()
+    torch.save({"pid": [started_as, os.getpid()], "generation": [current.number, list(current.members)],
+                "params": parameters(model), "files_read": [str(path) for path in loads], "joined_at": joined_at,
+                "first_step": list(first_step)}, args.run_dir / f"result-{rank}.pt")
+    px.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Ranks that join a run in progress are taken in at a step boundary, with the state of the ranks that train handed
+over the network: no restart of those, no checkpoint read.
+
+Two ranks train the loop of docs/data.md (tests/e2e/jobs/join_job.py) under live recovery; once they made a step,
+one or two more processes start with PHALANX_JOIN=1 and ranks drawn from the run's store, as `phalanx run` starts a
+joining node's workers (tests/e2e/test_live_recovery.py covers that across hosts). The ranks that train keep their
+processes; every rank ends in the generation that took the joiners in; the joiners read no file, start from the step
+after the one they were taken in at, and end with the same parameters as the others and as one process on whole
+global batches (the run that never changed its world); every sample weighs in once per epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from phalanx.testing import free_port
+from phalanx.world import joining
+from tests.conftest import ROOT
+from tests.helpers.global_batch_cases import reference_run
+from tests.helpers.live_recovery_cases import applied_ids
+
+JOB = str(Path(__file__).resolve().parent / "jobs" / "join_job.py")
+ATTEMPT = "join-test"
+
+
+def _start(env: dict, rank: int, world_size: int, directory: Path, extra: list, **more) -> subprocess.Popen:
+    env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+           "LOCAL_WORLD_SIZE": str(world_size), **more}
+    log = open(directory / f"log-{rank}.txt", "w")
+    return subprocess.Popen([sys.executable, JOB, str(directory), *extra], env=env, cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("joiners, adam", [(1, False), (2, True)], ids=["one-joiner-sgd", "two-joiners-adamw"])
+def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(tmp_path, joiners, adam):
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHALANX_MIN_WORLD_SIZE": "1",
+           "PHALANX_STORE_ATTEMPT": ATTEMPT, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    extra = ["--wait-for-joiners-at", "0:2", "--pause", "0.3", *(["--adam"] if adam else [])]
+    processes = [_start(env, rank, 2, tmp_path, extra) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ids-0.jsonl").exists() or not (tmp_path / "ids-0.jsonl").read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(tmp_path)
+            time.sleep(0.1)
+        store = dist.PrefixStore(f"phalanx/{ATTEMPT}", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                                      timeout=timedelta(seconds=30)))
+        drawn = joining.draw_ranks(store, joiners)
+        assert drawn == list(range(2, 2 + joiners))  # after the first world's ranks
+        processes += [_start(env, rank, rank + 1, tmp_path, extra, PHALANX_JOIN="1") for rank in drawn]
+        codes = [p.wait(timeout=180) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0] * len(processes), _logs(tmp_path)
+    world = list(range(2 + joiners))
+    results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in world}
+    expected_params, expected_steps = reference_run(adam=adam)
+    for rank, result in results.items():
+        assert result["pid"][0] == result["pid"][1], f"rank {rank} changed process"
+        assert result["generation"] == [1, world], f"rank {rank}: {result['generation']}"
+        for ours, theirs in zip(result["params"], expected_params):
+            assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
+    for rank in drawn:
+        assert results[rank]["files_read"] == [], f"joiner {rank} read {results[rank]['files_read']}"
+        joined_at = results[rank]["joined_at"]
+        assert joined_at >= 3 and results[rank]["first_step"] == [joined_at // 4, joined_at % 4], results[rank]
+    assert applied_ids(str(tmp_path), len(world)) == expected_steps, "a sample was lost or used twice"
+    assert "joined: " in (tmp_path / "log-0.txt").read_text()
+
+
+def _logs(directory: Path) -> str:
+    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(directory.glob("log-*.txt")))
