@@ -76,7 +76,8 @@ class StopAgreement:
         self.joiners_due = False  # ranks wait to join: the ranks take them in at this step (checkpointer.step())
         self.world_size = world.group_size()  # asked once: torch's get_world_size() costs ~20 us a call
         # Only the first rank reads the store, under live recovery: a count of joiners, not a collective.
-        self.reads_joiners = generation.live_recovery() and world.group_rank() == 0 and world.store() is not None
+        self.reads_joiners = (generation.live_recovery() and world.group_rank() == 0 and world.store() is not None
+                              and joining.refused() is None)
         self._looked_at = time.monotonic()
         # The ranks that train when it is made: after a loss (live recovery) the Checkpointer makes a new one.
         self.generation, self.members = world.live_generation(), world.live_members()

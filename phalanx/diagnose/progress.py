@@ -223,11 +223,17 @@ def stopped(count: int, path, save_seconds: float, reason: str, requested_at: fl
                  requested_at=requested_at)
 
 
-def recovery(live: bool) -> None:
+def recovery(live: bool, joins: bool = False) -> None:
     """Whether this worker's loop recovers a lost rank in-process (world/generation.py): the launcher keeps the
-    other workers only then."""
+    other workers only then; `joins`: and takes ranks that join in at a step boundary (world/joining.py)."""
     if _record is not None:
-        _record.event(event="recovery", live=live)
+        _record.event(event="recovery", live=live, joins=joins)
+
+
+def joins_refused(why: str) -> None:
+    """This worker's run cannot take a joining rank in (world/joining.py): a node that joins restarts the group."""
+    if _record is not None:
+        _record.event(event="joins", refused=why)
 
 
 def regrouped(number: int, members, lost, seconds: float, redone: bool, joined=(), healed=None) -> None:

@@ -23,7 +23,7 @@ from ..bucket.shard_levels import unsupported_with_sharding
 from ..errors import WorldConfigError, explain
 from ..exchange.choose import choose_exchange
 from ..sharding.shard_copies import COPIES_ENV, copies_on
-from ..world import generation
+from ..world import generation, joining
 from ..world.group import collective_device
 from .replicas import check_same_signature
 
@@ -87,6 +87,7 @@ class RegroupMixin:
             generation.say_mode(False, f"{COPIES_ENV}=0: no copy of a rank's optimizer shard is kept")
             return None
         self._shards_copied = True
+        joining.refuse(f"shard={self.shard!r}: a sharded optimizer's state is not handed to a joining rank")
         model = weakref.ref(self)
 
         def hosts():

@@ -210,6 +210,18 @@ class Agent(LocalElasticAgent):
             sweep_process_groups(self.group_pids)
         return RunResult(state=WorkerState.FAILED)
 
+    def _take_in(self, worker_group) -> RunResult:
+        """Node(s) join the workers in progress (world/joining.py): meet them in a new round as torch's agent would,
+        its collective assignment of ranks included, but keep this node's workers and their ranks: they take the
+        joiners in at their next step boundary."""
+        info = worker_group.spec.rdzv_handler.next_rendezvous()
+        self._assign_worker_ranks(info.store, info.rank, info.world_size, worker_group.spec)  # the round's collective
+        worker_group.store = self._store = info.store
+        worker_group.group_rank, worker_group.group_world_size = info.rank, info.world_size
+        self.stop.moved(self.regroup.rendezvous.quick_store(), info.rank)
+        self.regroup.taken_in(worker_group)
+        return RunResult(state=WorkerState.HEALTHY)
+
     def _monitor_workers(self, worker_group):
         try:
             return self._monitor(worker_group)
@@ -230,6 +242,8 @@ class Agent(LocalElasticAgent):
         elastic = self.regroup is not None and not self.stop.active
         if elastic:
             verdict = self.regroup.poll(self.group_pids, self._records)
+            if verdict == "join":
+                return self._take_in(worker_group)
             if verdict is not None:
                 return self._regroup_now(verdict)
             if self.regroup.growing_since is not None:

@@ -219,10 +219,16 @@ def summary_lines(now: Invocation, job: list[dict], job_path: str | None) -> lis
                      f"{now.save_background:.1f} s")
     for change in now.changes:
         took = f", {change['seconds']:.1f} s to the first step there" if change.get("seconds") else ""
+        before, after = change["world"]
+        if change.get("healed"):  # ranks taken in (world/joining.py): the state they were handed, and its time
+            size, seconds = change["healed"]
+            lines.append(f"  {change['change']}: world size {before} -> {after}, taken in after step {change['step']}, "
+                         f"regrouped in {change['regroup_seconds']:.3f} s, {size / 1e6:.1f} MB of state healed in "
+                         f"{seconds:.2f} s, no step redone")
+            continue
         if "regroup_seconds" in change:  # kept in-process: how long the ranks left took to regroup
             redone = f"step {change['redone'] + 1} redone" if change.get("redone") is not None else "no step redone"
             took += f", regrouped in {change['regroup_seconds']:.3f} s, {redone}"
-        before, after = change["world"]
         lines.append(f"  {change['change']}: world size {before} -> {after}, resumed from step {change['step']}{took}")
     if len(job) > 1:
         total = _total(job)

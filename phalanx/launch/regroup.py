@@ -17,6 +17,7 @@ import sys
 import time
 
 from ..diagnose.recorder import pid_alive
+from ..world.joining import JOIN_ENV
 from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES, ElasticRendezvous
 from .failures import signal_name
 
@@ -52,13 +53,25 @@ class Regroup:
     # -- a new worker group -------------------------------------------------------------------------
 
     def starting(self, worker_group) -> None:
-        """Before the workers of a new round start: keys of their own in the store; say who is in."""
-        os.environ["PHALANX_STORE_ATTEMPT"] = f"round-{self.rendezvous.round}"
+        """Before the workers of a new round start: keys of their own in the store; say who is in. A round that
+        takes this node into workers in progress (live join): its workers join theirs, with ranks never used."""
         spec = worker_group.spec
         self.world_before, self.world = self.world, worker_group.group_world_size * spec.local_world_size
         nodes = ", ".join(str(node) for node in self.rendezvous.current)
         left, joined = self.rendezvous.changes()
         me = f"this is node {worker_group.group_rank}"
+        attempt = self.rendezvous.joining_attempt() if self.rendezvous.round > 0 else None
+        os.environ.pop(JOIN_ENV, None)
+        if attempt is not None:
+            os.environ["PHALANX_STORE_ATTEMPT"], os.environ[JOIN_ENV] = attempt, "1"
+            ranks = self.rendezvous.draw_ranks(attempt, len(worker_group.workers))
+            for worker, rank in zip(sorted(worker_group.workers, key=lambda w: w.local_rank), ranks):
+                worker.global_rank, worker.world_size = rank, ranks[-1] + 1
+            _say(f"joining the workers in progress ({nodes}; {me}): ranks {ranks} are taken in at their next step "
+                 f"boundary, with the state the ranks that train hand over (no checkpoint read).")
+            self.change, self.resume_reported = "", True
+            return
+        os.environ["PHALANX_STORE_ATTEMPT"] = f"round-{self.rendezvous.round}"
         if not self.rendezvous.previous:
             _say(f"elastic group of {len(self.rendezvous.current)} node(s) ({nodes}): world size {self.world}; {me}.")
             return
@@ -106,6 +119,10 @@ class Regroup:
             self._lost(lost)
             return "lost"
         waiting = self.rendezvous.waiting()
+        if waiting and self._taken_in_live(records):
+            _say(f"{len(waiting)} node(s) waiting to join ({', '.join(waiting)}): the workers in progress take them in "
+                 f"at a step boundary, in-process.")
+            return "join"
         if waiting:
             self.growing_since = self.changed_at = now
             _say(f"{len(waiting)} node(s) waiting to join ({', '.join(waiting)}): asking the workers to save at a "
@@ -116,6 +133,26 @@ class Regroup:
                 except (ProcessLookupError, PermissionError):
                     pass
         return None
+
+    def _taken_in_live(self, records: dict) -> bool:
+        """Whether the node(s) waiting join the workers in progress: every launcher follows the first one's answer,
+        which is yes when its workers all said they take joiners in (live recovery, an unsharded optimizer)."""
+        attempt = os.environ.get("PHALANX_STORE_ATTEMPT")
+        able = self.survivors is not None and self.survivors.workers_join(records) and attempt is not None
+        return self.rendezvous.decide_join(attempt if able else None) is not None
+
+    def taken_in(self, worker_group) -> None:
+        """The node(s) that waited met this one in a new round, and its workers take theirs in (the workers' own
+        regroup, at their next agreed step): say who is in now."""
+        self.world_before = self.world - (self.survivors.ranks_lost() if self.survivors is not None else 0)
+        self.world = worker_group.group_world_size * worker_group.spec.local_world_size
+        _, joined = self.rendezvous.changes()
+        nodes = ", ".join(str(node) for node in self.rendezvous.current)
+        _say(f"{', '.join(str(node) for node in joined) or 'a node'} joined in-process: {len(self.rendezvous.current)} "
+             f"node(s) now ({nodes}), world size {self.world_before} -> {self.world}; this is node "
+             f"{worker_group.group_rank}.")
+        if self.survivors is not None:
+            self.survivors.nodes.clear()  # the nodes lost before are out of the round: the world counts who is in
 
     def failed(self) -> bool:
         """The workers failed: was it a node lost (True: regroup, not a failure)? Waits until a silent node's
@@ -223,6 +260,14 @@ class KeptSurvivors:
             return RunResult(state=WorkerState.HEALTHY)
         return RunResult(state=WorkerState.SUCCEEDED, return_values={rank: None for rank in codes})
 
+    def workers_join(self, records: dict) -> bool:
+        """Whether this node's running workers take a joining node's ranks in at a step boundary (world/joining.py):
+        each recovers in-process and said it takes joiners in (a sharded optimizer's state is not handed over)."""
+        if not self.workers_recover(records):
+            return False
+        running = [record for record in records.values() if record.state != "exited"]
+        return all((record.last("recovery") or {}).get("joins") and not record.last("joins") for record in running)
+
     def ranks_lost(self) -> int:
         return len(self.lost) + sum(self.nodes.values())
 
@@ -304,6 +349,10 @@ class KeptSurvivors:
         regroups = [event for event in record.events if event.get("event") == "generation"]
         for event in regroups[self._regroups_told:]:
             lost, members = event.get("lost", []), event.get("members", [])
+            if event.get("joined"):
+                self._regroups_told += 1
+                self.changes.append(self._joined(event))
+                continue
             unnoted = [rank for rank in lost if rank in records and rank not in self._notes]
             if unnoted and time.monotonic() < event.get("at", 0) + NOTE_WAIT:
                 return  # a rank of this node: its workers may regroup before this launcher sees it gone
@@ -318,3 +367,12 @@ class KeptSurvivors:
             for note in notes:
                 note["change"] = change
             self.changes.append(change)
+
+    @staticmethod
+    def _joined(event: dict) -> dict:
+        """A regroup that took ranks in (world/joining.py), as a change of the run summary."""
+        joined, members = event["joined"], event.get("members", [])
+        size, seconds = event.get("healed") or (0, 0.0)
+        return {"change": f"rank(s) {joined} joined in-process", "world": [len(members) - len(joined), len(members)],
+                "step": event.get("step"), "seconds": None, "regroup_seconds": event.get("seconds"),
+                "healed": [size, seconds], "redone": None}

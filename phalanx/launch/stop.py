@@ -124,6 +124,10 @@ class StopRequest:
         if self.signal is not None:
             self._tell_workers()
 
+    def moved(self, store, node_rank: int) -> None:
+        """The nodes met in a new round while the workers went on (a node joined them): its store and this node's rank."""
+        self.store, self.node_rank = store, node_rank
+
     def workers_stopped(self) -> None:
         self.pids = set()
 

@@ -372,7 +372,9 @@ def say_mode(live: bool, why: str) -> None:
     _mode = live
     if live and world.is_main() and current().number == 0:
         joining.count_ranks_from(world.store(), world.world_size())  # before the launcher may let a node join
-    progress.recovery(live)  # every rank: its launcher keeps the others after a loss only if they recover
+    # every rank: its launcher keeps the others after a loss only if they recover, and lets a node join in-process
+    # only if they take it in
+    progress.recovery(live, joins=live and joining.refused() is None)
     if not world.is_main():
         return
     if live:

@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ..diagnose import progress
+
 JOIN_ENV = "PHALANX_JOIN"
 JOIN_TIMEOUT_ENV = "PHALANX_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT = 300.0  # seconds a joiner waits to be taken in: the ranks that train take it at a step boundary
@@ -34,6 +36,7 @@ WAITING = "join/waiting"
 SOLO = -1  # the number of a joiner's generation of its own, before it is taken in
 
 _pending = False  # this process started as a joiner and was not taken in yet
+_refused: str | None = None  # why this process's run cannot take a joiner in (a sharded optimizer's state)
 
 
 def requested() -> bool:
@@ -49,6 +52,19 @@ def pending() -> bool:
 def set_pending(value: bool) -> None:
     global _pending
     _pending = value
+
+
+def refuse(why: str) -> None:
+    """This run cannot take a joiner in, for `why`: a node that joins makes the run save and restart instead."""
+    global _refused
+    if _refused is None:
+        _refused = why
+        progress.joins_refused(why)
+
+
+def refused() -> str | None:
+    """Why this run cannot take a joiner in, or None."""
+    return _refused
 
 
 def join_timeout() -> float:

@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from ..errors import RendezvousTimeoutError as PhalanxRendezvousTimeout
 from ..errors import StoreLostError, explain
+from . import joining
 from .interface import address_toward
 from .rendezvous import host_or_join, join_store
 
@@ -201,6 +202,32 @@ class ElasticRendezvous(RendezvousHandler):
     def waiting(self) -> list[str]:
         """Addresses of the nodes waiting to join the next round."""
         return sorted(desc.addr for desc in self._state().wait_list)
+
+    # -- a node that joins the workers in progress (world/joining.py) ------------------------------------
+
+    def _join_key(self, round_number: int) -> str:
+        return f"phalanx/join/{self.run_id}/{round_number}"
+
+    def decide_join(self, attempt: str | None) -> str | None:
+        """The launchers' one answer for the node(s) waiting now: taken in by the workers in progress, whose store
+        namespace is `attempt` (None: this launcher's workers cannot; they save and restart instead). The first
+        launcher to answer decides for all; returns the attempt decided, or None for a restart."""
+        decided = self.store.compare_set(self._join_key(self.round + 1), "", f"live:{attempt}" if attempt else "restart")
+        text = decided.decode()
+        return text[len("live:"):] if text.startswith("live:") else None
+
+    def joining_attempt(self) -> str | None:
+        """In a round just met: the store namespace of the workers this node's workers join (None: a round of its
+        own, every node's workers starting together)."""
+        key = self._join_key(self.round)
+        if not self.store.check([key]):
+            return None
+        text = self.store.get(key).decode()
+        return text[len("live:"):] if text.startswith("live:") else None
+
+    def draw_ranks(self, attempt: str, count: int) -> list[int]:
+        """`count` global ranks for this node's joining workers, never used in the run (joining.py)."""
+        return joining.draw_ranks(dist.PrefixStore(f"phalanx/{attempt}", self.store), count)
 
     def lost(self) -> list[Node]:
         """This round's nodes that missed KEEP_ALIVE_MISSES heartbeats (or were dropped for it already)."""

@@ -12,6 +12,7 @@ host cut off from the network (its link down) costs at most the heartbeat window
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -185,3 +186,65 @@ def _check_the_hosts_left(tmp_path: Path, launchers, outputs, lost: str, hidden:
     short = [key for key, ids in applied.items() if ids != expected_steps[key]]
     assert len(short) <= 1 and all(set(applied[key]) < set(expected_steps[key]) for key in short), short
     return survivors
+
+
+JOIN_JOB = str(Path(__file__).resolve().parent / "jobs" / "join_job.py")
+
+
+@pytest.mark.waiting(seconds=30)
+def test_a_host_that_comes_back_joins_the_workers_in_progress_without_a_restart(tmp_path, three_hosts):
+    """3 hosts x 1 worker under `--nnodes 2:3`, the loop with `checkpointer.restore(state)` first (tests/e2e/jobs/
+    join_job.py): host 2 is SIGKILLed whole after its first step, the two hosts left go on in-process, and the same
+    command started again on host 2 joins them: the launchers meet in a new round without stopping their workers,
+    host 2's worker gets a rank the run never used, waits in restore() and is handed the state by the two ranks that
+    train at their next agreed step (no checkpoint read anywhere, no process restarted on hosts 0 and 1). The run
+    equals the one that never changed its world, every sample once per epoch (the step host 2 died in aside)."""
+    port = free_port()
+    job = [JOIN_JOB, str(tmp_path), "--pause", "0.2", "--epochs", "3", "--wait-for-joiners-at", "1:0"]
+
+    def launcher(i: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            ["ip", "netns", "exec", three_hosts[i]["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "2:3",
+             "--nproc-per-node", "1", "--master-addr", three_hosts[0]["addr"], "--master-port", str(port),
+             "--rdzv-timeout", "60", *job, "--host", str(i)], env=job_env(), cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+
+    launchers = [launcher(i) for i in range(3)]
+    try:
+        wait_until(lambda: _host_two_stepped(tmp_path), "host 2's first step", launchers)
+        kill_node(launchers[2])
+        launchers[2].communicate()
+        restarted = time.time()
+        launchers.append(launcher(2))
+        outputs = _outputs_of_the_hosts_left(launchers[:2] + launchers[3:])
+        joiner_output = launchers[3].communicate(timeout=HANG_GUARD)[0]
+    finally:
+        for process in launchers:
+            if process.poll() is None:
+                kill_node(process)
+    for process, output in zip(launchers[:2], outputs):
+        assert process.returncode == 0, output
+        assert "joined in-process: 3 node(s) now" in output, output
+        assert "restart" not in output.lower(), output
+        assert re.search(r"rank\(s\) \[3\] joined in-process: world size 2 -> 3, taken in after step \d+, regrouped "
+                         r"in [\d.]+ s, [\d.]+ MB of state healed in [\d.]+ s, no step redone", output), output
+    assert launchers[3].returncode == 0, joiner_output
+    assert "joining the workers in progress" in joiner_output and "ranks [3] are taken in" in joiner_output
+    hosts = {rank: (tmp_path / f"host-{rank}").read_text() for rank in range(4)}
+    assert [hosts[rank] for rank in range(4)] == ["0", "1", "2", "2"]
+    expected_params, expected_steps = reference_run(epochs=3)
+    for rank in (0, 1, 3):
+        result = torch.load(tmp_path / f"result-{rank}.pt", weights_only=True)
+        assert result["pid"][0] == result["pid"][1], f"rank {rank} changed process"
+        assert result["generation"] == [2, [0, 1, 3]], f"rank {rank}: {result['generation']}"
+        assert result["files_read"] == [], f"rank {rank} read {result['files_read']}"
+        for ours, theirs in zip(result["params"], expected_params):
+            assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
+    joined = torch.load(tmp_path / "result-3.pt", weights_only=True)
+    first_step_at = min(json.loads(line)[3] for line in (tmp_path / "ids-3.jsonl").read_text().splitlines())
+    assert first_step_at - restarted < 30, f"host 2 trained {first_step_at - restarted:.1f} s after its restart"
+    assert joined["first_step"][0] >= 1
+    applied = applied_ids(str(tmp_path), 4)
+    assert set(applied) == set(expected_steps)
+    short = [key for key, ids in applied.items() if ids != expected_steps[key]]
+    assert len(short) <= 1 and all(set(applied[key]) < set(expected_steps[key]) for key in short), short

@@ -2,6 +2,7 @@
 progress (PHALANX_JOIN=1, started by `phalanx run` on a node that joins, or by a test) gets its state there.
 
     python tests/e2e/jobs/join_job.py RUN_DIR [--pause S] [--wait-for-joiners-at EPOCH:STEP] [--adam] [--hidden N]
+        [--epochs N] [--host NAME]
 
 The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs). Every rank
 appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
@@ -9,6 +10,7 @@ averaged); each rank that finishes writes RUN_DIR/result-<rank>.pt (weights_only
 the end, its generation (number, members), its final parameters, whether its restore() read a checkpoint file, the
 checkpoint's step count when it joined, and the step it first trained. `--wait-for-joiners-at`: at that step the
 ranks that train wait (up to 120 s) until a joiner is ready, so that a test need not race the joiner's start-up.
+`--host`: written to RUN_DIR/host-<rank> (which host a rank ran on).
 """
 
 import argparse
@@ -49,11 +51,14 @@ def main():
     parser.add_argument("--wait-for-joiners-at", default="", help="EPOCH:STEP")
     parser.add_argument("--adam", action="store_true")
     parser.add_argument("--hidden", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--host", default="")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
     started_as = os.getpid()
     px.init()
     rank = px.rank()
+    (args.run_dir / f"host-{rank}").write_text(args.host)
     wait_at = tuple(int(part) for part in args.wait_for_joiners_at.split(":")) if args.wait_for_joiners_at else None
     dataset = Indexed()
     loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
@@ -68,7 +73,7 @@ def main():
     checkpointer.restore(state)
     joined_at, first_step = checkpointer.steps, None
     with open(args.run_dir / f"ids-{rank}.jsonl", "a") as log:
-        for epoch in range(loader.state_dict()["epoch"], EPOCHS):
+        for epoch in range(loader.state_dict()["epoch"], args.epochs):
             loader.set_epoch(epoch)
             for step in loader:
                 first_step = first_step if first_step is not None else (epoch, step.index)
@@ -76,8 +81,10 @@ def main():
                     _wait_for_a_joiner()
                 time.sleep(args.pause)
                 optimizer.zero_grad()
-                ids = []
+                ids, attempt = [], 0
                 for index, x, y in step.micro_batches(model):
+                    if step.attempt != attempt:  # the loop started over after a loss: so do the ids
+                        ids, attempt = [], step.attempt
                     step.backward(F.mse_loss(model(x), y))
                     if step.weight:
                         ids += index.tolist()
