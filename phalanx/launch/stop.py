@@ -125,7 +125,7 @@ class StopRequest:
             self._tell_workers()
 
     def moved(self, store, node_rank: int) -> None:
-        """The nodes met in a new round while the workers went on (a node joined them): its store and this node's rank."""
+        """The nodes met in a new round while the workers went on (a node joined them): its store, this node's rank."""
         self.store, self.node_rank = store, node_rank
 
     def workers_stopped(self) -> None:

@@ -212,8 +212,8 @@ class ElasticRendezvous(RendezvousHandler):
         """The launchers' one answer for the node(s) waiting now: taken in by the workers in progress, whose store
         namespace is `attempt` (None: this launcher's workers cannot; they save and restart instead). The first
         launcher to answer decides for all; returns the attempt decided, or None for a restart."""
-        decided = self.store.compare_set(self._join_key(self.round + 1), "", f"live:{attempt}" if attempt else "restart")
-        text = decided.decode()
+        answer = f"live:{attempt}" if attempt else "restart"
+        text = self.store.compare_set(self._join_key(self.round + 1), "", answer).decode()
         return text[len("live:"):] if text.startswith("live:") else None
 
     def joining_attempt(self) -> str | None:
