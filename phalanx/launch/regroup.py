@@ -21,7 +21,7 @@ from ..world.joining import JOIN_ENV
 from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES, ElasticRendezvous
 from .failures import signal_name
 
-POLL = 1.0  # seconds between looks at the rendezvous state (lost nodes, waiting ones)
+POLL = 0.5  # seconds between looks at the rendezvous state (lost nodes, waiting ones: a node joins within it)
 NOTE_WAIT = 2.0  # seconds a regroup of the workers waits for this launcher to see its own lost rank gone
 
 
@@ -112,6 +112,8 @@ class Regroup:
         if now < self._next_look and not stopping:
             return None
         self._next_look = now + POLL
+        if self.survivors is not None and self.rendezvous.join_decided():
+            return "join"  # another launcher took the waiting node(s) in: meet them in its round
         lost = self.rendezvous.lost()
         if self.survivors is not None:
             lost = [node for node in lost if not self.survivors.node_lost(node, self.world, records)]

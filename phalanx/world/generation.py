@@ -527,7 +527,12 @@ def join_run() -> tuple[Generation, tuple[int, ...]]:
 
 def _admitted(store, me: int) -> bool:
     try:
-        return store.check([joining.admitted_key(me)])
+        if store.check([joining.admitted_key(me)]):
+            return True
+        if store.check([joining.CLOSED]):
+            logger.warning("rank %d: %s", me, joining.RunFinished())
+            raise joining.RunFinished()
+        return False
     except RuntimeError as exc:  # the store's host is gone: the run ended (or its master node was lost)
         raise MembershipError(explain(
             "the run this rank was started to join ended before it was taken in", rank=me,

@@ -293,6 +293,11 @@ def shutdown() -> None:
     run_before_shutdown()
     recorder.phase(recorder.SHUTDOWN)
     stop.stop_listening()  # nobody reads the flag any more: a signal ends the process again
+    if _store is not None and is_main():
+        try:
+            joining.close(_store)  # a rank waiting to join this run has none left to join
+        except Exception:
+            pass
     if _owns_group and dist.is_initialized():
         together = _spec is not None and _spec.world_size > 1 and _store is not None
         if together:
@@ -312,6 +317,7 @@ def shutdown() -> None:
     progress.stop()
     _spec = _device = _store = _live = _control = None
     _owns_group = False
+    joining.set_pending(False)
 
 
 _before_shutdown: list = []  # weak references to callables run first in shutdown() (StepLog's last records)

@@ -33,6 +33,7 @@ JOIN_TIMEOUT_ENV = "PHALANX_JOIN_TIMEOUT"
 DEFAULT_JOIN_TIMEOUT = 300.0  # seconds a joiner waits to be taken in: the ranks that train take it at a step boundary
 NEXT_RANK = "join/next-rank"
 WAITING = "join/waiting"
+CLOSED = "join/closed"  # the ranks that trained are done: a joiner has no run left to join
 SOLO = -1  # the number of a joiner's generation of its own, before it is taken in
 
 _pending = False  # this process started as a joiner and was not taken in yet
@@ -42,6 +43,22 @@ _refused: str | None = None  # why this process's run cannot take a joiner in (a
 def requested() -> bool:
     """Whether this process was started to join a run in progress (its launcher set PHALANX_JOIN=1)."""
     return os.environ.get(JOIN_ENV) == "1"
+
+
+class RunFinished(SystemExit):
+    """Raised by `checkpointer.restore()` in a rank that was to join a run in progress which finished first: nothing
+    is left to train. A SystemExit with code 0: uncaught, the process ends quietly, and its launcher's run ends."""
+
+    def __init__(self):
+        super().__init__(0)
+
+    def __str__(self) -> str:
+        return "the run this rank was started to join finished before it was taken in: nothing is left to train"
+
+
+def close(store) -> None:
+    """The ranks that trained are done (the main one says so at shutdown): joiners waiting, or yet to come, leave."""
+    store.set(CLOSED, "1")
 
 
 def pending() -> bool:

@@ -10,11 +10,12 @@ and a round with MIN nodes closes LAST_CALL after the MIN-th arrived (at once wi
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -36,6 +37,7 @@ KEEP_ALIVE_MISSES = 4  # heartbeats missed before a node counts as lost (torch: 
 LAST_CALL = timedelta(seconds=2)  # wait for more nodes once MIN are in (torch: 30 s)
 STATE_TIMEOUT = timedelta(seconds=10)  # a read of the rounds' state that takes longer: the store is unreachable
 PROBE_TIMEOUT = 3.0  # seconds for the store's host to answer a TCP connect
+SYNC_POLL = 0.1  # seconds between a waiting launcher's reads of the rounds' state (torch: 1)
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,19 @@ class _Handler(DynamicRendezvousHandler):
         # torch keeps the first round's store address and has rank 0 publish it in that round only: a node
         # that joins a later round would wait for it forever. Every round publishes it again.
         self._bootstrap_store_info = None
-        return super().next_rendezvous()
+        # torch's rounds read their state once a second while they wait for one another (each change of the round
+        # costs a few reads): SYNC_POLL apart instead, so that a node joins the workers in progress within a second.
+        delay, dynamic_rendezvous._delay = dynamic_rendezvous._delay, _sync_pause
+        try:
+            return super().next_rendezvous()
+        finally:
+            dynamic_rendezvous._delay = delay
+
+
+def _sync_pause(seconds) -> None:
+    """torch's pause between two reads of the rounds' state (1 s, or a random one up to a bound), capped at SYNC_POLL."""
+    bound = max(seconds) if isinstance(seconds, tuple) else seconds
+    time.sleep(min(bound, SYNC_POLL))
 
 
 class ElasticRendezvous(RendezvousHandler):
@@ -215,6 +229,13 @@ class ElasticRendezvous(RendezvousHandler):
         answer = f"live:{attempt}" if attempt else "restart"
         text = self.store.compare_set(self._join_key(self.round + 1), "", answer).decode()
         return text[len("live:"):] if text.startswith("live:") else None
+
+    def join_decided(self) -> bool:
+        """Whether a launcher decided that the node(s) waiting join the workers in progress: every other launcher
+        then meets them in the next round too (the waiting node may have left the wait list for that round by now,
+        and a launcher in the round sends no heartbeat until it closes)."""
+        key = self._join_key(self.round + 1)
+        return self.store.check([key]) and self.store.get(key).decode().startswith("live:")
 
     def joining_attempt(self) -> str | None:
         """In a round just met: the store namespace of the workers this node's workers join (None: a round of its

@@ -2,7 +2,7 @@
 progress (PHALANX_JOIN=1, started by `phalanx run` on a node that joins, or by a test) gets its state there.
 
     python tests/e2e/jobs/join_job.py RUN_DIR [--pause S] [--wait-for-joiners-at EPOCH:STEP] [--adam] [--hidden N]
-        [--epochs N] [--host NAME]
+        [--epochs N] [--host NAME] [--ballast-mb MB]
 
 The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs). Every rank
 appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
@@ -34,7 +34,6 @@ from tests.helpers.global_batch_cases import (
     Indexed,
     make_model,
     make_optimizer,
-    parameters,
 )
 
 
@@ -53,6 +52,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--host", default="")
+    parser.add_argument("--ballast-mb", type=float, default=0.0, help="a frozen parameter of that many MB")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
     started_as = os.getpid()
@@ -63,15 +63,25 @@ def main():
     dataset = Indexed()
     loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                            sampler=px.DistributedSampler(dataset, seed=SEED))
-    model = px.DistributedDataParallel(make_model(args.hidden), bucket_cap_mb=1e-6)
+    module = make_model(args.hidden)
+    if args.ballast_mb:  # state that is handed over but not trained (frozen): a state of a given size, stable training
+        count = int(args.ballast_mb * 1e6) // 4
+        module.ballast = torch.nn.Parameter(torch.randn(count, generator=torch.Generator().manual_seed(rank)),
+                                            requires_grad=False)  # each rank its own: a joiner must get rank 0's
+    model = px.DistributedDataParallel(module, bucket_cap_mb=1e-6)
     optimizer = make_optimizer(model, args.adam)
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints", every=1000)  # never saves: a join reads no file
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     loads = []
     load_safely = atomic_files.load_safely
     atomic_files.load_safely = lambda *a, **k: loads.append(a[0]) or load_safely(*a, **k)
+    restore_began = time.time()
     checkpointer.restore(state)
+    restore_ended = time.time()
     joined_at, first_step = checkpointer.steps, None
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) + sum(
+        t.numel() * t.element_size() for per in optimizer.state.values() for t in per.values()
+        if isinstance(t, torch.Tensor))
     with open(args.run_dir / f"ids-{rank}.jsonl", "a") as log:
         for epoch in range(loader.state_dict()["epoch"], args.epochs):
             loader.set_epoch(epoch)
@@ -94,8 +104,11 @@ def main():
                 checkpointer.step(state)
     current = generation.current()
     torch.save({"pid": [started_as, os.getpid()], "generation": [current.number, list(current.members)],
-                "params": parameters(model), "files_read": [str(path) for path in loads], "joined_at": joined_at,
-                "first_step": list(first_step)}, args.run_dir / f"result-{rank}.pt")
+                "params": [p.detach().clone() for name, p in model.module.named_parameters() if name != "ballast"],
+                "ballast_sum": float(module.ballast.double().sum()) if args.ballast_mb else None,
+                "files_read": [str(path) for path in loads], "joined_at": joined_at,
+                "first_step": list(first_step), "restore": [restore_began, restore_ended],
+                "state_bytes": state_bytes}, args.run_dir / f"result-{rank}.pt")
     px.shutdown()
 
 
