@@ -72,7 +72,7 @@ class _Handler(DynamicRendezvousHandler):
 
 
 def _sync_pause(seconds) -> None:
-    """torch's pause between two reads of the rounds' state (1 s, or a random one up to a bound), capped at SYNC_POLL."""
+    """torch's pause between two reads of the rounds' state (1 s, or a random one below a bound), at most SYNC_POLL."""
     bound = max(seconds) if isinstance(seconds, tuple) else seconds
     time.sleep(min(bound, SYNC_POLL))
 
