@@ -139,8 +139,10 @@ class Regroup:
     def _taken_in_live(self, records: dict) -> bool:
         """Whether the node(s) waiting join the workers in progress: every launcher follows the first one's answer,
         which is yes when its workers all said they take joiners in (live recovery, an unsharded optimizer)."""
+        if self.survivors is None:  # live recovery off (on every node: the same command)
+            return False
         attempt = os.environ.get("PHALANX_STORE_ATTEMPT")
-        able = self.survivors is not None and self.survivors.workers_join(records) and attempt is not None
+        able = self.survivors.workers_join(records) and attempt is not None
         return self.rendezvous.decide_join(attempt if able else None) is not None
 
     def taken_in(self, worker_group) -> None:

@@ -126,3 +126,65 @@ def test_workers_that_finish_while_asked_to_save_for_a_joining_node_end_the_run(
     finished = {0: record(0, LIVE, state="exited"), 1: record(1, LIVE, state="exited")}
     assert regroup.poll([], lambda: finished) is None
     assert regroup.growing_since is None  # the agent then reads the workers' exit: the run succeeded
+
+
+JOINS = {"event": "recovery", "live": True, "joins": True}
+
+
+class _JoiningRendezvous(_Rendezvous):
+    """A node waits; the first launcher's answer (decide_join) binds the others."""
+
+    def __init__(self, decided=None):
+        self.decided, self.asked = decided, []
+
+    def decide_join(self, attempt):
+        self.asked.append(attempt)
+        if self.decided is None:
+            self.decided = f"live:{attempt}" if attempt else "restart"
+        return self.decided[len("live:"):] if self.decided.startswith("live:") else None
+
+    def join_decided(self):
+        return bool(self.decided) and self.decided.startswith("live:")
+
+
+def test_a_node_joins_the_workers_in_progress_only_when_every_one_takes_joiners_in(capsys, monkeypatch):
+    """Workers that said they take joiners in (live recovery, no sharded optimizer): the waiting node joins them
+    in-process ("join", no SIGTERM). One worker that cannot (a sharded optimizer refused, or not yet in its loop): the
+    launchers answer "restart", the agreed save and the larger round as before. A launcher whose workers could not
+    still follows another's decision to take the node in."""
+    from phalanx.launch.regroup import Regroup
+
+    monkeypatch.setenv("PHALANX_STORE_ATTEMPT", "round-1")
+    rendezvous = _JoiningRendezvous()
+    regroup = Regroup(rendezvous, grace_period=30.0, changes=[], survivors=KeptSurvivors(2, []))
+    able = {0: record(0, JOINS), 1: record(1, JOINS)}
+    assert regroup.poll([], lambda: able) == "join" and rendezvous.asked == ["round-1"]
+    assert regroup.growing_since is None and "take them in at a step boundary, in-process" in capsys.readouterr().err
+
+    refused = {0: record(0, JOINS), 1: record(1, JOINS, {"event": "joins", "refused": "shard='optimizer'"})}
+    for workers in (refused, {0: record(0, JOINS), 1: record(1, LIVE)}, {0: record(0, JOINS), 1: record(1)}):
+        rendezvous = _JoiningRendezvous()
+        regroup = Regroup(rendezvous, grace_period=30.0, changes=[], survivors=KeptSurvivors(2, []))
+        assert regroup.poll([], lambda w=workers: w) is None and rendezvous.asked == [None]
+        assert regroup.growing_since is not None  # asked to save at an agreed step, then the larger round
+
+    follower = Regroup(_JoiningRendezvous(decided="live:round-1"), grace_period=30.0, changes=[],
+                       survivors=KeptSurvivors(2, []))
+    assert follower.poll([], lambda: {0: record(0, LIVE)}) == "join"
+
+
+def test_a_join_is_a_change_of_the_summary_with_the_bytes_healed():
+    from phalanx.launch.goodput import Invocation, _as_dict, summary_lines
+
+    changes: list = []
+    survivors = KeptSurvivors(2, changes)
+    joined = {"event": "generation", "number": 2, "members": [0, 1, 3], "lost": [], "joined": [3], "seconds": 0.031,
+              "healed": [20_000_000, 0.9], "redone": False, "step": 40, "at": 0.0}
+    survivors.tell_the_regroups({0: record(0, JOINS, joined)})
+    assert changes == [{"change": "rank(s) [3] joined in-process", "world": [2, 3], "step": 40, "seconds": None,
+                        "regroup_seconds": 0.031, "healed": [20_000_000, 0.9], "redone": None}]
+    now = Invocation()
+    now.changes = changes
+    text = "\n".join(summary_lines(now, [_as_dict(now)], None))
+    assert ("rank(s) [3] joined in-process: world size 2 -> 3, taken in after step 40, regrouped in 0.031 s, 20.0 MB "
+            "of state healed in 0.90 s, no step redone") in text, text
