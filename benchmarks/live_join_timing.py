@@ -94,6 +94,7 @@ def one_round(hosts: Hosts, state_mb: float, mbit: float, expected, gap: float) 
     if os.environ.get("JOIN_TIMING_TRACE"):
         for when, line in lines[:6]:
             print(f"  +{when - started:.2f} s {line.strip()[:110]}")
+        print("\n".join(line for line in outputs[0].splitlines() if "join" in line))  # what host 0's launcher said
     return {"to_first_step": first - started, "round_met": met - started, "worker_up": began - met,
             "start_up": began - started, "taken_in": ended - began,
             "first_step": first - ended, "state_mb": state / 1e6, "bar": 2.0 + 1.5 * state * 8 / (mbit * 1e6),

@@ -127,8 +127,9 @@ class Regroup:
             return "join"
         if waiting:
             self.growing_since = self.changed_at = now
+            why = f" ({self.survivors.why_not})" if self.survivors is not None and self.survivors.why_not else ""
             _say(f"{len(waiting)} node(s) waiting to join ({', '.join(waiting)}): asking the workers to save at a "
-                 f"step they agree on, then regrouping at the larger world.")
+                 f"step they agree on, then regrouping at the larger world{why}.")
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGTERM)
@@ -270,7 +271,10 @@ class KeptSurvivors:
         if not self.workers_recover(records):
             return False
         running = [record for record in records.values() if record.state != "exited"]
-        return all((record.last("recovery") or {}).get("joins") and not record.last("joins") for record in running)
+        refused = [record.last("joins")["refused"] for record in running if record.last("joins")]
+        unsaid = [record.rank for record in running if not (record.last("recovery") or {}).get("joins")]
+        self.why_not = refused[0] if refused else f"rank(s) {unsaid} cannot take a joiner in" if unsaid else ""
+        return not self.why_not
 
     def ranks_lost(self) -> int:
         return len(self.lost) + sum(self.nodes.values())

@@ -167,6 +167,7 @@ def test_a_node_joins_the_workers_in_progress_only_when_every_one_takes_joiners_
         regroup = Regroup(rendezvous, grace_period=30.0, changes=[], survivors=KeptSurvivors(2, []))
         assert regroup.poll([], lambda w=workers: w) is None and rendezvous.asked == [None]
         assert regroup.growing_since is not None  # asked to save at an agreed step, then the larger round
+    assert "regrouping at the larger world (rank(s) [1] had not reached a global-batch loop)" in capsys.readouterr().err
 
     follower = Regroup(_JoiningRendezvous(decided="live:round-1"), grace_period=30.0, changes=[],
                        survivors=KeptSurvivors(2, []))
