@@ -17,6 +17,11 @@ Three store protocols, all under `generation/<g>/` in phalanx's namespace of the
   The first writer wins (compare-and-set), so every rank reads the same outcome.
 - agreement: after a loss every survivor says it is alive; once each member has either said so or is
   known gone (or the membership timeout passed), the first proposal stored is the next generation.
+- joined: at a step the members agreed on (the checkpointer's stop agreement counted ranks waiting to join,
+  joining.py), the first member takes the ready joiners in; the next generation is the members and them.
+
+Each generation's process groups are made by name from its members (joining.make_group), by every member alike,
+joiners included, whose own default group is not the others'.
 """
 
 from __future__ import annotations
