@@ -367,7 +367,9 @@ def main() -> None:
         text = (run_dir / f"launcher-{i}.log").read_text()
         outcomes["kept in-process"] += text.count("go on in-process")
         outcomes["restarts from a checkpoint"] += text.count("regroup without it") + text.count("restarting the")
-        outcomes["joins"] += text.count("waiting to join")
+        outcomes["joins in-process"] += text.count("take them in at a step boundary, in-process")
+        outcomes["joins by a save and restart"] += text.count("waiting to join") - text.count(
+            "take them in at a step boundary, in-process")
     print(f"what the launchers said: {dict(outcomes)}")
     problems += check_steps(run_dir, epochs)
     problems += check_params(run_dir, epochs, args.shard)
