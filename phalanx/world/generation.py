@@ -8,13 +8,14 @@ never destroyed or reused: a Gloo collective on it cannot be aborted, and may st
 Live recovery is asked for with a minimum world size (`PHALANX_MIN_WORLD_SIZE`, or
 `phalanx.spawn(..., min_world_size=)`): a loss that leaves fewer ranks ends the run as before.
 
-Three store protocols, all under `generation/<g>/` in phalanx's namespace of the store:
+Four store protocols, all under `generation/<g>/` in phalanx's namespace of the store:
 - who: each rank's process (liveness.py: host, pid, start time, beacon), so that a peer can tell it is gone:
   at once on the same host or when its beacon refuses, after the heartbeat window when its host is silent.
 - commit: after each step's exchange, every rank says it is ready to apply the step; the step is
   applied only if all are (the last to say so writes "ok"), else a rank that saw a peer fail, or that
   found one gone while waiting, writes "failed" and every rank redoes the step at the next generation.
-  The first writer wins (compare-and-set), so every rank reads the same outcome.
+  The first writer wins (compare-and-set), so every rank reads the same outcome. The keys are reused every
+  COMMIT_SLOTS steps (a counter that adds up, an outcome that names its step): nothing is deleted per step.
 - agreement: after a loss every survivor says it is alive; once each member has either said so or is
   known gone (or the membership timeout passed), the first proposal stored is the next generation.
 - joined: at a step the members agreed on (the checkpointer's stop agreement counted ranks waiting to join,
@@ -56,6 +57,7 @@ LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still 
 WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
 REGROUP_CONNECT_SECONDS = 30.0  # the ranks left making a new generation's process groups wait this long for each other
 WAIT_THREADS = 16  # threads that wait on collectives whose own waits cannot be bounded (waited_aside)
+COMMIT_SLOTS = 4  # the per-step commit's keys, reused: step n's are slot n % 4's (a member is at most 1 step ahead)
 
 
 def min_world_size() -> int | None:
@@ -83,6 +85,12 @@ def membership_timeout() -> float:
     TIMEOUT; default: the DDP stall timeout + MEMBERSHIP_MARGIN, so that a slow rank is not dropped first)."""
     value = os.environ.get(MEMBERSHIP_TIMEOUT_ENV)
     return float(value) if value else ddp_stall_seconds() + MEMBERSHIP_MARGIN
+
+
+def _said(number: int, outcome: str = "ok") -> str:
+    """What a commit slot holds once step `number` was decided ("" before the slot's first step): the slots are
+    reused, COMMIT_SLOTS steps apart, so that no key is written or deleted per step beyond the commit's own."""
+    return f"{outcome}:{number}" if number >= 0 else ""
 
 
 @dataclass(frozen=True)
@@ -130,35 +138,44 @@ class Generation:
     def commit(self, store, number: int) -> bool:
         """Collective over the members, through the store: True if every member is ready to apply step
         `number` of this generation, False if the step failed somewhere and is to be redone."""
-        outcome = self._key("commit", number, "outcome")
-        if store.add(self._key("commit", number, "ready"), 1) == self.world_size:
-            agreed = store.compare_set(outcome, "", "ok") == b"ok"  # a rank that found a peer gone may have said no
-        else:
-            agreed = self._await_outcome(store, outcome)
-        if number >= 2 and self.rank == 0:  # every member has read outcome number-2 by now: it is in this one
-            store.delete_key(self._key("commit", number - 2, "ready"))
-            store.delete_key(self._key("commit", number - 2, "outcome"))
-        return agreed
+        ready, outcome = self._key("commit", number % COMMIT_SLOTS, "ready"), self._outcome_key(number)
+        # The slot's counter adds up every step it served: each one that committed had all members in it.
+        if store.add(ready, 1) == self.world_size * (number // COMMIT_SLOTS + 1):
+            said = store.compare_set(outcome, _said(number - COMMIT_SLOTS), _said(number, "ok"))
+            return said == _said(number, "ok").encode()  # a rank that found a peer gone may have said no
+        return self._await_outcome(store, number)
 
-    def _await_outcome(self, store, outcome: str) -> bool:
+    def _outcome_key(self, number: int) -> str:
+        return self._key("commit", number % COMMIT_SLOTS, "outcome")
+
+    def _await_outcome(self, store, number: int) -> bool:
         # The ranks come from the same exchange, so the last one is usually a fraction of a millisecond away:
         # short pauses first. (The store's timed wait logs a warning at each timeout: polling stays quiet.)
+        outcome, ok, failed = self._outcome_key(number), _said(number, "ok").encode(), _said(number, "failed").encode()
         started = time.monotonic()
         deadline, look, pause = started + membership_timeout(), started + LIVENESS_EVERY, 2e-5
-        while not store.check([outcome]):
+        while True:
+            said = store.get(outcome) if number >= COMMIT_SLOTS or store.check([outcome]) else b""
+            if said in (ok, failed):
+                return said == ok
             now = time.monotonic()
             if now >= look:
                 look = now + LIVENESS_EVERY
                 if self.gone(store) or now > deadline:
-                    store.compare_set(outcome, "", "failed")
-                    break
+                    self.fail_commit(store, number)
+                    continue  # read who said first
             time.sleep(pause)
             pause = min(1.5 * pause, 2e-4 if now - started < 0.02 else 5e-3)
-        return store.get(outcome) == b"ok"
 
     def fail_commit(self, store, number: int) -> None:
         """This rank cannot apply step `number` (its exchange failed): the others must not either."""
-        store.compare_set(self._key("commit", number, "outcome"), "", "failed")
+        store.compare_set(self._outcome_key(number), _said(number - COMMIT_SLOTS), _said(number, "failed"))
+
+    def commit_failed(self, store, number: int) -> bool:
+        """Whether a member said that step `number` cannot be applied."""
+        outcome = self._outcome_key(number)
+        return (number >= COMMIT_SLOTS or store.check([outcome])) and \
+            store.get(outcome) == _said(number, "failed").encode()
 
     # -- the next generation ------------------------------------------------------------------------------
 
@@ -214,8 +231,7 @@ def step_abandoned() -> bool:
     """Whether the step in flight cannot commit: a member gave it up (its exchange failed), or one is gone. A
     rank waiting on a collective asks this: a peer that gave up will never send what it waits for."""
     store, generation = world.store(), current()
-    outcome = generation._key("commit", _commits, "outcome")
-    return (store.check([outcome]) and store.get(outcome) == b"failed") or bool(generation.gone(store))
+    return generation.commit_failed(store, _commits) or bool(generation.gone(store))
 
 
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
@@ -383,7 +399,7 @@ def say_mode(live: bool, why: str) -> None:
     if not world.is_main():
         return
     if live:
-        logger.info("live recovery on: a lost rank costs the step in flight while %s=%d ranks are left (%s)",
+        logger.info("live recovery on: a lost rank costs the step in flight while %s=%s ranks are left (%s)",
                     MIN_WORLD_ENV, min_world_size(), why)
         if membership_timeout() <= ddp_stall_seconds():
             logger.warning("%s=%g s is not above PHALANX_DDP_STALL_TIMEOUT=%g s: after a loss, a rank that is alive "
