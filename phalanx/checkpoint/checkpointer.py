@@ -295,8 +295,15 @@ class Checkpointer:
             self._agreement.resume()
             return
         members = world.live_members()
-        healed = handover.send(state, self.steps, members, joiners)
-        generation.regroup_followers(world.live_generation(), members, [], started, joined=joiners, healed=healed)
+        try:
+            healed = handover.send(state, self.steps, members, joiners)
+            generation.regroup_followers(world.live_generation(), members, [], started, joined=joiners,
+                                         healed=healed)
+        except RuntimeError as lost:  # a joiner lost while it was taken in (PeerDiedError is one)
+            if not generation.is_loss(lost):
+                raise
+            generation.recover(lost)  # the ranks left go on without it from the next step (it says so)
+            return
         if world.is_main():
             logger.warning("rank(s) %s joined: %d ranks go on in generation %d (world size %d -> %d), taken in at step "
                            "%d in %.2f s, %.1f MB of state handed over in %.2f s", list(joiners), len(members),
@@ -416,6 +423,8 @@ class Checkpointer:
         self.steps += 1
         progress.step(self.steps)
         stopping = self._agree()
+        if generation.recovers_in_process():
+            joining.say_taken()  # joiners are taken in here: its launcher may let a node join in-process
         if not stopping and self._agreement is not None and self._agreement.joiners_due:
             self._take_in_joiners(state)
         path = None

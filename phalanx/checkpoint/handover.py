@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError, explain
+from ..world import generation
 from ..world import group as world
 from . import random_state, restoring
 from .entries import check_plain, kind_of, unwrap
@@ -119,7 +120,7 @@ def send(state: dict, steps: int, members: tuple[int, ...], joiners: tuple[int, 
         for joiner in joiners:
             works.append(dist.isend(stripe, group=group, group_dst=members.index(joiner), tag=_STRIPE))
     for work in works:
-        work.wait()
+        generation.wait_for(work, "the state's handover to the joining ranks", aside=True)
     return total, time.monotonic() - started
 
 
@@ -131,10 +132,10 @@ def receive(state: dict, members: tuple[int, ...], joiners: tuple[int, ...]) -> 
     senders = [rank for rank in members if rank not in joiners]
     first = members.index(senders[0])
     header = torch.empty(2, dtype=torch.int64, device=device)
-    dist.recv(header, group=group, group_src=first, tag=_HEADER)
+    _received(dist.irecv(header, group=group, group_src=first, tag=_HEADER))
     size, total = (int(v) for v in header.tolist())
     body = torch.empty(size, dtype=torch.uint8, device=device)
-    dist.recv(body, group=group, group_src=first, tag=_LAYOUT)
+    _received(dist.irecv(body, group=group, group_src=first, tag=_LAYOUT))
     layout = torch.load(io.BytesIO(body.cpu().numpy().tobytes()), weights_only=True)
     if layout.get("format") != FORMAT:
         raise CheckpointError(explain("the state handed over by the ranks that train is of another format",
@@ -146,7 +147,7 @@ def receive(state: dict, members: tuple[int, ...], joiners: tuple[int, ...]) -> 
         if end > start:
             works.append(dist.irecv(data[start:end], group=group, group_src=members.index(sender), tag=_STRIPE))
     for work in works:
-        work.wait()
+        _received(work)
     tensors, offset = [], 0
     hollow: list = []
     _hollow(layout["entries"], hollow)
@@ -158,6 +159,12 @@ def receive(state: dict, members: tuple[int, ...], joiners: tuple[int, ...]) -> 
     restoring.apply(None, {"entries": entries, "parts": []}, state, "the state handed over by the ranks that train")
     random_state.reseed_derived(layout["random_states"], dist.get_rank(), world.device())
     return int(layout["steps"]), total, time.monotonic() - started
+
+
+def _received(work) -> None:
+    """A receive of the handover, watched: a sender lost (its process gone, its host silent) is PeerDiedError, not
+    a wait until the group's timeout. Waited aside: Gloo unbinds a receive whose timed wait expires."""
+    generation.wait_for(work, "the state's handover from the ranks that train", aside=True)
 
 
 def _numel(shape) -> int:

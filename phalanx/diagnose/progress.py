@@ -223,17 +223,18 @@ def stopped(count: int, path, save_seconds: float, reason: str, requested_at: fl
                  requested_at=requested_at)
 
 
-def recovery(live: bool, joins: bool = False) -> None:
+def recovery(live: bool) -> None:
     """Whether this worker's loop recovers a lost rank in-process (world/generation.py): the launcher keeps the
-    other workers only then; `joins`: and takes ranks that join in at a step boundary (world/joining.py)."""
+    other workers only then."""
     if _record is not None:
-        _record.event(event="recovery", live=live, joins=joins)
+        _record.event(event="recovery", live=live)
 
 
-def joins_refused(why: str) -> None:
-    """This worker's run cannot take a joining rank in (world/joining.py): a node that joins restarts the group."""
+def joins(taken: bool, why: str = "") -> None:
+    """Whether this worker takes ranks that join the run in at its step boundaries (world/joining.py), and if not
+    why: a node that joins then makes the group save and restart."""
     if _record is not None:
-        _record.event(event="joins", refused=why)
+        _record.event(event="joins", taken=taken, why=why)
 
 
 def regrouped(number: int, members, lost, seconds: float, redone: bool, joined=(), healed=None) -> None:

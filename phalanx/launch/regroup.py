@@ -267,13 +267,17 @@ class KeptSurvivors:
 
     def workers_join(self, records: dict) -> bool:
         """Whether this node's running workers take a joining node's ranks in at a step boundary (world/joining.py):
-        each recovers in-process and said it takes joiners in (a sharded optimizer's state is not handed over)."""
+        each recovers in-process and said it takes joiners in (its loop reached checkpointer.step(); a sharded
+        optimizer's state is not handed over)."""
         if not self.workers_recover(records):
             return False
         running = [record for record in records.values() if record.state != "exited"]
-        refused = [record.last("joins")["refused"] for record in running if record.last("joins")]
-        unsaid = [record.rank for record in running if not (record.last("recovery") or {}).get("joins")]
-        self.why_not = refused[0] if refused else f"rank(s) {unsaid} cannot take a joiner in" if unsaid else ""
+        said = {record.rank: record.last("joins") or {} for record in running}
+        refused = [event["why"] for event in said.values() if event and not event.get("taken")]
+        unsaid = sorted(rank for rank, event in said.items() if not event)
+        self.why_not = (refused[0] if refused else
+                        f"rank(s) {unsaid} had not reached checkpointer.step(), where joiners are taken in" if unsaid
+                        else "")
         return not self.why_not
 
     def ranks_lost(self) -> int:

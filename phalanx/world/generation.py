@@ -393,9 +393,7 @@ def say_mode(live: bool, why: str) -> None:
     _mode = live
     if live and world.is_main() and current().number == 0:
         joining.count_ranks_from(world.store(), world.world_size())  # before the launcher may let a node join
-    # every rank: its launcher keeps the others after a loss only if they recover, and lets a node join in-process
-    # only if they take it in
-    progress.recovery(live, joins=live and joining.refused() is None)
+    progress.recovery(live)  # every rank: its launcher keeps the others after a loss only if they recover
     if not world.is_main():
         return
     if live:
@@ -438,16 +436,17 @@ def next_generation(cause: BaseException) -> Generation:
             f"too few ranks are left to go on after losing ranks {lost}", rank=me,
             seen=f"{len(members)} left: {list(members)}", expected=f"at least {MIN_WORLD_ENV}={minimum}",
             fix="The run falls back to a restart from its newest checkpoint.")) from cause
-    _meet(old.number + 1, members, "the ranks left")
+    _meet(old.number + 1, members, "the ranks left", abandoned=True)
     if _current.rank == 0:
         logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s", lost,
                        type(cause).__name__, len(members), _current.number, time.monotonic() - started)
     return _current
 
 
-def _meet(number: int, members: tuple[int, ...], who: str) -> None:
+def _meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = False) -> None:
     """Collective over `members`: make generation `number`'s process groups (by name: joiners take part, whose
-    default group is not the others', joining.py) and make it the current generation."""
+    default group is not the others', joining.py) and make it the current generation. `abandoned`: after a loss,
+    the groups before are left behind (a collective on them may still wait on the lost rank)."""
     global _current, _commits, _admissions
     # The groups are made with a short timeout (every member agreed moments ago, so all are making them now), then
     # given the membership timeout for their collectives: a member lost while they are made (a second loss within
@@ -468,7 +467,7 @@ def _meet(number: int, members: tuple[int, ...], who: str) -> None:
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), made)
     current()  # generation 0 registered its end-of-run reset
     _current, _commits, _admissions = Generation(number, tuple(members), group), 0, 0
-    world.set_live(_current.number, _current.members, group, control)
+    world.set_live(_current.number, _current.members, group, control, abandoned)
     world.store().set(_current._key("who", dist.get_rank()), identity())
 
 

@@ -42,6 +42,7 @@ start_solo = None  # generation.py's: a joiner's generation of its own, until th
 # After a loss (live recovery, generation.py): (generation number, members' global ranks, their process group).
 # None: the whole world, on torch's default group.
 _live: tuple[int, tuple[int, ...], object] | None = None
+_abandoned = False  # a generation's groups were left behind after a loss (set_live(abandoned=True))
 # A Gloo group of the ranks that train, for phalanx's own small collectives (the checkpointer's stop agreement):
 # made with the world, and anew with each generation, never in the middle of a step. A group made lazily at a
 # rank's first step is made while a faster rank may already be in its next one: were that rank lost there,
@@ -138,10 +139,12 @@ def live_generation() -> int:
     return 0 if _live is None else _live[0]
 
 
-def set_live(number: int, members: tuple[int, ...], group, control) -> None:
+def set_live(number: int, members: tuple[int, ...], group, control, abandoned: bool = False) -> None:
     """generation.py's: from now on the ranks that train are `members`, on `group` (and `control`, a Gloo group of
-    theirs: control_group())."""
-    global _live, _control, _barrier_count
+    theirs: control_group()). `abandoned`: the groups before were left after a loss (a collective on them may never
+    end): shutdown() leaves every group to the process's exit."""
+    global _live, _control, _barrier_count, _abandoned
+    _abandoned = _abandoned or abandoned
     # Barriers count from 0 in each generation (their keys name it): a rank that joined counted none before.
     _live, _control, _barrier_count = (number, tuple(members), group), control, 0
 
@@ -289,7 +292,7 @@ def shutdown() -> None:
     or still tearing its own group down. Measured on 2-rank runs: 7 of 20 aborted with no wait
     (torch DDP), 3 of 25 with a wait before the teardown only (phalanx DDP), 0 of 25 with both.
     """
-    global _spec, _device, _store, _owns_group, _watchdog, _live, _control
+    global _spec, _device, _store, _owns_group, _watchdog, _live, _control, _abandoned
     run_before_shutdown()
     recorder.phase(recorder.SHUTDOWN)
     stop.stop_listening()  # nobody reads the flag any more: a signal ends the process again
@@ -303,8 +306,10 @@ def shutdown() -> None:
         if together:
             _leave_together("shutdown")
         # After a loss (live recovery) the groups are left to the process's exit: one abandoned with a collective
-        # still waiting on a host cut off would never finish tearing down (Gloo cannot abort it).
-        if _live is None:
+        # still waiting on a host cut off would never finish tearing down (Gloo cannot abort it). Generations that
+        # only grew (ranks joined) left none such: their groups are destroyed as usual, which a process that exits
+        # with Gloo groups alive can abort on ("terminate called without an active exception").
+        if not _abandoned:
             dist.destroy_process_group()
         if together:
             _leave_together("shutdown/done")
@@ -316,7 +321,7 @@ def shutdown() -> None:
     recorder.stop(remove=not os.environ.get("PHALANX_RUN_DIR"))
     progress.stop()
     _spec = _device = _store = _live = _control = None
-    _owns_group = False
+    _owns_group = _abandoned = False
     joining.set_pending(False)
 
 

@@ -38,6 +38,7 @@ SOLO = -1  # the number of a joiner's generation of its own, before it is taken 
 
 _pending = False  # this process started as a joiner and was not taken in yet
 _refused: str | None = None  # why this process's run cannot take a joiner in (a sharded optimizer's state)
+_said = False  # say_taken() said it
 
 
 def requested() -> bool:
@@ -76,7 +77,16 @@ def refuse(why: str) -> None:
     global _refused
     if _refused is None:
         _refused = why
-        progress.joins_refused(why)
+        progress.joins(False, why)
+
+
+def say_taken() -> None:
+    """This rank's loop reached its step boundary (`checkpointer.step()`, where joiners are taken in): its launcher
+    may let a node join in-process from now on, unless the run refused (once per process)."""
+    global _said
+    if not _said and _refused is None:
+        _said = True
+        progress.joins(True)
 
 
 def refused() -> str | None:

@@ -66,9 +66,11 @@ def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(t
     world = list(range(2 + joiners))
     results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in world}
     expected_params, expected_steps = reference_run(adam=adam)
+    # The joiners are taken in together, or one at a step as each becomes ready: a generation per admission.
+    assert results[0]["generation"] in ([1, world], [2, world]), results[0]["generation"]
     for rank, result in results.items():
         assert result["pid"][0] == result["pid"][1], f"rank {rank} changed process"
-        assert result["generation"] == [1, world], f"rank {rank}: {result['generation']}"
+        assert result["generation"] == results[0]["generation"], f"rank {rank}: {result['generation']}"
         for ours, theirs in zip(result["params"], expected_params):
             assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
     for rank in drawn:
@@ -81,3 +83,39 @@ def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(t
 
 def _logs(directory: Path) -> str:
     return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(directory.glob("log-*.txt")))
+
+
+def test_a_joiner_lost_while_it_is_taken_in_leaves_the_others_training(tmp_path):
+    """The joiner SIGKILLs itself once the handover's first message reached it: the two ranks that train notice it
+    gone (its connection closed, or its process watched), regroup without it and finish the run in-process, equal
+    to one process on whole global batches."""
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHALANX_MIN_WORLD_SIZE": "1",
+           "PHALANX_STORE_ATTEMPT": ATTEMPT, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    extra = ["--wait-for-joiners-at", "0:2", "--pause", "0.3", "--die-in-handover", "--ballast-mb", "50"]
+    processes = [_start(env, rank, 2, tmp_path, extra) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "ids-0.jsonl").exists() or not (tmp_path / "ids-0.jsonl").read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(tmp_path)
+            time.sleep(0.1)
+        store = dist.PrefixStore(f"phalanx/{ATTEMPT}", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                                      timeout=timedelta(seconds=30)))
+        rank = joining.draw_ranks(store, 1)[0]
+        processes.append(_start(env, rank, rank + 1, tmp_path, extra, PHALANX_JOIN="1"))
+        codes = [p.wait(timeout=180) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    assert codes[:2] == [0, 0] and codes[2] == -9, _logs(tmp_path)
+    expected_params, expected_steps = reference_run()
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"result-{rank}.pt", weights_only=True)
+        assert result["pid"][0] == result["pid"][1], f"rank {rank} changed process"
+        assert result["generation"] == [2, [0, 1]], f"rank {rank}: {result['generation']}"
+        for ours, theirs in zip(result["params"], expected_params):
+            assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
+    assert not (tmp_path / "ids-2.jsonl").exists() or not (tmp_path / "ids-2.jsonl").read_text()
+    assert applied_ids(str(tmp_path), 2) == expected_steps, "a sample was lost or used twice"
+    assert "lost ranks [2]" in (tmp_path / "log-0.txt").read_text(), _logs(tmp_path)

@@ -128,7 +128,7 @@ def test_workers_that_finish_while_asked_to_save_for_a_joining_node_end_the_run(
     assert regroup.growing_since is None  # the agent then reads the workers' exit: the run succeeded
 
 
-JOINS = {"event": "recovery", "live": True, "joins": True}
+JOINS = {"event": "joins", "taken": True, "why": ""}
 
 
 class _JoiningRendezvous(_Rendezvous):
@@ -157,12 +157,14 @@ def test_a_node_joins_the_workers_in_progress_only_when_every_one_takes_joiners_
     monkeypatch.setenv("PHALANX_STORE_ATTEMPT", "round-1")
     rendezvous = _JoiningRendezvous()
     regroup = Regroup(rendezvous, grace_period=30.0, changes=[], survivors=KeptSurvivors(2, []))
-    able = {0: record(0, JOINS), 1: record(1, JOINS)}
+    able = {0: record(0, LIVE, JOINS), 1: record(1, LIVE, JOINS)}
     assert regroup.poll([], lambda: able) == "join" and rendezvous.asked == ["round-1"]
     assert regroup.growing_since is None and "take them in at a step boundary, in-process" in capsys.readouterr().err
 
-    refused = {0: record(0, JOINS), 1: record(1, JOINS, {"event": "joins", "refused": "shard='optimizer'"})}
-    for workers in (refused, {0: record(0, JOINS), 1: record(1, LIVE)}, {0: record(0, JOINS), 1: record(1)}):
+    refused = {0: record(0, LIVE, JOINS), 1: record(1, LIVE, {"event": "joins", "taken": False,
+                                                              "why": "shard='optimizer': not handed over"})}
+    for workers in (refused, {0: record(0, LIVE, JOINS), 1: record(1, LIVE)}, {0: record(0, LIVE, JOINS),
+                                                                                1: record(1)}):
         rendezvous = _JoiningRendezvous()
         regroup = Regroup(rendezvous, grace_period=30.0, changes=[], survivors=KeptSurvivors(2, []))
         assert regroup.poll([], lambda w=workers: w) is None and rendezvous.asked == [None]
@@ -181,7 +183,7 @@ def test_a_join_is_a_change_of_the_summary_with_the_bytes_healed():
     survivors = KeptSurvivors(2, changes)
     joined = {"event": "generation", "number": 2, "members": [0, 1, 3], "lost": [], "joined": [3], "seconds": 0.031,
               "healed": [20_000_000, 0.9], "redone": False, "step": 40, "at": 0.0}
-    survivors.tell_the_regroups({0: record(0, JOINS, joined)})
+    survivors.tell_the_regroups({0: record(0, LIVE, JOINS, joined)})
     assert changes == [{"change": "rank(s) [3] joined in-process", "world": [2, 3], "step": 40, "seconds": None,
                         "regroup_seconds": 0.031, "healed": [20_000_000, 0.9], "redone": None}]
     now = Invocation()

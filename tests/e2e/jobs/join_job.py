@@ -2,7 +2,7 @@
 progress (PHALANX_JOIN=1, started by `phalanx run` on a node that joins, or by a test) gets its state there.
 
     python tests/e2e/jobs/join_job.py RUN_DIR [--pause S] [--wait-for-joiners-at EPOCH:STEP] [--adam] [--hidden N]
-        [--epochs N] [--host NAME] [--ballast-mb MB]
+        [--epochs N] [--host NAME] [--ballast-mb MB] [--die-in-handover]
 
 The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs). Every rank
 appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
@@ -10,12 +10,14 @@ averaged); each rank that finishes writes RUN_DIR/result-<rank>.pt (weights_only
 the end, its generation (number, members), its final parameters, whether its restore() read a checkpoint file, the
 checkpoint's step count when it joined, and the step it first trained. `--wait-for-joiners-at`: at that step the
 ranks that train wait (up to 120 s) until a joiner is ready, so that a test need not race the joiner's start-up.
-`--host`: written to RUN_DIR/host-<rank> (which host a rank ran on).
+`--host`: written to RUN_DIR/host-<rank> (which host a rank ran on). `--die-in-handover`: a joiner SIGKILLs itself
+once the first message of the state's handover reached it.
 """
 
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.checkpoint import atomic_files
+from phalanx.checkpoint import atomic_files, handover
 from phalanx.world import generation, joining
 from phalanx.world import group as world
 from tests.helpers.global_batch_cases import (
@@ -52,6 +54,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--host", default="")
+    parser.add_argument("--die-in-handover", action="store_true", help="a joiner SIGKILLs itself while taken in")
     parser.add_argument("--ballast-mb", type=float, default=0.0, help="a frozen parameter of that many MB")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +78,14 @@ def main():
     loads = []
     load_safely = atomic_files.load_safely
     atomic_files.load_safely = lambda *a, **k: loads.append(a[0]) or load_safely(*a, **k)
+    if args.die_in_handover and joining.requested():  # lost while it is taken in: the others go on without it
+        received = handover._received
+
+        def die_after_the_first_message(work):
+            received(work)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        handover._received = die_after_the_first_message
     restore_began = time.time()
     checkpointer.restore(state)
     restore_ended = time.time()
