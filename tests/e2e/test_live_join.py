@@ -45,7 +45,7 @@ def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(t
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHALANX_MIN_WORLD_SIZE": "1",
            "PHALANX_STORE_ATTEMPT": ATTEMPT, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    extra = ["--wait-for-joiners-at", "0:2", "--pause", "0.3", *(["--adam"] if adam else [])]
+    extra = ["--wait-for-joiners-at", "0:2", "--joiners", str(joiners), "--pause", "0.3", *(["--adam"] if adam else [])]
     processes = [_start(env, rank, 2, tmp_path, extra) for rank in range(2)]
     try:
         deadline = time.monotonic() + 120

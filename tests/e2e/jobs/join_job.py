@@ -2,14 +2,16 @@
 progress (PHALANX_JOIN=1, started by `phalanx run` on a node that joins, or by a test) gets its state there.
 
     python tests/e2e/jobs/join_job.py RUN_DIR [--pause S] [--wait-for-joiners-at EPOCH:STEP] [--adam] [--hidden N]
-        [--epochs N] [--host NAME] [--ballast-mb MB] [--die-in-handover]
+        [--joiners N] [--epochs N] [--host NAME] [--ballast-mb MB] [--die-in-handover]
 
 The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs). Every rank
 appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
 averaged); each rank that finishes writes RUN_DIR/result-<rank>.pt (weights_only): its process ids at the start and
-the end, its generation (number, members), its final parameters, whether its restore() read a checkpoint file, the
-checkpoint's step count when it joined, and the step it first trained. `--wait-for-joiners-at`: at that step the
-ranks that train wait (up to 120 s) until a joiner is ready, so that a test need not race the joiner's start-up.
+the end, its generation (number, members), its final parameters, the checkpoint files its restore() read, the step
+count it joined at, the step it first trained, when its restore() began and ended, and its state's bytes.
+`--wait-for-joiners-at`: at that step the
+ranks that train wait (up to 120 s) until `--joiners` joiners are ready or in, so that a test need not race the
+joiners' start-up.
 `--host`: written to RUN_DIR/host-<rank> (which host a rank ran on). `--die-in-handover`: a joiner SIGKILLs itself
 once the first message of the state's handover reached it.
 """
@@ -39,9 +41,10 @@ from tests.helpers.global_batch_cases import (
 )
 
 
-def _wait_for_a_joiner() -> None:
+def _wait_for_joiners(count: int, world_size: int) -> None:
+    """Until `count` joiners are ready or in (up to 120 s)."""
     deadline = time.monotonic() + 120
-    while joining.waiting(world.store()) == 0 and time.monotonic() < deadline:
+    while joining.waiting(world.store()) + world.group_size() - world_size < count and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -50,6 +53,7 @@ def main():
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--pause", type=float, default=0.0, help="seconds of sleep per step")
     parser.add_argument("--wait-for-joiners-at", default="", help="EPOCH:STEP")
+    parser.add_argument("--joiners", type=int, default=1, help="how many joiners --wait-for-joiners-at waits for")
     parser.add_argument("--adam", action="store_true")
     parser.add_argument("--hidden", type=int, default=8)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
@@ -60,7 +64,7 @@ def main():
     args.run_dir.mkdir(parents=True, exist_ok=True)
     started_as = os.getpid()
     px.init()
-    rank = px.rank()
+    rank, world_size = px.rank(), px.world_size()
     (args.run_dir / f"host-{rank}").write_text(args.host)
     wait_at = tuple(int(part) for part in args.wait_for_joiners_at.split(":")) if args.wait_for_joiners_at else None
     dataset = Indexed()
@@ -99,7 +103,7 @@ def main():
             for step in loader:
                 first_step = first_step if first_step is not None else (epoch, step.index)
                 if (epoch, step.index) == wait_at and not joining.requested():
-                    _wait_for_a_joiner()
+                    _wait_for_joiners(args.joiners, world_size)
                 time.sleep(args.pause)
                 optimizer.zero_grad()
                 ids, attempt = [], 0
