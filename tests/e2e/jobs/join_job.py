@@ -42,9 +42,12 @@ from tests.helpers.global_batch_cases import (
 
 
 def _wait_for_joiners(count: int, world_size: int) -> None:
-    """Until `count` joiners are ready or in (up to 120 s)."""
+    """Until `count` joiners are ready or in (up to 120 s): joiners have ranks from the first world's size on."""
     deadline = time.monotonic() + 120
-    while joining.waiting(world.store()) + world.group_size() - world_size < count and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        joined = sum(1 for rank in world.live_members() if rank >= world_size)
+        if joining.waiting(world.store()) + joined >= count:
+            return
         time.sleep(0.05)
 
 
