@@ -40,12 +40,12 @@ def _start(env: dict, rank: int, world_size: int, directory: Path, extra: list, 
                             stderr=subprocess.STDOUT)
 
 
-@pytest.mark.parametrize("joiners, adam", [(1, False), (2, True)], ids=["one-joiner-sgd", "two-joiners-adamw"])
-def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(tmp_path, joiners, adam):
+def _two_ranks_and_joiners(tmp_path: Path, joiners: int, extra: list) -> tuple[list, list]:
+    """Two ranks train (the job with `extra`); once they made a step, `joiners` more start as joiners, their ranks
+    drawn from the run's store as a launcher draws them. Returns (every process's exit code, the joiners' ranks)."""
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHALANX_MIN_WORLD_SIZE": "1",
            "PHALANX_STORE_ATTEMPT": ATTEMPT, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    extra = ["--wait-for-joiners-at", "0:2", "--joiners", str(joiners), "--pause", "0.3", *(["--adam"] if adam else [])]
     processes = [_start(env, rank, 2, tmp_path, extra) for rank in range(2)]
     try:
         deadline = time.monotonic() + 120
@@ -55,14 +55,20 @@ def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(t
         store = dist.PrefixStore(f"phalanx/{ATTEMPT}", dist.TCPStore("127.0.0.1", port, is_master=False,
                                                                       timeout=timedelta(seconds=30)))
         drawn = joining.draw_ranks(store, joiners)
-        assert drawn == list(range(2, 2 + joiners))  # after the first world's ranks
         processes += [_start(env, rank, rank + 1, tmp_path, extra, PHALANX_JOIN="1") for rank in drawn]
-        codes = [p.wait(timeout=180) for p in processes]
+        return [p.wait(timeout=180) for p in processes], drawn
     finally:
         for p in processes:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0] * len(processes), _logs(tmp_path)
+
+
+@pytest.mark.parametrize("joiners, adam", [(1, False), (2, True)], ids=["one-joiner-sgd", "two-joiners-adamw"])
+def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(tmp_path, joiners, adam):
+    extra = ["--wait-for-joiners-at", "0:2", "--joiners", str(joiners), "--pause", "0.3", *(["--adam"] if adam else [])]
+    codes, drawn = _two_ranks_and_joiners(tmp_path, joiners, extra)
+    assert drawn == list(range(2, 2 + joiners))  # after the first world's ranks
+    assert codes == [0] * (2 + joiners), _logs(tmp_path)
     world = list(range(2 + joiners))
     results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in world}
     expected_params, expected_steps = reference_run(adam=adam)
@@ -89,25 +95,8 @@ def test_a_joiner_lost_while_it_is_taken_in_leaves_the_others_training(tmp_path)
     """The joiner SIGKILLs itself once the handover's first message reached it: the two ranks that train notice it
     gone (its connection closed, or its process watched), regroup without it and finish the run in-process, equal
     to one process on whole global batches."""
-    port = free_port()
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHALANX_MIN_WORLD_SIZE": "1",
-           "PHALANX_STORE_ATTEMPT": ATTEMPT, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     extra = ["--wait-for-joiners-at", "0:2", "--pause", "0.3", "--die-in-handover", "--ballast-mb", "50"]
-    processes = [_start(env, rank, 2, tmp_path, extra) for rank in range(2)]
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "ids-0.jsonl").exists() or not (tmp_path / "ids-0.jsonl").read_text():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(tmp_path)
-            time.sleep(0.1)
-        store = dist.PrefixStore(f"phalanx/{ATTEMPT}", dist.TCPStore("127.0.0.1", port, is_master=False,
-                                                                      timeout=timedelta(seconds=30)))
-        rank = joining.draw_ranks(store, 1)[0]
-        processes.append(_start(env, rank, rank + 1, tmp_path, extra, PHALANX_JOIN="1"))
-        codes = [p.wait(timeout=180) for p in processes]
-    finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
+    codes, _ = _two_ranks_and_joiners(tmp_path, 1, extra)
     assert codes[:2] == [0, 0] and codes[2] == -9, _logs(tmp_path)
     expected_params, expected_steps = reference_run()
     for rank in (0, 1):
