@@ -10,7 +10,10 @@ where a global-batch step does: not over shared memory, whose exchange ends alik
 machine's drift hits both alike. Prints the median step time of the slowest rank per setting and their ratio;
 and, since on a shared machine that ratio moves by more than the cost measured, the commit's own cost: its
 wall time per step on the main thread (store round trips, which a busy machine stretches too) and its CPU time,
-against the step time.
+against the step time. Those include the wait for the other rank to finish its exchange, which a step pays
+without the commit too (at its next collective); so also the commit's own delay to the step, on its critical
+path: per step, from the moment the last rank enters the commit to the moment the last one leaves it (both
+ranks read the same monotonic clock).
 
 With `--shard`, the model is sharded (AdamW; two ShardedOptimizers over the same model, one made with live recovery
 on, whose steps also snapshot this rank's chunk, refresh its copy on the other rank and commit a second time:
@@ -71,13 +74,15 @@ def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
     generation.say_mode(True, "a benchmark's loop")  # as a global-batch loader says it: the copies are made
     wall: list[float] = []
     cpu: list[float] = []
+    spans: list[tuple[float, float]] = []  # each commit's entry and exit, on the machine's monotonic clock
     live_step = live_optimizer.step
 
     def commit_then_step(*args, **kwargs):
-        started, started_cpu = time.perf_counter(), time.thread_time()
+        started, started_cpu = time.monotonic(), time.thread_time()
         if not model._steps_settle_alike() and not generation.commit_step():  # as a global-batch step does
             raise RuntimeError("a healthy step did not commit")
-        wall.append(time.perf_counter() - started)
+        spans.append((started, time.monotonic()))
+        wall.append(spans[-1][1] - started)
         cpu.append(time.thread_time() - started_cpu)
         return live_step(*args, **kwargs)
 
@@ -97,7 +102,7 @@ def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
         held = [t for packed in live_optimizer._copies.copies.values() for t in packed.tensors()]
         copies_bytes = sum(t.numel() * t.element_size() for t in held)
     return {**{s: statistics.median(v) for s, v in times.items()}, "commit_ms": 1e3 * statistics.median(wall),
-            "commit_cpu_ms": 1e3 * statistics.median(cpu),
+            "commit_cpu_ms": 1e3 * statistics.median(cpu), "spans": spans,
             "copies_ms": 1e3 * sum(copies_wall) / len(wall) if copies_wall else 0.0,  # per step, on average
             "copies_mb": copies_bytes / 1e6,
             "model_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6}
@@ -115,12 +120,16 @@ def main() -> None:
                         help="shard the model (AdamW): the shard copies' cost besides the commits")
     args = parser.parse_args()
     env = {"PHALANX_SHM": "1" if args.transport == "shm" else "0"}
-    results = run_ranks(_rank, 2, (args.models, args.blocks, args.steps, args.shard), timeout=3600, env=env)[0]
+    ranks = run_ranks(_rank, 2, (args.models, args.blocks, args.steps, args.shard), timeout=3600, env=env)
+    results = ranks[0]
     for name, r in results.items():
+        steps = zip(*(rank[name]["spans"] for rank in ranks))  # the same commits, in order, on every rank
+        delay = statistics.median(max(end for _, end in step) - max(start for start, _ in step) for step in steps)
         print(f"{name:<6} {args.transport:<4} step: on {r['on']:8.2f} ms   off {r['off']:8.2f} ms   "
               f"on/off {r['on'] / r['off']:.4f};   commit per step: {r['commit_ms']:.3f} ms wall "
               f"({100 * r['commit_ms'] / r['off']:.2f} % of a step), {r['commit_cpu_ms']:.3f} ms CPU "
-              f"({100 * r['commit_cpu_ms'] / r['off']:.2f} %)")
+              f"({100 * r['commit_cpu_ms'] / r['off']:.2f} %); its delay to the step: {1e3 * delay:.3f} ms "
+              f"({100e3 * delay / r['off']:.2f} %)")
         if args.shard != "none":
             print(f"{'':<6} shard={args.shard}: copies {r['copies_ms']:.3f} ms per step "
                   f"({100 * r['copies_ms'] / r['off']:.2f} % of a step), holding {r['copies_mb']:.1f} MB per rank "

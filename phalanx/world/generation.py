@@ -11,11 +11,12 @@ Live recovery is asked for with a minimum world size (`PHALANX_MIN_WORLD_SIZE`, 
 Four store protocols, all under `generation/<g>/` in phalanx's namespace of the store:
 - who: each rank's process (liveness.py: host, pid, start time, beacon), so that a peer can tell it is gone:
   at once on the same host or when its beacon refuses, after the heartbeat window when its host is silent.
-- commit: after each step's exchange, every rank says it is ready to apply the step; the step is
-  applied only if all are (the last to say so writes "ok"), else a rank that saw a peer fail, or that
-  found one gone while waiting, writes "failed" and every rank redoes the step at the next generation.
-  The first writer wins (compare-and-set), so every rank reads the same outcome. The keys are reused every
-  COMMIT_SLOTS steps (a counter that adds up, an outcome that names its step): nothing is deleted per step.
+- commit: after each step's exchange, every rank adds 1 to the step's counter; the step is applied only if
+  the counter reaches the world size. A rank whose exchange failed, or that found a peer gone while waiting,
+  gives the step up by setting the counter negative, with a compare-and-set from the value it read: once full the
+  counter cannot be given up, once given up it cannot fill, so every rank reads the same outcome. Healthy, that is
+  one store round trip per rank and step (the last rank to add knows at once; the others read until it adds). The
+  counters are reused every COMMIT_SLOTS steps (they add up); one given up ends the generation, never reused.
 - agreement: after a loss every survivor says it is alive; once each member has either said so or is
   known gone (or the membership timeout passed), the first proposal stored is the next generation.
 - joined: at a step the members agreed on (the checkpointer's stop agreement counted ranks waiting to join,
@@ -28,6 +29,7 @@ joiners included, whose own default group is not the others'.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
 import time
 import weakref
@@ -57,7 +59,9 @@ LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still 
 WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
 REGROUP_CONNECT_SECONDS = 30.0  # the ranks left making a new generation's process groups wait this long for each other
 WAIT_THREADS = 16  # threads that wait on collectives whose own waits cannot be bounded (waited_aside)
-COMMIT_SLOTS = 4  # the per-step commit's keys, reused: step n's are slot n % 4's (a member is at most 1 step ahead)
+COMMIT_SLOTS = 4  # the per-step commit's counters, reused: step n's is slot n % 4's (a member is at most 1 step ahead)
+EAGER_READS = 4  # reads of a commit's counter before the first pause
+GIVEN_UP = -(1 << 40)  # what a commit counter is set to when its step is given up: later adds leave it negative
 
 
 def min_world_size() -> int | None:
@@ -85,12 +89,6 @@ def membership_timeout() -> float:
     TIMEOUT; default: the DDP stall timeout + MEMBERSHIP_MARGIN, so that a slow rank is not dropped first)."""
     value = os.environ.get(MEMBERSHIP_TIMEOUT_ENV)
     return float(value) if value else ddp_stall_seconds() + MEMBERSHIP_MARGIN
-
-
-def _said(number: int, outcome: str = "ok") -> str:
-    """What a commit slot holds once step `number` was decided ("" before the slot's first step): the slots are
-    reused, COMMIT_SLOTS steps apart, so that no key is written or deleted per step beyond the commit's own."""
-    return f"{outcome}:{number}" if number >= 0 else ""
 
 
 @dataclass(frozen=True)
@@ -138,44 +136,49 @@ class Generation:
     def commit(self, store, number: int) -> bool:
         """Collective over the members, through the store: True if every member is ready to apply step
         `number` of this generation, False if the step failed somewhere and is to be redone."""
-        ready, outcome = self._key("commit", number % COMMIT_SLOTS, "ready"), self._outcome_key(number)
-        # The slot's counter adds up every step it served: each one that committed had all members in it.
-        if store.add(ready, 1) == self.world_size * (number // COMMIT_SLOTS + 1):
-            said = store.compare_set(outcome, _said(number - COMMIT_SLOTS), _said(number, "ok"))
-            return said == _said(number, "ok").encode()  # a rank that found a peer gone may have said no
-        return self._await_outcome(store, number)
+        counter, full = self._counter(number)
+        count = store.add(counter, 1)
+        return count == full or (count > 0 and self._await_outcome(store, number))
 
-    def _outcome_key(self, number: int) -> str:
-        return self._key("commit", number % COMMIT_SLOTS, "outcome")
+    def _counter(self, number: int) -> tuple[str, int]:
+        """Step `number`'s counter and the value that commits it: the slot's counter adds up, every step it served
+        had all members in it."""
+        return self._key("commit", number % COMMIT_SLOTS), self.world_size * (number // COMMIT_SLOTS + 1)
 
     def _await_outcome(self, store, number: int) -> bool:
-        # The ranks come from the same exchange, so the last one is usually a fraction of a millisecond away:
-        # short pauses first. (The store's timed wait logs a warning at each timeout: polling stays quiet.)
-        outcome, ok, failed = self._outcome_key(number), _said(number, "ok").encode(), _said(number, "failed").encode()
+        # The ranks come from the same exchange, so the last one is usually a fraction of a millisecond away: a
+        # few reads back to back (a sleeping thread is slow to wake on a busy host), then pauses that grow, which
+        # bound the reads a large world sends the store. (The store's timed wait logs a warning at each timeout:
+        # polling stays quiet.)
+        counter, full = self._counter(number)
         started = time.monotonic()
-        deadline, look, pause = started + membership_timeout(), started + LIVENESS_EVERY, 2e-5
-        while True:
-            said = store.get(outcome) if number >= COMMIT_SLOTS or store.check([outcome]) else b""
-            if said in (ok, failed):
-                return said == ok
+        deadline, look, pause = started + membership_timeout(), started + LIVENESS_EVERY, 0.0
+        for reads in itertools.count(1):
+            count = int(store.get(counter))
+            if count == full or count < 0:
+                return count == full
             now = time.monotonic()
             if now >= look:
                 look = now + LIVENESS_EVERY
                 if self.gone(store) or now > deadline:
-                    self.fail_commit(store, number)
-                    continue  # read who said first
-            time.sleep(pause)
-            pause = min(1.5 * pause, 2e-4 if now - started < 0.02 else 5e-3)
+                    return self.fail_commit(store, number)
+            if reads > EAGER_READS:
+                time.sleep(pause)
+                pause = min(max(1.5 * pause, 2e-5), 2e-4 if now - started < 0.02 else 5e-3)
 
-    def fail_commit(self, store, number: int) -> None:
-        """This rank cannot apply step `number` (its exchange failed): the others must not either."""
-        store.compare_set(self._outcome_key(number), _said(number - COMMIT_SLOTS), _said(number, "failed"))
+    def fail_commit(self, store, number: int) -> bool:
+        """Give step `number` up: this rank cannot apply it (its exchange failed), or a peer is gone while this
+        rank waits. Returns whether the step is applied after all: every member was ready before it was given up
+        (a peer lost after it said ready), which only a rank that said ready itself can find."""
+        counter, full = self._counter(number)
+        count = store.add(counter, 0)
+        while 0 <= count < full:  # others may add meanwhile: then try again from what they made it
+            count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
+        return count == full
 
     def commit_failed(self, store, number: int) -> bool:
-        """Whether a member said that step `number` cannot be applied."""
-        outcome = self._outcome_key(number)
-        return (number >= COMMIT_SLOTS or store.check([outcome])) and \
-            store.get(outcome) == _said(number, "failed").encode()
+        """Whether a member gave step `number` up."""
+        return store.add(self._counter(number)[0], 0) < 0
 
     # -- the next generation ------------------------------------------------------------------------------
 
