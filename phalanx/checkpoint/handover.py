@@ -36,7 +36,9 @@ def _entries(state: dict) -> dict:
         if kind == "value":
             saved = value
         else:
-            saved = unwrap(value).state_dict() if kind == "model" else value.state_dict()
+            # A sharded optimizer hands over its layout only: the regroup that takes the joiners in cuts its state.
+            saved = unwrap(value).state_dict() if kind == "model" else \
+                getattr(value, "handover_state_dict", value.state_dict)()
             check_plain(saved, f"state[{name!r}].state_dict()")
         entries[name] = {"kind": kind, "state": saved, "sharded": False}
     return entries

@@ -85,9 +85,9 @@ class RegroupMixin:
             return None
         if not copies_on():
             generation.say_mode(False, f"{COPIES_ENV}=0: no copy of a rank's optimizer shard is kept")
+            joining.refuse(f"{COPIES_ENV}=0: a sharded model does not follow the run's generations")
             return None
         self._shards_copied = True
-        joining.refuse(f"shard={self.shard!r}: a sharded optimizer's state is not handed to a joining rank")
         model = weakref.ref(self)
 
         def hosts():

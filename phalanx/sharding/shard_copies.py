@@ -5,7 +5,8 @@ With shard="optimizer" or "gradients" a rank holds the optimizer state of its ow
 (world/generation.py) each rank's chunk state is also held by its *keeper*, the rank with its local index
 on the next host (the next rank, on one host), refreshed after every step. After a loss the ranks left put
 the whole state together, each giving its own chunk and its lost wards' copies, and cut it again for the
-new world; nothing is read from disk.
+new world; nothing is read from disk. A rank that joins (checkpoint/handover.py) is handed the layout and the
+world its state was cut for instead of the state: it gives zeros to the same sums, and takes its new chunk from them.
 
 A step, around the wrapped optimizer's (ShardedOptimizer.step):
 - before: a snapshot of this rank's chunk (parameters and state) and of its wards' parameter chunks;
@@ -117,6 +118,7 @@ class ShardCopies:
         self.snapshot = None  # during a step: this rank's pieces and its wards' parameter chunks before it
         self.rolling_back = False  # during a regroup after a loss inside the step: back to the snapshot
         self.committing = False  # the step reached its commit (a failure then needs no fail_step of its own)
+        self.joining = False  # a joiner, until taken in: it holds none of the state it is to receive
         self._bind()
 
     def _forget_buffers(self) -> None:
@@ -140,8 +142,9 @@ class ShardCopies:
 
     # -- packing ------------------------------------------------------------------------------------
 
-    def _agree_on_layout(self) -> None:
-        """Collective, once state exists: the keys every rank's state has (a rank may hold none)."""
+    def _agree_on_layout(self, group, size: int) -> None:
+        """Collective over `group` (of `size` ranks), once state exists: the keys every rank's state has (a rank may
+        hold none)."""
         mine = ([], {})
         for piece_list in self.owner._pieces.values():
             for piece in piece_list:
@@ -151,8 +154,8 @@ class ShardCopies:
                     break
             if mine[0] or mine[1]:
                 break
-        everyone = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.owner.exchange.group)
+        everyone = [None] * size
+        dist.all_gather_object(everyone, mine, group=group)
         per_element = sorted({key for keys, _ in everyone for key in keys})
         scalars = {}
         for _, found in everyone:
@@ -264,7 +267,7 @@ class ShardCopies:
         if self.layout is None:
             if not self._anyone_has_state():  # collective: a rank may hold no state while others do
                 return {}, []
-            self._agree_on_layout()
+            self._agree_on_layout(self.owner.exchange.group, self.world_size)
         self._check_keys()
         exchange = self.owner.exchange
         group = exchange.group
@@ -296,10 +299,12 @@ class ShardCopies:
 
     @torch.no_grad()
     def whole_state(self, survivors, old_members: tuple[int, ...]) -> tuple[dict, list | None]:
-        """Collective over the survivors' group: ({parameter index: its whole state} in torch's format, keyed as
-        the owner's `_numbers`; and on a roll-back each bucket's whole parameters before the step, else None).
-        Raises MembershipError when a lost rank's chunk has no copy left."""
-        exchange = self.owner.exchange  # the old world's, still
+        """Collective over the new generation's group: ({parameter index: its whole state} in torch's format, keyed
+        as the owner's `_numbers`; and on a roll-back each bucket's whole parameters before the step, else None).
+        `old_members` held the state, cut for their world. Raises MembershipError when a lost rank's chunk has no
+        copy left."""
+        exchange = self.owner.exchange  # the old world's, still (a joiner's: its world of one)
+        old_size = len(old_members)
         lost = {i for i, member in enumerate(old_members) if member not in survivors.members}
         rolling_back = self.rolling_back and self.snapshot is not None
         orphans = sorted(old_members[r] for r in lost if self.keepers.get(r, r) in lost | {r})
@@ -310,21 +315,23 @@ class ShardCopies:
                 "a lost rank's optimizer shard has no copy left", rank=dist.get_rank(),
                 seen=f"rank(s) {orphans} lost together with their keepers", expected="at most one of each pair",
                 fix="The run restarts from its newest checkpoint (phalanx run does it, under --max-restarts)."))
+        if self.layout is None and not lost:  # a world of one keeps no copies, so never agreed on one: now
+            self._agree_on_layout(survivors.group, survivors.world_size)
         group, layout = survivors.group, self.layout
         own, ward_params = self.snapshot if rolling_back else ({}, {})
-        mine = [self.rank] + [w for w in self.wards if w in lost]
+        mine = [] if self.joining else [self.rank] + [w for w in self.wards if w in lost]
         states, scalars, params = [], [], []
         for b, bucket in enumerate(exchange.buckets):
-            chunk, storage = exchange.shards[b].chunk, bucket.storage
-            cuts = {r: cut_bucket(bucket, r, self.world_size) for r in range(self.world_size)}
+            cuts = {r: cut_bucket(bucket, r, old_size) for r in range(old_size)}
+            chunk, storage = cuts[0].chunk, bucket.storage
             rows = [0]
-            for r in range(self.world_size):
+            for r in range(old_size):
                 rows.append(rows[-1] + len(cuts[r].pieces))
             keys = len(layout.per_element) if layout else 0
-            whole = torch.zeros(keys, chunk * self.world_size, dtype=storage.dtype, device=storage.device)
+            whole = torch.zeros(keys, chunk * old_size, dtype=storage.dtype, device=storage.device)
             flags = torch.zeros(rows[-1], layout.piece_width if layout else 1, dtype=torch.float64,
                                 device=storage.device)
-            before = torch.zeros(chunk * self.world_size, dtype=storage.dtype, device=storage.device) \
+            before = torch.zeros(chunk * old_size, dtype=storage.dtype, device=storage.device) \
                 if rolling_back else None
             for r in mine:
                 at = slice(r * chunk, (r + 1) * chunk)
@@ -356,7 +363,7 @@ class ShardCopies:
             return entries
         for b, bucket in enumerate(exchange.buckets):
             flags, rows, cuts = scalars[b]
-            chunk = exchange.shards[b].chunk
+            chunk = cuts[0].chunk
             for i, p, offset in zip(bucket.indices, bucket.params, bucket.offsets):
                 number = self.owner._numbers.get(id(p))
                 if number is None:
@@ -375,7 +382,7 @@ class ShardCopies:
     def rebind(self, entries: dict) -> None:
         """On the new world (the owner re-targeted at its exchange): the wards' copies cut from the whole state
         `entries` that every rank holds now, without a transfer."""
-        self.snapshot = None
+        self.snapshot, self.joining = None, False
         self._bind()
         self.copies = {}
         if self.layout is None or not entries:
@@ -390,6 +397,17 @@ class ShardCopies:
                 return {key: (value.reshape(-1)[piece.start:piece.stop] if key in self.layout.per_element
                               else value) for key, value in entry.items()}
             self.copies[w] = self._pack(shards, state_of)
+
+    def handed_layout(self) -> list | None:
+        """The layout, as a joiner is handed it (see expect())."""
+        layout = self.layout
+        return None if layout is None else [list(layout.per_element), dict(layout.scalars)]
+
+    def expect(self, layout: list | None) -> None:
+        """A joiner, with the layout handed_layout() gave on the ranks that train: the regroup that takes it in
+        gives it its chunk of the state (whole_state, where it adds zeros to the sums of theirs)."""
+        self.joining = True
+        self.layout = None if layout is None else Layout(*layout)
 
     def take_whole(self, state_dict: dict) -> None:
         """After load_state_dict(state_dict) (torch's whole format, on every rank): the wards' copies from it."""

@@ -24,7 +24,7 @@ from .shard_copies import ShardCopies
 # Optimizers that read whole tensors (norms, factored moments, line searches): their update of a piece
 # would differ from their update of the parameter.
 WHOLE_TENSOR_OPTIMIZERS = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-
+HANDED_OVER = "phalanx_handed_over"  # the key of a joiner's state dict that says what it is to receive (see below)
 
 
 class ShardedOptimizer(OptimizerView):
@@ -250,11 +250,31 @@ class ShardedOptimizer(OptimizerView):
                 fix="Use an elementwise optimizer with sharding, or shard='none'."))
         return "value", value
 
+    def handover_state_dict(self) -> dict:
+        """What a rank joining the run is handed (checkpoint/handover.py) in place of state_dict(): the param
+        groups, and the world the state is cut for, not the state. The regroup that takes the joiner in cuts the
+        state again for the new world (ShardCopies.whole_state), so no rank gathers all of it twice."""
+        if self._copies is None:  # not following the generations: the whole state (collective over the members)
+            return self.state_dict()
+        return {"state": {}, "param_groups": self._saved_groups(),
+                HANDED_OVER: {"members": list(self._members), "layout": self._copies.handed_layout()}}
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch's optimizer state dict of the whole model (saved sharded or not, at any world size):
         this rank keeps the state of its own pieces (and under live recovery its wards' copies)."""
+        handed = state_dict.get(HANDED_OVER)
+        if handed is not None and self._copies is None:
+            raise ShardingError(explain(
+                "this rank joins a run whose sharded optimizer state is cut again when it is taken in, and its "
+                "ShardedOptimizer does not follow the run's generations", rank=self.exchange.rank,
+                seen="a ShardedOptimizer without live recovery", expected="one built by model.shard_optimizer() on a "
+                "model of the whole world, with live recovery on",
+                fix="Build the model and optimizer as the ranks that train do (the same script and settings)."))
         self._load_whole(state_dict)
-        if self._copies is not None:
+        if handed is not None:
+            self._members = tuple(handed["members"])
+            self._copies.expect(handed["layout"])
+        elif self._copies is not None:
             self._copies.take_whole(state_dict)
 
     def _load_whole(self, state_dict: dict) -> None:

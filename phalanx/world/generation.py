@@ -291,9 +291,12 @@ def timed_wait(work, aside: bool = False):
         except concurrent.futures.TimeoutError:
             return False
         except RuntimeError as exc:
-            if not work.is_completed() and "timed out" in str(exc).lower():
+            if "timed out" not in str(exc).lower():
+                raise
+            if not work.is_completed():
                 return False
-            raise
+            work.wait()  # it completed as the wait gave up (seen in a fresh run): its own outcome, at once
+            return True
     return wait
 
 

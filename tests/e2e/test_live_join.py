@@ -63,15 +63,20 @@ def _two_ranks_and_joiners(tmp_path: Path, joiners: int, extra: list) -> tuple[l
                 p.kill()
 
 
-@pytest.mark.parametrize("joiners, adam", [(1, False), (2, True)], ids=["one-joiner-sgd", "two-joiners-adamw"])
-def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(tmp_path, joiners, adam):
-    extra = ["--wait-for-joiners-at", "0:2", "--joiners", str(joiners), "--pause", "0.3", *(["--adam"] if adam else [])]
+@pytest.mark.parametrize("joiners, adam, shard", [(1, False, "none"), (2, True, "none"), (1, True, "gradients"),
+                                                 (2, False, "optimizer")],
+                         ids=["one-joiner-sgd", "two-joiners-adamw", "one-joiner-adamw-shard-gradients",
+                              "two-joiners-sgd-shard-optimizer"])
+def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(tmp_path, joiners, adam, shard):
+    hidden = 8 if shard == "none" else 64  # sharded: every rank owns elements of the model
+    extra = ["--wait-for-joiners-at", "0:2", "--joiners", str(joiners), "--pause", "0.3", *(["--adam"] if adam else []),
+             "--shard", shard, "--hidden", str(hidden)]
     codes, drawn = _two_ranks_and_joiners(tmp_path, joiners, extra)
     assert drawn == list(range(2, 2 + joiners))  # after the first world's ranks
     assert codes == [0] * (2 + joiners), _logs(tmp_path)
     world = list(range(2 + joiners))
     results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in world}
-    expected_params, expected_steps = reference_run(adam=adam)
+    expected_params, expected_steps = reference_run(adam=adam, hidden=hidden)
     # The joiners are taken in together, or one at a step as each becomes ready: a generation per admission.
     assert results[0]["generation"] in ([1, world], [2, world]), results[0]["generation"]
     for rank, result in results.items():

@@ -3,6 +3,7 @@ progress (PHALANX_JOIN=1, started by `phalanx run` on a node that joins, or by a
 
     python tests/e2e/jobs/join_job.py RUN_DIR [--pause S] [--wait-for-joiners-at EPOCH:STEP] [--adam] [--hidden N]
         [--joiners N] [--epochs N] [--host NAME] [--ballast-mb MB] [--die-in-handover]
+        [--shard optimizer|gradients]
 
 The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs). Every rank
 appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
@@ -13,7 +14,8 @@ count it joined at, the step it first trained, when its restore() began and ende
 ranks that train wait (up to 120 s) until `--joiners` joiners are ready or in, so that a test need not race the
 joiners' start-up.
 `--host`: written to RUN_DIR/host-<rank> (which host a rank ran on). `--die-in-handover`: a joiner SIGKILLs itself
-once the first message of the state's handover reached it.
+once the first message of the state's handover reached it. `--shard`: the model's shard level (its optimizer from
+model.shard_optimizer; a hidden width of 64 lets every rank own elements).
 """
 
 import argparse
@@ -62,6 +64,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--host", default="")
     parser.add_argument("--die-in-handover", action="store_true", help="a joiner SIGKILLs itself while taken in")
+    parser.add_argument("--shard", default="none", choices=("none", "optimizer", "gradients"))
     parser.add_argument("--ballast-mb", type=float, default=0.0, help="a frozen parameter of that many MB")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -78,8 +81,8 @@ def main():
         count = int(args.ballast_mb * 1e6) // 4
         module.ballast = torch.nn.Parameter(torch.randn(count, generator=torch.Generator().manual_seed(rank)),
                                             requires_grad=False)  # each rank its own: a joiner must get rank 0's
-    model = px.DistributedDataParallel(module, bucket_cap_mb=1e-6)
-    optimizer = make_optimizer(model, args.adam)
+    model = px.DistributedDataParallel(module, bucket_cap_mb=1e-6, shard=args.shard)
+    optimizer = model.shard_optimizer(make_optimizer(model, args.adam))
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints", every=1000)  # never saves: a join reads no file
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     loads = []
