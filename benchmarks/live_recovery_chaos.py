@@ -9,8 +9,9 @@ Three hosts (network namespaces on a bridge, root needed), `phalanx run --nnodes
 - kill-rank: SIGKILL one worker of a host drawn at random (live recovery: the others go on in-process; when too few
   would be left, the group restarts from its newest checkpoint);
 - kill-host: SIGKILL host 1's or host 2's launcher and workers; it comes back 5-15 s later (it joins the workers in
-  progress at a step boundary, handed their state; with `--shard`, or workers not yet in their loop, the others
-  save at an agreed step and the group restarts at the larger world instead);
+  progress at a step boundary, handed their state, a sharded optimizer's cut again for the larger world; with
+  workers not yet in their loop, the others save at an agreed step and the group restarts at the larger world
+  instead);
 - cut-host: set host 1's or host 2's link down for 5-10 s (its launcher loses the store and ends; it is started
   again once the link is back);
 - stop: SIGTERM every launcher (the agreed stop: a save, exit 75), then the same commands again (a resume).
