@@ -26,17 +26,26 @@ _instances = 0  # StepLogs made in this process: every rank makes them in the sa
 
 
 class RowGather:
-    """All-gathers float64 rows between the ranks of the default group (see the module docstring)."""
+    """All-gathers float64 rows between the ranks of the default group (see the module docstring); with `group`,
+    between `members` (global ranks, in the group's order) on that group, noted in the store under `key`."""
 
-    def __init__(self, fields: int, timeout: float):
+    def __init__(self, fields: int, timeout: float, group=None, members: tuple[int, ...] | None = None,
+                 key: str | None = None):
         global _instances
-        _instances += 1
-        self.key = f"steplog{_instances}"
+        if key is None:
+            _instances += 1
+            key = f"steplog{_instances}"
+        self.key = key
         self.fields, self.timeout = fields, timeout
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.members = tuple(members) if members is not None else tuple(range(dist.get_world_size()))
+        self.rank, self.world_size = dist.get_rank(), len(self.members)  # its global rank: the store's notes
         self.count = 0  # gathers launched
         self._work, self._outputs, self._count_of_work = None, None, 0
+        self.launched: torch.Tensor | None = None  # the rows of the gather in flight
         self._note(f"{self.key}/made")
+        if group is not None:
+            self.group = group
+            return
         try:
             # Gloo on the CPU whatever the training backend: rows read later need no GPU stream sync.
             # Its own timeout a little later than this module's waits, which name the missing ranks.
@@ -54,19 +63,19 @@ class RowGather:
         self.count += 1
         self._outputs = [torch.empty_like(rows) for _ in range(self.world_size)]
         self._work = self.group.allgather([self._outputs], [rows])
-        self._count_of_work = self.count
+        self._count_of_work, self.launched = self.count, rows
 
     def result(self, what: str) -> list[torch.Tensor]:
         """The rows of every rank (rank order) of the gather in flight; waits at most `timeout` seconds."""
         work, outputs, count = self._work, self._outputs, self._count_of_work
-        self._work = self._outputs = None
+        self._work = self._outputs = self.launched = None
         if not work.is_completed():
             with step_clock.waiting_for_peers():
                 self._wait(work, what)
         try:
             work.wait()
         except Exception as exc:  # Gloo: a peer closed its connection, or its own timeout passed
-            dead = recorder.dead_peers(range(self.world_size))
+            dead = recorder.dead_peers(self.members)
             if not dead and "timed out" in str(exc).lower():
                 self._fail(f"gathering {what} timed out", f"{self.key}/{count}", "no answer")
             raise PeerFailedError(explain(
@@ -89,7 +98,7 @@ class RowGather:
                 self._note(key)
             if now > dead_check + DEAD_CHECK_AFTER:  # a rank that died will never arrive: say so now
                 dead_check = now
-                dead = recorder.dead_peers(range(self.world_size))
+                dead = recorder.dead_peers(self.members)
                 if dead:
                     raise PeerFailedError(explain(
                         f"StepLog cannot gather {what}", rank=self.rank,
@@ -112,7 +121,7 @@ class RowGather:
             self._note(key)
             deadline = time.monotonic() + NAMING_GRACE
             while True:
-                missing = [r for r in range(self.world_size) if not store.check([f"{key}/{r}"])]
+                missing = [r for r in self.members if not store.check([f"{key}/{r}"])]
                 if not missing or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)

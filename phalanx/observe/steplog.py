@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ..diagnose import progress, step_clock
 from ..errors import StepLogError, explain
+from ..world import generation
 from ..world import group as world
 from . import outputs
 from .gather import RowGather
@@ -71,9 +72,10 @@ class StepLog:
                                        seen=f"WORLD_SIZE={os.environ['WORLD_SIZE']}, no process group",
                                        expected="px.init() (or init_process_group) first",
                                        fix="Make the StepLog after px.init(): every rank would write as rank 0."))
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.main = self.rank == 0
+        # The ranks that train (after a loss, the ranks left; a rank that joins is a world of its own until taken in).
+        self.rank, self.world_size = world.group_rank(), world.group_size()
+        self._members = world.live_members() if dist.is_initialized() else (0,)
+        self.main = world.is_main() if world.is_initialized() else self.rank == 0
         self._cuda = _training_on_cuda()
         self._peak, self._peak_read_ns = 0.0, -PEAK_READ_NS  # the resident set's peak, read at most every 0.2 s
         self._start_step = 0  # the step count this process started logging from (after a restore)
@@ -93,10 +95,16 @@ class StepLog:
         elif tensorboard is True:
             outputs.tensorboard_module(required=True)  # the same error on every rank
         self._tensorboard = outputs.TensorBoardFile(self.directory, protos) if protos else None
-        self._gather = RowGather(len(FIELDS), self.timeout) if self.world_size > 1 else None
+        self._gather = RowGather(len(FIELDS), self.timeout) if self.world_size > 1 and world.live_generation() == 0 \
+            else None
+        self._key = self._gather.key if self._gather is not None else f"steplog-{id(self):x}"
+        self._tensorboard_wanted = tensorboard
+        self._abandoned: list = []  # gathers left in flight on the groups of a world before: never touched again
         self._new_window()
         self._mark()
         world.before_shutdown(self._at_shutdown)  # the agreed stop and the end of a run write what is left
+        if generation.live_recovery():
+            generation.on_regroup(self._onto_generation)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -205,6 +213,10 @@ class StepLog:
         records = [make_record(rows, lr=lr, memory_kind="cuda" if self._cuda else "rss",
                                flops_per_sample=self.flops_per_sample, flops_per_token=self.flops_per_token,
                                peak_flops=self.peak_flops) for rows in windows]
+        if self._members != tuple(range(len(self._members))):  # ranks were lost: name them by their global ranks
+            for record in records:
+                for key in ("slowest_rank", "peak_memory_rank"):
+                    record[key] = self._members[record[key]]
         if self._records_written == 0:  # this process's first: what an earlier run wrote from here on goes
             outputs.trim(self._jsonl.path, self._start_step)
         self._jsonl.write(records)
@@ -235,6 +247,46 @@ class StepLog:
 
     def _at_shutdown(self) -> None:
         self.close()
+
+    # -- live recovery ----------------------------------------------------------------------------
+
+    def _onto_generation(self, current) -> None:
+        """Under live recovery, after each change of the ranks that train (world/generation.py): gather on their
+        control group from now on (made with the generation: no group is made in a step). The windows ended but not
+        yet written are dropped on every rank (a lost rank's rows are gone, and a gather in flight on the old group
+        may never end); the window in progress goes on, and a rank that joined adopts the others' step count."""
+        dropped = [row for row in (self._gather.launched.tolist() if self._gather is not None
+                                   and self._gather.launched is not None else [])] + self._rows
+        if self._gather is not None and self._gather.pending:
+            self._abandoned.append(self._gather)
+        self._rows, self._gather_every = [], 1
+        self.rank, self.world_size, self._members = current.rank, current.world_size, tuple(current.members)
+        self._gather = None
+        if self.world_size > 1:
+            self._gather = RowGather(len(FIELDS), self.timeout, group=world.control_group(), members=self._members,
+                                     key=f"{self._key}/generation{current.number}")
+            steps = torch.tensor([self.steps], dtype=torch.int64)
+            generation.wait_for(dist.broadcast(steps, group=world.control_group(), group_src=0, async_op=True),
+                                "the StepLog's step count")
+            if int(steps) != self.steps:  # a rank that joined: it logs on from the others' count
+                self.steps = self._start_step = int(steps)
+                self._new_window()
+                self._mark()
+        if not self.main and world.is_main():
+            self._become_main()
+        if self.main and dropped:
+            print(f"StepLog: the record(s) of steps {int(min(r[_END] for r in dropped))}-"
+                  f"{int(max(r[_END] for r in dropped))} are not written: the world changed while they were gathered",
+                  flush=True)
+
+    def _become_main(self) -> None:
+        """The first rank was lost: this one writes the records from now on, after what the other wrote."""
+        self.main = True
+        self._start_step = self.steps  # the records written so far stay (see _emit's trim)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._jsonl = outputs.JsonlFile(self.directory)
+        protos = outputs.tensorboard_module(required=False) if self._tensorboard_wanted is not False else None
+        self._tensorboard = outputs.TensorBoardFile(self.directory, protos) if protos else None
 
     # -- checkpoints ------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from phalanx.testing import free_port
 from phalanx.world import joining
 from tests.conftest import ROOT
 from tests.helpers.global_batch_cases import reference_run
-from tests.helpers.live_recovery_cases import applied_ids
+from tests.helpers.live_recovery_cases import applied_ids, steplog_records
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "join_job.py")
 ATTEMPT = "join-test"
@@ -90,6 +90,11 @@ def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(t
         assert joined_at >= 3 and results[rank]["first_step"] == [joined_at // 4, joined_at % 4], results[rank]
     assert applied_ids(str(tmp_path), len(world)) == expected_steps, "a sample was lost or used twice"
     assert "joined: " in (tmp_path / "log-0.txt").read_text()
+    # The StepLog logged every step, over 2 ranks then over all of them (the joiners took the step count over).
+    records = steplog_records(str(tmp_path))
+    assert [record["step"] for record in records] == list(range(1, len(expected_steps) + 1)), records
+    sizes = [record["world_size"] for record in records]
+    assert sizes == sorted(sizes) and sizes[0] == 2 and sizes[-1] == len(world), sizes
 
 
 def _logs(directory: Path) -> str:

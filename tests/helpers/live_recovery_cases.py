@@ -2,14 +2,14 @@
 (phalanx.spawn) and tests/e2e/jobs/live_recovery_job.py (`phalanx run --min-world-size`).
 
 The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs, SGD with
-momentum) with a Checkpointer saving every 2 steps and the step's loss summed over the ranks that train after
-each step. The doomed rank SIGKILLs itself in step `at` = (epoch, step) at `moment`: "forward" (before its first
-forward of the step), "exchange" (from a gradient hook in its last backward: with a bucket per parameter, some
-buckets are in flight), or "optimizer" (after its backward, before its optimizer step; the step was committed, so
-its samples are logged as applied); with a sharded model also "clip" (before `model.clip_grad_norm_`, whose
-all-reduce the others are then in). Every rank appends `[epoch, step, ids]` per applied step to
-`ids-<rank>.jsonl` in `directory`: the ids its part of the step averaged, and the time (`time.time()`); a doomed rank
-writes the time it dies in `died-at`.
+momentum) with a Checkpointer saving every 2 steps, the step's loss summed over the ranks that train after
+each step, and a StepLog of every step (`directory/steplog/steps.jsonl`: steplog_records()). The doomed rank
+SIGKILLs itself in step `at` = (epoch, step) at `moment`: "forward" (before its first forward of the step),
+"exchange" (from a gradient hook in its last backward: with a bucket per parameter, some buckets are in flight), or
+"optimizer" (after its backward, before its optimizer step; the step was committed, so its samples are logged as
+applied); with a sharded model also "clip" (before `model.clip_grad_norm_`, whose all-reduce the others are then
+in). Every rank appends `[epoch, step, ids]` per applied step to `ids-<rank>.jsonl` in `directory`: the ids its part
+of the step averaged, and the time (`time.time()`); a doomed rank writes the time it dies in `died-at`.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     optimizer = model.shard_optimizer(make_optimizer(model, adam))
     checkpointer = px.Checkpointer(os.path.join(directory, "checkpoints"), every=2)  # saves before and after
     state = {"model": model, "optimizer": optimizer, "loader": loader}
+    steplog = px.StepLog(os.path.join(directory, "steplog"), every=1, print_every=0, tensorboard=False)
     losses, started_as, doomed, armed = [], os.getpid(), rank == doomed_rank, [False]
     first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
     first_layer.register_hook(lambda grad: _die(directory) if armed[0] else None)
@@ -97,7 +98,9 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                 loss = px.metrics.all_reduce_sum(step.loss).item()  # over the ranks that train
                 if not step.undone:
                     losses.append(loss)
+                    steplog.step(loss, samples=len(ids))
                 checkpointer.step(state)
+    steplog.close()
     current = generation.current()
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
             "params": parameters(model), "losses": losses, "main": px.is_main(), "groups_made": groups_made}
@@ -131,6 +134,12 @@ def applied_ids(directory: str, world_size: int) -> dict:
                 epoch, step, ids, _ = json.loads(line)
                 applied.setdefault((epoch, step), []).extend(ids)
     return {key: sorted(ids) for key, ids in applied.items()}
+
+
+def steplog_records(directory: str) -> list[dict]:
+    """The StepLog's records, in the order written."""
+    with open(os.path.join(directory, "steplog", "steps.jsonl")) as records:
+        return [json.loads(line) for line in records]
 
 
 def newest_checkpoint(directory: str) -> dict:

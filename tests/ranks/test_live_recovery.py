@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.testing import run_ranks
 from tests.helpers.global_batch_cases import Indexed, make_model, reference_run
-from tests.helpers.live_recovery_cases import applied_ids, newest_checkpoint, train
+from tests.helpers.live_recovery_cases import applied_ids, newest_checkpoint, steplog_records, train
 
 LOST_AT = (0, 1)  # step 1 of epoch 0
 
@@ -60,6 +60,22 @@ def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, 
     assert first["losses"] == second["losses"] and len(first["losses"]) == len(expected_steps)
     assert (first["main"], second["main"]) == (True, False)
     assert newest_checkpoint(str(tmp_path))["world_size"] == 2  # saved by the two ranks left, and loadable
+    _check_the_steplog_went_on(str(tmp_path), len(expected_steps), survivors)
+
+
+def _check_the_steplog_went_on(directory: str, steps: int, survivors: tuple) -> None:
+    """The StepLog kept logging on the ranks left: its records go up to the run's last step, in order, those after
+    the loss over the survivors, naming them by their global ranks (a few records of the steps around the loss may
+    be missing: they were being gathered when the world changed)."""
+    records = steplog_records(directory)
+    numbers = [record["step"] for record in records]
+    assert numbers == sorted(set(numbers)) and numbers[-1] == steps, numbers
+    assert steps - len(records) <= 3, f"{steps - len(records)} records missing: {numbers}"
+    after = [record for record in records if record["world_size"] == len(survivors)]
+    assert after and after[-1] is records[-1], [record["world_size"] for record in records]
+    assert {record["slowest_rank"] for record in after} <= set(survivors)
+    assert {record["peak_memory_rank"] for record in after} <= set(survivors)
+    assert all(record["samples"] > 0 for record in records)
 
 
 @pytest.mark.parametrize("moment", ["optimizer", "exchange", "clip"])

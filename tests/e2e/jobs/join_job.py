@@ -5,7 +5,8 @@ progress (PHALANX_JOIN=1, started by `phalanx run` on a node that joins, or by a
         [--joiners N] [--epochs N] [--host NAME] [--ballast-mb MB] [--die-in-handover]
         [--shard optimizer|gradients]
 
-The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs). Every rank
+The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs), with a
+StepLog of every step in RUN_DIR/steplog (not in the state: a joiner takes the step count from the others). Every rank
 appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
 averaged); each rank that finishes writes RUN_DIR/result-<rank>.pt (weights_only): its process ids at the start and
 the end, its generation (number, members), its final parameters, the checkpoint files its restore() read, the step
@@ -96,6 +97,7 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
 
         handover._received = die_after_the_first_message
+    steplog = px.StepLog(args.run_dir / "steplog", every=1, print_every=0, tensorboard=False)  # not in `state`
     restore_began = time.time()
     checkpointer.restore(state)
     restore_ended = time.time()
@@ -116,13 +118,16 @@ def main():
                 for index, x, y in step.micro_batches(model):
                     if step.attempt != attempt:  # the loop started over after a loss: so do the ids
                         ids, attempt = [], step.attempt
-                    step.backward(F.mse_loss(model(x), y))
+                    loss = F.mse_loss(model(x), y)
+                    step.backward(loss)
                     if step.weight:
                         ids += index.tolist()
                 optimizer.step()
                 log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
                 log.flush()
+                steplog.step(loss, samples=len(ids))
                 checkpointer.step(state)
+    steplog.close()
     current = generation.current()
     torch.save({"pid": [started_as, os.getpid()], "generation": [current.number, list(current.members)],
                 "params": [p.detach().clone() for name, p in model.module.named_parameters() if name != "ballast"],
