@@ -83,10 +83,13 @@ class Layout:
                 scalars[key] = ("number", type(value).__name__, "")
         return per_element, scalars
 
-    def scalar_value(self, key: str, number: float):
+    def scalar_value(self, key: str, number: float, here: torch.device):
+        """The scalar `key` as it was, from its number; a tensor that was on an accelerator goes on `here`, this
+        rank's (the layout names the device of the rank that described it: another GPU on another rank)."""
         kind, name, device = self.scalars[key]
         if kind == "tensor":
-            return torch.tensor(number, dtype=getattr(torch, name), device=device)
+            where = torch.device(device)
+            return torch.tensor(number, dtype=getattr(torch, name), device=where if where.type == "cpu" else here)
         return {"bool": bool, "int": int, "float": float}[name](number)
 
     @property
@@ -375,7 +378,7 @@ class ShardCopies:
                 entry = {key: states[b][k, offset:offset + p.numel()].view(p.shape).clone()
                          for k, key in enumerate(layout.per_element)}
                 for k, key in enumerate(layout.scalar_keys):
-                    entry[key] = layout.scalar_value(key, float(flags[row, 1 + k]))
+                    entry[key] = layout.scalar_value(key, float(flags[row, 1 + k]), states[b].device)
                 entries[number] = entry
         return entries
 

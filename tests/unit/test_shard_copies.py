@@ -38,7 +38,7 @@ def test_adam_state_is_per_element_moments_and_a_scalar_step():
     assert sorted(per_element) == ["exp_avg", "exp_avg_sq"]
     assert scalars == {"step": ("tensor", "float32", "cpu")}
     layout = Layout(per_element, scalars)
-    value = layout.scalar_value("step", float(state["step"]))
+    value = layout.scalar_value("step", float(state["step"]), torch.device("cpu"))
     assert isinstance(value, torch.Tensor) and value.dtype == state["step"].dtype and float(value) == 1.0
     assert layout.piece_width == 2  # presence, then the step
 
@@ -47,7 +47,16 @@ def test_python_number_state_comes_back_as_its_type():
     per_element, scalars = Layout.describe({"momentum_buffer": torch.ones(2), "count": 3}, torch.Size([2]))
     layout = Layout(per_element, scalars)
     assert per_element == ["momentum_buffer"]
-    assert layout.scalar_value("count", 3.0) == 3 and isinstance(layout.scalar_value("count", 3.0), int)
+    value = layout.scalar_value("count", 3.0, torch.device("cpu"))
+    assert value == 3 and isinstance(value, int)
+
+
+def test_a_scalar_tensor_on_an_accelerator_comes_back_on_this_ranks_device():
+    """A capturable or fused Adam keeps `step` on the GPU: the layout names the GPU of the rank that described it,
+    and each rank puts the value back on its own (the meta device stands in for it on a machine without GPUs)."""
+    layout = Layout(["exp_avg"], {"step": ("tensor", "float32", "cuda:0")})
+    value = layout.scalar_value("step", 7.0, torch.device("meta"))
+    assert value.device == torch.device("meta") and value.dtype == torch.float32
 
 
 def test_the_copies_are_on_unless_turned_off(monkeypatch):
