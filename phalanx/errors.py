@@ -48,6 +48,10 @@ class RendezvousTimeoutError(PhalanxError, TimeoutError):
     """An elastic rendezvous did not gather --nnodes MIN nodes within --rdzv-timeout."""
 
 
+class RunEndedError(PhalanxError):
+    """An elastic run was closed (its workers finished) before this node met the others in a new round."""
+
+
 class PortInUseError(PhalanxError, OSError):
     """The master port is already taken by another process on this host."""
 

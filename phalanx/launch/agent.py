@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from ..diagnose import progress
 from ..diagnose.recorder import pid_alive
-from ..errors import RendezvousTimeoutError, StoreLostError, explain
+from ..errors import RendezvousTimeoutError, RunEndedError, StoreLostError, explain
 from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
 from ..world.stop import STOP_EXIT_CODE
 from .diagnosis import RunDiagnosis
@@ -214,7 +214,12 @@ class Agent(LocalElasticAgent):
         """Node(s) join the workers in progress (world/joining.py): meet them in a new round as torch's agent would,
         its collective assignment of ranks included, but keep this node's workers and their ranks: they take the
         joiners in at their next step boundary."""
-        info = worker_group.spec.rdzv_handler.next_rendezvous()
+        try:
+            info = worker_group.spec.rdzv_handler.next_rendezvous()
+        except RunEndedError:  # another node's workers finished the run as the join was decided: so do this one's
+            _say("the run ended before the node(s) waiting could be taken in: this node's workers finish too.")
+            self.regroup.run_ended = True
+            return RunResult(state=WorkerState.HEALTHY)
         self._assign_worker_ranks(info.store, info.rank, info.world_size, worker_group.spec)  # the round's collective
         worker_group.store = self._store = info.store
         worker_group.group_rank, worker_group.group_world_size = info.rank, info.world_size

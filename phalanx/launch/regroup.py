@@ -48,6 +48,7 @@ class Regroup:
         self.world = 0
         self.resume_reported = True
         self.changes = changes  # the run summary's list
+        self.run_ended = False  # the rendezvous closed (the run finished elsewhere): no more rounds to meet
         self._next_look = self._next_probe = 0.0
 
     # -- a new worker group -------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class Regroup:
         None. Asks the workers to stop when a node waits to join. `records_of()`: this node's progress records
         (a worker already stopping, asked by another node's workers, makes it look at once)."""
         records = records_of()
-        if all_exited(records):
+        if all_exited(records) or self.run_ended:
             # This node's workers are done: a node lost now is no reason to start them again, and a node that asked
             # to join as they finished (they were asked to save for it, and ended instead) has no run left to join.
             self.growing_since = None

@@ -27,7 +27,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from ..allocator import preload_for_workers
 from ..diagnose import progress
 from ..diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
-from ..errors import PhalanxError, explain
+from ..errors import PhalanxError, RunEndedError, explain
 from ..world.generation import MEMBERSHIP_MARGIN, MEMBERSHIP_TIMEOUT_ENV, MIN_WORLD_ENV, membership_timeout
 from ..world.group import usable_cores
 from ..world.interface import set_for_world
@@ -325,6 +325,11 @@ def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> in
             _quiet_torch_elastic()  # now that every torch module in use has made its logger
             result = agent.run()
             ended = _conclude(agent, result, diagnosis, stop, args.max_restarts)
+        except RunEndedError as exc:  # a node that came to join a run which finished first: nothing left to do
+            ran = summary.now.attempts
+            if ran and agent is not None:
+                agent.end_attempt("failed")
+            ended = _Ended(1 if ran else 0, "failed" if ran else "finished", [str(exc)])
         except (PhalanxError, RendezvousError) as exc:
             if agent is not None:  # an elastic group that lost its store: the attempt ends here
                 agent.end_attempt("failed")

@@ -210,6 +210,7 @@ _followers: list = []  # weak methods called with each new generation: the model
 _commits = 0  # steps committed (or failed) in the current generation: every member counts the same
 _undoing = False  # during recover(undone=True)
 _admissions = 0  # admit_joiners() calls in the current generation: every member counts the same
+_retired: list = []  # process groups of a generation replaced whole (ranks joined), destroyed after the regroup
 _wait_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -471,7 +472,9 @@ def _meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fal
                 "checkpoint.")) from exc
     for made in (group, control):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), made)
-    current()  # generation 0 registered its end-of-run reset
+    before = current()  # generation 0 registered its end-of-run reset
+    if not abandoned:  # every member of the one before is here, at a step boundary: its groups go once unused
+        _retired.extend(g for g in (before.group, world.control_group()) if g is not None and g != dist.group.WORLD)
     _current, _commits, _admissions = Generation(number, tuple(members), group), 0, 0
     world.set_live(_current.number, _current.members, group, control, abandoned)
     world.store().set(_current._key("who", dist.get_rank()), identity())
@@ -575,8 +578,21 @@ def regroup_followers(number: int, members, lost, started: float, redoing: bool 
         method = ref()
         if method is not None:
             method(_current)
+    _release_retired()
     progress.regrouped(number, members, lost, time.monotonic() - started, redoing, joined=list(joined),
                        healed=healed)
+
+
+def _release_retired() -> None:
+    """Destroy the process groups of generations that were replaced whole (ranks joined), now that every follower
+    moved off them: each Gloo group that was used holds ~3 MB (its pairs' buffers) until it is destroyed. Groups
+    left after a loss are not (a collective on them may still wait on the lost rank, and a destroy would wait too)."""
+    while _retired:
+        group = _retired.pop()
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:  # torch's registry without it already: nothing held
+            logger.debug("a retired generation's group was not destroyed: %s", exc)
 
 
 def _lost_among(ranks) -> set[int]:
@@ -593,3 +609,4 @@ def forget() -> None:
     global _current, _commits
     _current, _commits = None, 0
     _followers.clear()
+    _retired.clear()  # shutdown() destroys every group left

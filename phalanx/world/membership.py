@@ -16,7 +16,11 @@ from datetime import datetime, timedelta, timezone
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, dynamic_rendezvous
-from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
@@ -26,7 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from ..errors import RendezvousTimeoutError as PhalanxRendezvousTimeout
-from ..errors import StoreLostError, explain
+from ..errors import RunEndedError, StoreLostError, explain
 from . import joining
 from .interface import address_toward
 from .rendezvous import host_or_join, join_store
@@ -143,6 +147,12 @@ class ElasticRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         try:
             info = self._inner.next_rendezvous()
+        except RendezvousClosedError:
+            raise RunEndedError(explain(
+                f"the elastic run at {self.where} ended before this node met the others in a new round",
+                seen="its rendezvous closed (the workers of another node finished the run)",
+                expected="a run in progress to meet", fix="Nothing to do if the run finished; else start it again "
+                "(it resumes from its newest checkpoint).")) from None
         except RendezvousTimeoutError:
             raise PhalanxRendezvousTimeout(explain(
                 f"the elastic rendezvous at {self.where} did not gather enough nodes",

@@ -84,6 +84,11 @@ def test_joiners_are_taken_in_and_the_run_ends_as_if_the_world_had_not_changed(t
         assert result["generation"] == results[0]["generation"], f"rank {rank}: {result['generation']}"
         for ours, theirs in zip(result["params"], expected_params):
             assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
+    for rank, result in results.items():  # a generation replaced by a larger one leaves no group behind
+        final = result["generation"][0]
+        older = [name for name in result["groups"] if f"/join{rank}/" in name or any(
+            f"/generation{number}/" in name for number in range(final))]
+        assert older == [], f"rank {rank} holds groups of generations before {final}: {older}"
     for rank in drawn:
         assert results[rank]["files_read"] == [], f"joiner {rank} read {results[rank]['files_read']}"
         joined_at = results[rank]["joined_at"]

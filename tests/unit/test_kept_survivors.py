@@ -191,3 +191,31 @@ def test_a_join_is_a_change_of_the_summary_with_the_bytes_healed():
     text = "\n".join(summary_lines(now, [_as_dict(now)], None))
     assert ("rank(s) [3] joined in-process: world size 2 -> 3, taken in after step 40, regrouped in 0.031 s, 20.0 MB "
             "of state healed in 0.90 s, no step redone") in text, text
+
+
+def test_a_join_round_that_finds_the_run_closed_lets_this_nodes_workers_finish():
+    """The launchers decided to take a node in as the run ended: another node's workers finished and its launcher
+    closed the rendezvous. The round then raises RunEndedError (not a lost store), and this launcher stops meeting
+    rounds: its workers finish too, and their exit decides the run (seen in the chaos run: exit 1 on a run that had
+    finished)."""
+    import pytest
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+    from phalanx.errors import RunEndedError
+    from phalanx.launch.regroup import Regroup
+    from phalanx.world.membership import ElasticRendezvous
+
+    class _Closed:
+        def next_rendezvous(self):
+            raise RendezvousClosedError()
+
+    handler = object.__new__(ElasticRendezvous)
+    handler._inner, handler.master_addr, handler.master_port = _Closed(), "10.0.0.1", 29500
+    with pytest.raises(RunEndedError, match="ended before this node met the others"):
+        handler.next_rendezvous()
+    regroup = Regroup(_JoiningRendezvous(decided="live:round-1"), grace_period=30.0, changes=[],
+                      survivors=KeptSurvivors(2, []))
+    workers = {0: record(0, LIVE, JOINS), 1: record(1, LIVE, JOINS)}
+    assert regroup.poll([], lambda: workers) == "join"
+    regroup.run_ended = True  # what the agent sets when that round raised RunEndedError
+    assert regroup.poll([], lambda: workers) is None and regroup.growing_since is None

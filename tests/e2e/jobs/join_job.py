@@ -6,11 +6,12 @@ progress (PHALANX_JOIN=1, started by `phalanx run` on a node that joins, or by a
         [--shard optimizer|gradients]
 
 The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs), with a
-StepLog of every step in RUN_DIR/steplog (not in the state: a joiner takes the step count from the others). Every rank
-appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
+StepLog of every step in RUN_DIR/steplog (not in the state: a joiner takes the step count from the others). Every
+rank appends `[epoch, step, ids, time]` per applied step to RUN_DIR/ids-<rank>.jsonl (the ids its part of the step
 averaged); each rank that finishes writes RUN_DIR/result-<rank>.pt (weights_only): its process ids at the start and
 the end, its generation (number, members), its final parameters, the checkpoint files its restore() read, the step
-count it joined at, the step it first trained, when its restore() began and ended, and its state's bytes.
+count it joined at, the step it first trained, when its restore() began and ended, its state's bytes, and the names
+of the process groups it holds at the end.
 `--wait-for-joiners-at`: at that step the
 ranks that train wait (up to 120 s) until `--joiners` joiners are ready or in, so that a test need not race the
 joiners' start-up.
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.distributed import distributed_c10d as c10d
 
 import phalanx as px
 from phalanx.checkpoint import atomic_files, handover
@@ -134,7 +136,8 @@ def main():
                 "ballast_sum": float(module.ballast.double().sum()) if args.ballast_mb else None,
                 "files_read": [str(path) for path in loads], "joined_at": joined_at,
                 "first_step": list(first_step), "restore": [restore_began, restore_ended],
-                "state_bytes": state_bytes}, args.run_dir / f"result-{rank}.pt")
+                "state_bytes": state_bytes, "groups": sorted(c10d._world.pg_names.values())},
+               args.run_dir / f"result-{rank}.pt")
     px.shutdown()
 
 
