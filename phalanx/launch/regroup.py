@@ -268,8 +268,8 @@ class KeptSurvivors:
 
     def workers_join(self, records: dict) -> bool:
         """Whether this node's running workers take a joining node's ranks in at a step boundary (world/joining.py):
-        each recovers in-process and said it takes joiners in (its loop reached checkpointer.step(); a sharded
-        optimizer's state is not handed over)."""
+        each recovers in-process and said it takes joiners in (its loop reached checkpointer.step(), and nothing in
+        it refused: a sharded model with its shard copies off)."""
         if not self.workers_recover(records):
             return False
         running = [record for record in records.values() if record.state != "exited"]
