@@ -37,7 +37,7 @@ CLOSED = "join/closed"  # the ranks that trained are done: a joiner has no run l
 SOLO = -1  # the number of a joiner's generation of its own, before it is taken in
 
 _pending = False  # this process started as a joiner and was not taken in yet
-_refused: str | None = None  # why this process's run cannot take a joiner in (a sharded optimizer's state)
+_refused: str | None = None  # why this process's run cannot take a joiner in (a sharded model, its copies off)
 _said = False  # say_taken() said it
 
 
