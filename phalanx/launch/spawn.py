@@ -18,6 +18,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from multiprocessing import reduction
+from pathlib import Path
 
 from ..allocator import CHOSEN_BY_LAUNCHER, worker_preload
 from ..errors import RankFailedError, RanksTimedOutError, explain
@@ -171,11 +172,31 @@ def _context(start_method: str, preload: str):
             return mp.get_context("fork")
         server_preload = os.environ.get("LD_PRELOAD")  # what the server starts with: this process's, right now
         if not _server_preload_env:
-            mp.set_forkserver_preload(_SERVER_PRELOAD)
-            _server_preload_env.append(server_preload)  # the server starts with the first rank, inside _preloaded
-        if _server_preload_env[0] == server_preload:
+            running = _running_server()
+            if running is not None:  # started by other code of this process (torch's test suites): it has its own
+                _server_preload_env.append(running)
+            else:
+                mp.set_forkserver_preload(_SERVER_PRELOAD)
+                _server_preload_env.append(server_preload)  # the server starts with the first rank, in _preloaded
+        if (_server_preload_env[0] or "") == (server_preload or ""):
             return mp.get_context("forkserver")
     return mp.get_context("spawn")
+
+
+def _running_server() -> str | None:
+    """The LD_PRELOAD of the fork server this process already runs ("" unset; None: none runs). Another part of the
+    process may have started it (multiprocessing keeps one per process), with an allocator of its own."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return None
+    try:
+        variables = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return "unknown"  # never equal to a preload: the ranks are spawned
+    found = [v[len(b"LD_PRELOAD="):].decode() for v in variables if v.startswith(b"LD_PRELOAD=")]
+    return found[0] if found else ""
 
 
 def _a_warm_command_that_can_fork(preload: str) -> bool:

@@ -155,3 +155,21 @@ def test_a_command_a_warm_launcher_forked_forks_its_ranks_itself(tmp_path):
                           env={**os.environ, "PYTHONPATH": checkout_on_pythonpath(), "PHALANX_ALLOCATOR": "system"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == "False [True, True] [3, 3] set before the call", done.stdout + done.stderr
+
+
+def test_a_fork_server_started_by_other_code_is_used_only_with_the_ranks_allocator(monkeypatch):
+    """Other code of the process started multiprocessing's fork server first (torch's test suites do), with an
+    LD_PRELOAD of its own: ranks that need another allocator are spawned, not forked from it (seen in CI: a rank that
+    was to run on mimalloc ran on glibc's malloc after torch's suite had started the server in the same process)."""
+    from multiprocessing import forkserver
+
+    from phalanx.launch import spawn as spawn_module
+
+    monkeypatch.setattr(spawn_module, "_server_preload_env", [])
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", os.getpid())  # a server: this process's environ
+    at_start = spawn_module._running_server()  # its LD_PRELOAD, read from /proc/<pid>/environ ("" when unset)
+    other = f"{at_start}:/elsewhere/libother.so" if at_start else "/elsewhere/libother.so"
+    monkeypatch.setenv("LD_PRELOAD", other)
+    assert spawn_module._context("forkserver", other).get_start_method() == "spawn"
+    monkeypatch.setenv("LD_PRELOAD", at_start) if at_start else monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert spawn_module._context("forkserver", at_start).get_start_method() == "forkserver"
