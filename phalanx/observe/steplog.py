@@ -95,8 +95,13 @@ class StepLog:
         elif tensorboard is True:
             outputs.tensorboard_module(required=True)  # the same error on every rank
         self._tensorboard = outputs.TensorBoardFile(self.directory, protos) if protos else None
-        self._gather = RowGather(len(FIELDS), self.timeout) if self.world_size > 1 and world.live_generation() == 0 \
-            else None
+        self._gather = None
+        if self.world_size > 1 and world.live_generation() == 0:
+            # Under live recovery on the control group made at init: a group made here would hang the others in
+            # Gloo's connection set-up, which nothing can watch, if a host were lost meanwhile.
+            live = generation.live_recovery() and world.control_group() is not None
+            self._gather = RowGather(len(FIELDS), self.timeout, group=world.control_group(),
+                                     members=world.live_members()) if live else RowGather(len(FIELDS), self.timeout)
         self._key = self._gather.key if self._gather is not None else f"steplog-{id(self):x}"
         self._tensorboard_wanted = tensorboard
         self._abandoned: list = []  # gathers left in flight on the groups of a world before: never touched again
