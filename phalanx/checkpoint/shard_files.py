@@ -27,7 +27,7 @@ from ..world import group as world
 from . import atomic_files
 
 PART_NAME = "ckpt-{:08d}.part-{:05d}.pt"
-_PART_RE = re.compile(r"^ckpt-(\d{8,})\.part-\d{5}\.pt(\.json|\.failed)?$")  # a part, or a background writer's note
+_PART_RE = re.compile(r"^ckpt-(\d{8,})\.part-\d{5}\.pt(\.json|\.failed|\.lost)?$")  # a part, or a writer's note
 PLACEHOLDER = "__phalanx_shard__"
 
 

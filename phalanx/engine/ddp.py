@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -160,7 +159,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
             self._gather_waits = install_gather_waits(self.module, self._reducer.exchange)
         # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
         # re-wrapping the same module (after an error, in a notebook) leaves no stale hooks behind.
-        weakref.finalize(self, self._reducer.remove)
+        self._reducer.remove_with(self)
 
     # -- forward ---------------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ gradients live in the context and other hooks count them (dist_autograd.py).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -303,6 +305,16 @@ class Reducer:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+    def remove_with(self, owner) -> None:
+        """Remove the hooks when `owner` (the DDP wrapper) goes away. The finalizer holds this reducer weakly: one
+        replaced (a regroup removed its hooks) is freed with its buckets and its process group."""
+        weakref.finalize(owner, _remove_if_alive, weakref.ref(self))
+
+
+def _remove_if_alive(reducer: weakref.ref) -> None:
+    if (alive := reducer()) is not None:  # its hooks still hold it
+        alive.remove()
 
 
 def unused_parameters_error(names: list[str], step: int) -> UnusedParameterError:

@@ -104,7 +104,6 @@ class StepLog:
                                      members=world.live_members()) if live else RowGather(len(FIELDS), self.timeout)
         self._key = self._gather.key if self._gather is not None else f"steplog-{id(self):x}"
         self._tensorboard_wanted = tensorboard
-        self._abandoned: list = []  # gathers left in flight on the groups of a world before: never touched again
         self._new_window()
         self._mark()
         world.before_shutdown(self._at_shutdown)  # the agreed stop and the end of a run write what is left
@@ -260,10 +259,10 @@ class StepLog:
         control group from now on (made with the generation: no group is made in a step). The windows ended but not
         yet written are dropped on every rank (a lost rank's rows are gone, and a gather in flight on the old group
         may never end); the window in progress goes on, and a rank that joined adopts the others' step count."""
-        dropped = [row for row in (self._gather.launched.tolist() if self._gather is not None
-                                   and self._gather.launched is not None else [])] + self._rows
-        if self._gather is not None and self._gather.pending:
-            self._abandoned.append(self._gather)
+        # A gather in flight on the old group is dropped with its RowGather: the collective holds its own tensors
+        # until it ends, and the old group is freed once it has (world/generation.py).
+        launched = self._gather.launched if self._gather is not None else None
+        dropped = (launched.tolist() if launched is not None else []) + self._rows
         self._rows, self._gather_every = [], 1
         self.rank, self.world_size, self._members = current.rank, current.world_size, tuple(current.members)
         self._gather = None

@@ -2,8 +2,9 @@
 
 Generation 0 is the world `init()` made. When a rank is lost (its process killed, its host gone) the
 survivors do not restart: they agree through the rendezvous store on who is left, and meet on a new
-process group, generation g+1, with their old ranks in their old order. The old group is abandoned,
-never destroyed or reused: a Gloo collective on it cannot be aborted, and may still write its buffers.
+process group, generation g+1, with their old ranks in their old order. The old groups are never used again: a Gloo
+collective on them cannot be aborted, and may still write its buffers. They are released once the followers moved
+off them (_release_old_groups): unregistered at once, freed by a thread of their own when their last collective ends.
 
 Live recovery is asked for with a minimum world size (`PHALANX_MIN_WORLD_SIZE`, or
 `phalanx.spawn(..., min_world_size=)`): a loss that leaves fewer ranks ends the run as before.
@@ -31,6 +32,9 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import os
+import queue
+import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -210,7 +214,8 @@ _followers: list = []  # weak methods called with each new generation: the model
 _commits = 0  # steps committed (or failed) in the current generation: every member counts the same
 _undoing = False  # during recover(undone=True)
 _admissions = 0  # admit_joiners() calls in the current generation: every member counts the same
-_retired: list = []  # process groups of a generation replaced whole (ranks joined), destroyed after the regroup
+_old_groups: list = []  # process groups of the generation before, released once the followers moved off them
+_freeing: queue.Queue | None = None  # groups unregistered, freed by their last holder: _free_when_last()
 _wait_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -452,8 +457,9 @@ def next_generation(cause: BaseException) -> Generation:
 
 def _meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = False) -> None:
     """Collective over `members`: make generation `number`'s process groups (by name: joiners take part, whose
-    default group is not the others', joining.py) and make it the current generation. `abandoned`: after a loss,
-    the groups before are left behind (a collective on them may still wait on the lost rank)."""
+    default group is not the others', joining.py) and make it the current generation. The groups before are
+    released after the regroup (_release_old_groups). `abandoned`: after a loss (a collective on them may still
+    wait on the lost rank: shutdown() then leaves the groups not yet freed to the process's exit)."""
     global _current, _commits, _admissions
     # The groups are made with a short timeout (every member agreed moments ago, so all are making them now), then
     # given the membership timeout for their collectives: a member lost while they are made (a second loss within
@@ -473,8 +479,7 @@ def _meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fal
     for made in (group, control):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), made)
     before = current()  # generation 0 registered its end-of-run reset
-    if not abandoned:  # every member of the one before is here, at a step boundary: its groups go once unused
-        _retired.extend(g for g in (before.group, world.control_group()) if g is not None and g != dist.group.WORLD)
+    _old_groups.extend(g for g in (before.group, world.control_group()) if g is not None and g != dist.group.WORLD)
     _current, _commits, _admissions = Generation(number, tuple(members), group), 0, 0
     world.set_live(_current.number, _current.members, group, control, abandoned)
     world.store().set(_current._key("who", dist.get_rank()), identity())
@@ -578,21 +583,54 @@ def regroup_followers(number: int, members, lost, started: float, redoing: bool 
         method = ref()
         if method is not None:
             method(_current)
-    _release_retired()
+    _release_old_groups()
     progress.regrouped(number, members, lost, time.monotonic() - started, redoing, joined=list(joined),
                        healed=healed)
 
 
-def _release_retired() -> None:
-    """Destroy the process groups of generations that were replaced whole (ranks joined), now that every follower
-    moved off them: each Gloo group that was used holds ~3 MB (its pairs' buffers) until it is destroyed. Groups
-    left after a loss are not (a collective on them may still wait on the lost rank, and a destroy would wait too)."""
-    while _retired:
-        group = _retired.pop()
+def _release_old_groups() -> None:
+    """Release the process groups of the generation before, now that every follower moved off them: each Gloo group
+    that was used holds ~3 MB (its pairs' buffers) and its sockets until it is freed, which over many losses is
+    what a long run would grow by. torch forgets them here (destroy_process_group: it does not wait for their
+    collectives); they are freed by the thread of _free_when_last, which a collective still waiting on a lost rank
+    holds up until it ends (at once for a process gone, the group's timeout for a host cut off): freeing a group waits
+    for its collectives, in C++ and without the GIL, so that the step goes on meanwhile. A generation replaced by a
+    larger one (ranks joined) left nothing pending: its groups are freed at once."""
+    global _freeing
+    while _old_groups:
+        group = _old_groups.pop()
         try:
             dist.destroy_process_group(group)
-        except Exception as exc:  # torch's registry without it already: nothing held
-            logger.debug("a retired generation's group was not destroyed: %s", exc)
+        except Exception as exc:  # torch's registry without it already
+            logger.debug("an old generation's group was not unregistered: %s", exc)
+        if _freeing is None:
+            _freeing = queue.Queue()
+            threading.Thread(target=_free_when_last, args=(_freeing,), name="phalanx-free-groups", daemon=True).start()
+        _freeing.put(group)
+        del group  # the thread's reference is to be the last
+
+
+def _free_when_last(groups: queue.Queue, every: float = 0.2) -> None:
+    """Hold each group until no other reference is left (a follower's attribute, a traceback's frame), then drop
+    it here: the last reference's holder is the thread that waits for the group's collectives in its destructor."""
+    held: list = []
+    while True:
+        try:
+            held.append(groups.get(timeout=every if held else None))
+        except queue.Empty:
+            pass
+        for index in range(len(held) - 1, -1, -1):
+            if sys.getrefcount(held[index]) <= 2:  # the list's reference and the argument's: no other holder
+                del held[index]
+
+
+def lost_since(members) -> set[int]:
+    """Which of `members` (the ranks of this generation or of an earlier one) are lost: no longer among the ranks
+    that train, or known gone. Empty without live recovery."""
+    if not live_recovery():
+        return set()
+    now = current()
+    return (set(members) - set(now.members)) | (now.gone(world.store()) & set(members))
 
 
 def _lost_among(ranks) -> set[int]:
@@ -609,4 +647,4 @@ def forget() -> None:
     global _current, _commits
     _current, _commits = None, 0
     _followers.clear()
-    _retired.clear()  # shutdown() destroys every group left
+    _old_groups.clear()  # shutdown() destroys every group left

@@ -8,18 +8,24 @@ SIGKILLs itself in step `at` = (epoch, step) at `moment`: "forward" (before its 
 "exchange" (from a gradient hook in its last backward: with a bucket per parameter, some buckets are in flight), or
 "optimizer" (after its backward, before its optimizer step; the step was committed, so its samples are logged as
 applied); with a sharded model also "clip" (before `model.clip_grad_norm_`, whose all-reduce the others are then
-in). Every rank appends `[epoch, step, ids]` per applied step to `ids-<rank>.jsonl` in `directory`: the ids its part
-of the step averaged, and the time (`time.time()`); a doomed rank writes the time it dies in `died-at`.
+in), or "save" (in a background save, once the others handed their parts to their writers: its own never
+reaches its writer). Every rank appends `[epoch, step, ids]` per applied step to `ids-<rank>.jsonl` in
+`directory`: the ids its part of the step averaged, and the time (`time.time()`); a doomed rank writes the time
+it dies in `died-at`. `then`: a second rank lost later, (rank, (epoch, step)), at the same moment. The survivors
+report the process groups of the generations before their last that are still alive in them (none: each is
+freed once its collectives ended).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.checkpoint.atomic_files import checkpoint_files, load_safely
 from phalanx.world import generation, joining
+from phalanx.world import group as world
 from tests.helpers.global_batch_cases import (
     EPOCHS,
     GLOBAL_BATCH,
@@ -49,7 +56,7 @@ def _die(directory: str) -> None:
 
 
 def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], moment: str, pause: float = 0.0,
-          shard: str = "none", adam: bool = False, hidden: int = 8) -> dict:
+          shard: str = "none", adam: bool = False, hidden: int = 8, then: tuple | None = None) -> dict:
     """The loop; returns what the survivors' checks read (the doomed rank never returns). `pause`: seconds of
     sleep per step, so that a test can kill a host in the middle of the run. `shard`: the model's shard level
     (its optimizer then from model.shard_optimizer); a step rolled back after a loss (`step.undone`) is not
@@ -62,7 +69,10 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     checkpointer = px.Checkpointer(os.path.join(directory, "checkpoints"), every=2)  # saves before and after
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     steplog = px.StepLog(os.path.join(directory, "steplog"), every=1, print_every=0, tensorboard=False)
-    losses, started_as, doomed, armed = [], os.getpid(), rank == doomed_rank, [False]
+    dies_at = at if rank == doomed_rank else then[1] if then is not None and rank == then[0] else None
+    losses, started_as, doomed, armed = [], os.getpid(), dies_at is not None, [False]
+    groups = _GroupsKept()
+    generation.on_regroup(groups.regrouped)
     first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
     first_layer.register_hook(lambda grad: _die(directory) if armed[0] else None)
     with open(os.path.join(directory, f"ids-{rank}.jsonl"), "a") as log, _groups_made() as groups_made:
@@ -75,7 +85,7 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                 for j, (index, x, y) in enumerate(step.micro_batches(model)):
                     if step.attempt != attempt:  # the loop started over on the ranks left: so do the ids
                         ids, attempt = [], step.attempt
-                    here = doomed and (epoch, step.index) == at
+                    here = doomed and (epoch, step.index) == dies_at
                     if here and moment == "forward":
                         _die(directory)
                     armed[0] = here and moment == "exchange" and j == step.num_micro_batches - 1
@@ -83,10 +93,10 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                     if step.weight:
                         ids += index.tolist()
                 if shard != "none":  # a collective between the micro-batches and the optimizer step
-                    if doomed and (epoch, step.index) == at and moment == "clip":
+                    if doomed and (epoch, step.index) == dies_at and moment == "clip":
                         _die(directory)
                     model.clip_grad_norm_(1e9)  # the norm's all-reduce; no gradient is scaled (by 1.0 exactly)
-                if doomed and (epoch, step.index) == at and moment == "optimizer":
+                if doomed and (epoch, step.index) == dies_at and moment == "optimizer":
                     if shard == "none":  # applied by the others; a sharded step is rolled back and redone instead
                         log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
                         log.flush()
@@ -99,11 +109,38 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                 if not step.undone:
                     losses.append(loss)
                     steplog.step(loss, samples=len(ids))
+                if doomed and (epoch, step.index) == dies_at and moment == "save":
+                    checkpointer._background.submit = lambda *args: _die(directory)
                 checkpointer.step(state)
     steplog.close()
     current = generation.current()
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
-            "params": parameters(model), "losses": losses, "main": px.is_main(), "groups_made": groups_made}
+            "params": parameters(model), "losses": losses, "main": px.is_main(), "groups_made": groups_made,
+            "older_groups_alive": groups.older_alive(current.number)}
+
+
+class _GroupsKept:
+    """Weak references to each generation's process groups (the main one and the control one), by generation."""
+
+    def __init__(self):
+        self.groups = {0: self._refs(world.control_group())}  # generation 0's main group is torch's default
+
+    def regrouped(self, new) -> None:
+        self.groups[new.number] = self._refs(new.group, world.control_group())
+
+    @staticmethod
+    def _refs(*groups) -> list:
+        return [weakref.ref(group) for group in groups if group is not None]
+
+    def older_alive(self, number: int, within: float = 10.0) -> list[int]:
+        """The generations before `number` whose groups are still alive after `within` seconds."""
+        deadline = time.monotonic() + within
+        while True:
+            gc.collect()
+            alive = [n for n, refs in sorted(self.groups.items()) if n < number and any(ref() for ref in refs)]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
 
 
 @contextlib.contextmanager

@@ -3,11 +3,13 @@
 World size 3 (phalanx.spawn with min_world_size=2), the loop of docs/data.md unchanged (tests/helpers/
 live_recovery_cases.py: a global batch, a Checkpointer, a metric per step), with the shared-memory exchange and with
 Gloo's (PHALANX_SHM=0). Rank 2 kills itself in step 1 of epoch 0: before its forward, in the middle of the gradient
-exchange (some buckets in flight), or after the exchange and before its optimizer step. Ranks 0 and 1 keep their
+exchange (some buckets in flight), after the exchange and before its optimizer step, or in a background save (its
+part never written: the checkpoint is given up, not waited for). Ranks 0 and 1 keep their
 processes, agree on generation 1 through the store, regroup the model and the loader, and redo at most the step in
 flight. Their final parameters equal one process's on whole global batches (the run that never lost a rank: a
 global batch averages the same samples at any world size), every sample weighs in exactly once per epoch, the
-metric and the checkpoints go on over the two ranks left.
+metric and the checkpoints go on over the two ranks left, and the process groups the loss left are freed (two
+losses in a row too).
 
 Sharded (shard="optimizer" and "gradients", SGD with momentum and AdamW): rank 1 is lost instead (rank 2 owns no
 parameter's elements on this model), its optimizer shard comes back from the copy rank 2 keeps, and a loss in
@@ -36,10 +38,10 @@ LOST_AT = (0, 1)  # step 1 of epoch 0
 @pytest.mark.parametrize("moment, shm, shard, lost", [
     ("exchange", "1", "none", 2), ("exchange", "0", "none", 2), ("forward", "1", "none", 2),
     ("optimizer", "0", "none", 2), ("exchange", "0", "gradients", 1), ("optimizer", "1", "gradients", 1),
-    ("forward", "0", "optimizer", 1), ("optimizer", "0", "optimizer", 1)],
+    ("forward", "0", "optimizer", 1), ("optimizer", "0", "optimizer", 1), ("save", "1", "none", 2)],
     ids=["mid-exchange-shm", "mid-exchange-gloo", "mid-forward-shm", "before-optimizer-gloo",
          "gradients-mid-exchange-gloo", "gradients-before-optimizer-shm", "optimizer-mid-forward-gloo",
-         "optimizer-before-optimizer-gloo"])
+         "optimizer-before-optimizer-gloo", "mid-save-shm"])
 def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost):
     results = run_ranks(train, 3, (str(tmp_path), lost, LOST_AT, moment, 0.0, shard), min_world_size=2, timeout=180,
                         env={"PHALANX_SHM": shm, "PHALANX_DDP_STALL_TIMEOUT": "20", "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
@@ -53,6 +55,7 @@ def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, 
         # Groups are made with a generation, never in a step: a rank lost while a slower one made a group in a
         # step would leave that one connecting to it, in a call nothing can watch or abort.
         assert result["groups_made"] == ["generation.py"] * 2, f"rank {rank}: {result['groups_made']}"
+        assert result["older_groups_alive"] == [], f"rank {rank} still holds the groups the loss left"
         for ours, theirs in zip(result["params"], expected_params):
             assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
     assert applied_ids(str(tmp_path), 3) == expected_steps, "a sample was lost or used twice"
@@ -61,6 +64,24 @@ def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, 
     assert (first["main"], second["main"]) == (True, False)
     assert newest_checkpoint(str(tmp_path))["world_size"] == 2  # saved by the two ranks left, and loadable
     _check_the_steplog_went_on(str(tmp_path), len(expected_steps), survivors)
+
+
+@pytest.mark.parametrize("shm", ["0", "1"], ids=["gloo", "shm"])
+def test_two_losses_in_a_row_leave_no_process_group_behind(tmp_path, shm):
+    """Four ranks lose rank 3, then rank 2: the two left end as one process on whole global batches, in generation
+    2, and hold none of the process groups of generations 0 and 1 (each used Gloo group keeps ~3 MB and its sockets
+    until freed: a long run losing ranks would grow by that much per loss)."""
+    results = run_ranks(train, 4, (str(tmp_path), 3, LOST_AT, "exchange", 0.0, "none", False, 8, (2, (1, 0))),
+                        min_world_size=2, timeout=240, env={"PHALANX_SHM": shm, "PHALANX_DDP_STALL_TIMEOUT": "20",
+                                                            "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
+    assert results[2] is None and results[3] is None, "ranks 2 and 3 were expected to die"
+    expected_params, expected_steps = reference_run()
+    for rank in (0, 1):
+        assert results[rank]["generation"] == (2, (0, 1)), f"rank {rank}: {results[rank]['generation']}"
+        assert results[rank]["older_groups_alive"] == [], f"rank {rank} still holds the groups the losses left"
+        for ours, theirs in zip(results[rank]["params"], expected_params):
+            assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
+    assert applied_ids(str(tmp_path), 4) == expected_steps, "a sample was lost or used twice"
 
 
 def _check_the_steplog_went_on(directory: str, steps: int, survivors: tuple) -> None:

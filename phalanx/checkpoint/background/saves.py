@@ -6,6 +6,11 @@ the rank's share of the state into the staging buffer and hands it to the writer
 as the copy is complete. Every BackgroundSaves is settled when the process exits normally, so a last
 save is committed even without `wait()`, and a restore or a listing of the directory in this process
 waits for the writes in flight to it, whichever Checkpointer made them.
+
+With live recovery a rank may be lost while its part of a checkpoint is being written: its writer dies with it,
+and rank 0's writer would wait for that part. While a rank waits for its write in flight it tells rank 0's writer
+which of the ranks that saved are lost (gone, or no longer in the generation that trains): that checkpoint is
+given up, said in one line, and the newest complete one stays the newest.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 
 from ...diagnose import progress
 from ...log import logger
+from ...world import generation
 from ...world import group as world
 from .staging import Staging
 from .writer import BackgroundWriter, note_failed
@@ -37,7 +43,7 @@ class BackgroundSaves:
         if self.in_flight is None or self.writer is None:
             return 0.0, None
         started = time.monotonic()
-        answer = self.writer.result()
+        answer = self.writer.result(self._say_lost_parts)
         waited = time.monotonic() - started
         flight, self.in_flight = self.in_flight, None
         _in_flight.discard(self)
@@ -45,6 +51,11 @@ class BackgroundSaves:
         if answer.get("died"):
             self.writer.close()
             self.writer = None  # the next save forks a new one
+        if answer.get("lost"):
+            logger.warning("checkpoint %d in %s is given up: %s; the newest complete checkpoint stays the newest",
+                           answer["sequence"], self.directory, answer["error"])
+            progress.written(0.0, waited)
+            return waited, None
         if answer.get("ok"):
             self.background += answer["seconds"]
             progress.written(answer["seconds"], waited)
@@ -63,9 +74,25 @@ class BackgroundSaves:
         if self.writer is None:
             self.writer = BackgroundWriter(self.staging.buffer)
         self.writer.submit({**job, "part": part, "main": main})
-        self.in_flight = {"sequence": job["sequence"], "rank": job["rank"], "at": time.monotonic()}
+        self.in_flight = {"sequence": job["sequence"], "rank": job["rank"], "at": time.monotonic(),
+                          "members": generation.current().members if generation.live_recovery() else ()}
         _in_flight.add(self)
         world.before_shutdown(_settle_all)  # a rank that ends through shutdown() and os._exit skips atexit
+
+    def _say_lost_parts(self) -> None:
+        """Tell rank 0's writer which ranks of those that saved the checkpoint in flight are lost (their parts will
+        not come); a loss is then acted on by the training loop's next collective."""
+        flight = self.in_flight
+        if not flight or not flight["members"] or not world.is_initialized():
+            return
+        try:
+            lost = generation.lost_since(flight["members"])
+        except Exception as exc:  # the store gone with the run's end: the training loop hears of it
+            logger.debug("could not look for lost ranks while a checkpoint is written: %s", exc)
+            return
+        for rank in sorted(lost):
+            note_failed(self.directory, flight["sequence"], flight["members"].index(rank),
+                        f"rank {rank} was lost (live recovery)", lost=True)
 
     def close(self) -> None:
         waited, failed = self.settle()

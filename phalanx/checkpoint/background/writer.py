@@ -89,12 +89,17 @@ def _note(directory: Path, sequence: int, rank: int, suffix: str, content: dict)
     atomic_files.write_atomic(path, lambda file: file.write(text))
 
 
-def note_failed(directory, sequence: int, rank: int, cause: str) -> None:
-    """Best effort: tell rank 0's writer that this rank's part of checkpoint `sequence` will not come."""
+def note_failed(directory, sequence: int, rank: int, cause: str, lost: bool = False) -> None:
+    """Best effort: tell rank 0's writer that rank `rank`'s part of checkpoint `sequence` will not come. `lost`:
+    that rank was lost (live recovery), said by a rank left: the checkpoint is given up, not failed."""
     try:
-        _note(Path(directory), sequence, rank, ".failed", {"cause": cause})
+        _note(Path(directory), sequence, rank, ".lost" if lost else ".failed", {"cause": cause})
     except OSError:
         pass
+
+
+class PartLost(Exception):
+    """A part of the checkpoint being committed will never come: its rank was lost (live recovery)."""
 
 
 def _wait_for_parts(directory: Path, sequence: int, world_size: int, timeout: float, parent: int) -> list[dict]:
@@ -110,11 +115,14 @@ def _wait_for_parts(directory: Path, sequence: int, world_size: int, timeout: fl
                 cause = json.loads(failed.read_text()).get("cause", "?")
                 raise CheckpointWriteError(explain(f"rank {rank} could not write its part {base}", rank=0,
                                                    seen=cause, fix="See that rank's error."))
+            lost = base.with_name(base.name + ".lost")
             try:
                 note = json.loads(base.with_name(base.name + ".json").read_text())
                 sizes[rank] = (int(note["size"]), int(note["crc32"]))
             except (FileNotFoundError, ValueError):  # not yet written
-                pass
+                if lost.exists():  # checked after the part's note: a part written before its rank was lost counts
+                    raise PartLost(f"rank {rank} of the world that saved it was lost before its part was written: "
+                                   f"{json.loads(lost.read_text()).get('cause', '?')}") from None
         if len(sizes) < world_size:
             if os.getppid() != parent:
                 os._exit(1)  # the training process is gone: nobody will read the answer
@@ -147,7 +155,11 @@ def _run(job: dict, buffer) -> dict:
     if job["main"] is not None:
         payload = rebuild(job["main"], buffer)
         if job["parts"]:
-            payload["parts"] = _wait_for_parts(directory, sequence, job["world_size"], job["timeout"], job["parent"])
+            try:
+                payload["parts"] = _wait_for_parts(directory, sequence, job["world_size"], job["timeout"],
+                                                   job["parent"])
+            except PartLost as lost:  # the parts written are pruned with the next checkpoint committed
+                return {"ok": False, "lost": True, "error": str(lost), "path": None, "sequence": sequence}
         path, size = commit(directory, payload, job["keep"])
         for note in directory.glob(f"ckpt-{sequence:08d}.part-*.pt.json"):
             note.unlink(missing_ok=True)
@@ -217,9 +229,14 @@ class BackgroundWriter:
         _send(self._jobs, {**job, "parent": os.getpid()})
         self.busy = True
 
-    def result(self) -> dict:
-        """Block until the job in hand is done: its answer, or why there is none (the writer died)."""
+    def result(self, meanwhile=None, every: float = 0.5) -> dict:
+        """Block until the job in hand is done: its answer, or why there is none (the writer died). `meanwhile()` is
+        called every `every` seconds while it waits, first after one poll (a write done already costs nothing)."""
+        next_call = time.monotonic() + _POLL
         while True:
+            if meanwhile is not None and time.monotonic() >= next_call:
+                meanwhile()
+                next_call = time.monotonic() + every
             ready, _, _ = select.select([self._answers], [], [], _POLL)
             if ready:
                 answer = _receive(self._answers)
