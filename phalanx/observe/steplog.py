@@ -84,26 +84,18 @@ class StepLog:
         self._records_written = 0
         self._jsonl = self._tensorboard = None
         self._closed = False
-        protos = None
+        self._tensorboard_wanted = tensorboard
         if self.main:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._jsonl = outputs.JsonlFile(self.directory)
-            if tensorboard is not False:
-                protos = outputs.tensorboard_module(required=tensorboard is True)
-                if protos is None:
-                    outputs.warn_no_tensorboard()
+            self._open_outputs()
         elif tensorboard is True:
             outputs.tensorboard_module(required=True)  # the same error on every rank
-        self._tensorboard = outputs.TensorBoardFile(self.directory, protos) if protos else None
         self._gather = None
         if self.world_size > 1 and world.live_generation() == 0:
             # Under live recovery on the control group made at init: a group made here would hang the others in
             # Gloo's connection set-up, which nothing can watch, if a host were lost meanwhile.
             live = generation.live_recovery() and world.control_group() is not None
-            self._gather = RowGather(len(FIELDS), self.timeout, group=world.control_group(),
-                                     members=world.live_members()) if live else RowGather(len(FIELDS), self.timeout)
+            self._gather = self._control_gather() if live else RowGather(len(FIELDS), self.timeout)
         self._key = self._gather.key if self._gather is not None else f"steplog-{id(self):x}"
-        self._tensorboard_wanted = tensorboard
         self._new_window()
         self._mark()
         world.before_shutdown(self._at_shutdown)  # the agreed stop and the end of a run write what is left
@@ -267,8 +259,7 @@ class StepLog:
         self.rank, self.world_size, self._members = current.rank, current.world_size, tuple(current.members)
         self._gather = None
         if self.world_size > 1:
-            self._gather = RowGather(len(FIELDS), self.timeout, group=world.control_group(), members=self._members,
-                                     key=f"{self._key}/generation{current.number}")
+            self._gather = self._control_gather(key=f"{self._key}/generation{current.number}")
             steps = torch.tensor([self.steps], dtype=torch.int64)
             generation.wait_for(dist.broadcast(steps, group=world.control_group(), group_src=0, async_op=True),
                                 "the StepLog's step count")
@@ -287,10 +278,25 @@ class StepLog:
         """The first rank was lost: this one writes the records from now on, after what the other wrote."""
         self.main = True
         self._start_step = self.steps  # the records written so far stay (see _emit's trim)
+        self._open_outputs()
+
+    def _open_outputs(self) -> None:
+        """This rank writes the records: steps.jsonl, and TensorBoard's file unless tensorboard=False (True: the
+        package required; None: used when installed, said once when not)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         self._jsonl = outputs.JsonlFile(self.directory)
-        protos = outputs.tensorboard_module(required=False) if self._tensorboard_wanted is not False else None
+        protos = None
+        if self._tensorboard_wanted is not False:
+            protos = outputs.tensorboard_module(required=self._tensorboard_wanted is True)
+            if protos is None:
+                outputs.warn_no_tensorboard()
         self._tensorboard = outputs.TensorBoardFile(self.directory, protos) if protos else None
+
+    def _control_gather(self, key: str | None = None) -> RowGather:
+        """A RowGather on the control group of the ranks that train (made with their generation, under live
+        recovery: no group is made in a step)."""
+        return RowGather(len(FIELDS), self.timeout, group=world.control_group(), members=world.live_members(),
+                         key=key)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

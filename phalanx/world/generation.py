@@ -214,7 +214,7 @@ _followers: list = []  # weak methods called with each new generation: the model
 _commits = 0  # steps committed (or failed) in the current generation: every member counts the same
 _undoing = False  # during recover(undone=True)
 _admissions = 0  # admit_joiners() calls in the current generation: every member counts the same
-_old_groups: list = []  # process groups of the generation before, released once the followers moved off them
+_old_groups: list = []  # (group, left after a loss) of the generation before, released once the followers moved on
 _freeing: queue.Queue | None = None  # groups unregistered, freed by their last holder: _free_when_last()
 _wait_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -479,7 +479,8 @@ def _meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fal
     for made in (group, control):
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), made)
     before = current()  # generation 0 registered its end-of-run reset
-    _old_groups.extend(g for g in (before.group, world.control_group()) if g is not None and g != dist.group.WORLD)
+    _old_groups.extend((g, abandoned) for g in (before.group, world.control_group())
+                       if g is not None and g != dist.group.WORLD)
     _current, _commits, _admissions = Generation(number, tuple(members), group), 0, 0
     world.set_live(_current.number, _current.members, group, control, abandoned)
     world.store().set(_current._key("who", dist.get_rank()), identity())
@@ -595,12 +596,14 @@ def _release_old_groups() -> None:
     collectives); they are freed by the thread of _free_when_last, which a collective still waiting on a lost rank
     holds up until it ends (at once for a process gone, the group's timeout for a host cut off): freeing a group waits
     for its collectives, in C++ and without the GIL, so that the step goes on meanwhile. A generation replaced by a
-    larger one (ranks joined) left nothing pending: its groups are freed at once."""
+    larger one (ranks joined) left nothing pending: its groups are freed at once. Those left after a loss are
+    aborted, not shut down: NCCL's shutdown waits for kernels that may wait on the lost rank for ever, its abort
+    ends them (Gloo's changes nothing: its collectives end by the timeout)."""
     global _freeing
     while _old_groups:
-        group = _old_groups.pop()
+        group, lost = _old_groups.pop()
         try:
-            dist.destroy_process_group(group)
+            (_abort_process_group if lost else dist.destroy_process_group)(group)
         except Exception as exc:  # torch's registry without it already
             logger.debug("an old generation's group was not unregistered: %s", exc)
         if _freeing is None:
@@ -608,6 +611,10 @@ def _release_old_groups() -> None:
             threading.Thread(target=_free_when_last, args=(_freeing,), name="phalanx-free-groups", daemon=True).start()
         _freeing.put(group)
         del group  # the thread's reference is to be the last
+
+
+# torch's abort of one group (it unregisters it as destroy_process_group does); private, so looked up with a fallback
+_abort_process_group = getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group)
 
 
 def _free_when_last(groups: queue.Queue, every: float = 0.2) -> None:
