@@ -153,12 +153,12 @@ class Generation:
         # The ranks come from the same exchange, so the last one is usually a fraction of a millisecond away: a
         # few reads back to back (a sleeping thread is slow to wake on a busy host), then pauses that grow, which
         # bound the reads a large world sends the store. (The store's timed wait logs a warning at each timeout:
-        # polling stays quiet.)
+        # polling stays quiet.) A read is an add of 0: one round trip, where TCPStore's get is two (wait, then get).
         counter, full = self._counter(number)
         started = time.monotonic()
         deadline, look, pause = started + membership_timeout(), started + LIVENESS_EVERY, 0.0
         for reads in itertools.count(1):
-            count = int(store.get(counter))
+            count = store.add(counter, 0)
             if count == full or count < 0:
                 return count == full
             now = time.monotonic()
