@@ -40,6 +40,9 @@ KEEP_ALIVE_INTERVAL = 1  # seconds between a launcher's heartbeats (torch: 5)
 KEEP_ALIVE_MISSES = 4  # heartbeats missed before a node counts as lost (torch: 3, so 15 s)
 LAST_CALL = timedelta(seconds=2)  # wait for more nodes once MIN are in (torch: 30 s)
 STATE_TIMEOUT = timedelta(seconds=10)  # a read of the rounds' state that takes longer: the store is unreachable
+# The store's node, at the end, waits this long for the nodes waiting to join to see the rendezvous closed: each looks
+# at the state every second (torch's join loop), and would take a store gone for its host lost (exit code 1).
+CLOSED_NOTICE = 2.5
 PROBE_TIMEOUT = 3.0  # seconds for the store's host to answer a TCP connect
 SYNC_POLL = 0.1  # seconds between a waiting launcher's reads of the rounds' state (torch: 1)
 
@@ -188,9 +191,15 @@ class ElasticRendezvous(RendezvousHandler):
         if self.store_lost:  # nothing to close (the heartbeat thread, a daemon, may be stuck in a read: left alone)
             return False
         try:
-            return self._inner.shutdown()
+            closed = self._inner.shutdown()
+            waiting = self.waiting() if self.hosting else []
         except Exception:  # the store's host is gone: nothing left to close
             return False
+        if waiting:
+            print(f"phalanx run: the run ended while {len(waiting)} node(s) waited to join ({', '.join(waiting)}): "
+                  f"keeping the store up {CLOSED_NOTICE:g} s for them to see it", flush=True)
+            time.sleep(CLOSED_NOTICE)
+        return closed
 
     # -- what phalanx's agent asks --------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from phalanx.diagnose.stacks import descendants
-from phalanx.errors import StoreLostError
+from phalanx.errors import RunEndedError, StoreLostError
 from phalanx.testing import free_port
 from phalanx.world.membership import ElasticRendezvous
 from tests.conftest import ROOT, run_temp_dir, with_warm_launcher
@@ -270,3 +270,31 @@ def test_the_stores_host_lost_is_named_within_seconds():
             host.wait()
         if rendezvous is not None:
             rendezvous.shutdown()
+
+
+def test_a_node_waiting_to_join_when_the_run_ends_learns_it_ended():
+    """The store's node (another process, elastic 1:2) ends its run while this node waits to join the next round:
+    it keeps the store up until this node has looked at the rendezvous again, so this node reads the run ended
+    (RunEndedError: its launcher exits 0), not a store gone (StoreLostError: exit code 1, seen in the chaos runs)."""
+    port = free_port()
+    host_node = (f"import sys, time; from datetime import timedelta; "
+                 f"from phalanx.world.membership import ElasticRendezvous; "
+                 f"r = ElasticRendezvous('127.0.0.1', {port}, 'ended', 1, 2, timedelta(seconds=20)); "
+                 f"assert r.hosting; r.next_rendezvous(); print('in', flush=True); "
+                 f"deadline = time.monotonic() + 60\n"
+                 f"while not r.waiting() and time.monotonic() < deadline: time.sleep(0.05)\n"
+                 f"print('waiting:', r.waiting(), flush=True); r.shutdown()")
+    host = subprocess.Popen([sys.executable, "-c", host_node], stdout=subprocess.PIPE, text=True, env=job_env())
+    rendezvous = None
+    try:
+        assert host.stdout.readline().strip() == "in"
+        rendezvous = ElasticRendezvous("127.0.0.1", port, "ended", 1, 2, timedelta(seconds=20))
+        assert not rendezvous.hosting
+        with pytest.raises(RunEndedError, match="ended before this node met the others"):
+            rendezvous.next_rendezvous()
+        assert "keeping the store up" in host.stdout.read()
+        assert host.wait(timeout=30) == 0
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
