@@ -11,6 +11,7 @@ lost with the crash and redone counts once: the later line is the lineage's). Th
 the same parameters.
 """
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -244,32 +245,41 @@ def test_same_global_batch_at_1_2_and_4_ranks(tmp_path, two_hosts):  # noqa: F81
     check_every_sample_once(steps(one))
 
 
+@contextlib.contextmanager
+def _store_node(code: str, ready: str):
+    """A process running `code` (the node that hosts a store), once it printed `ready`; killed at the end if alive."""
+    host = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=job_env())
+    try:
+        assert host.stdout.readline().strip() == ready
+        yield host
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+
+
 def test_the_stores_host_lost_is_named_within_seconds():
     """One elastic node (this process, no namespaces) whose store another process hosts, which is SIGKILLed."""
     port = free_port()
     serve = (f"import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, 1, True, "
              f"wait_for_workers=False); print('up', flush=True); time.sleep(120)")
-    host = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True, env=job_env())
     rendezvous = None
-    try:
-        assert host.stdout.readline().strip() == "up"
-        rendezvous = ElasticRendezvous("127.0.0.1", port, "test", 1, 2, timedelta(seconds=20))
-        assert not rendezvous.hosting  # the port is another process's: this node dials it
-        info = rendezvous.next_rendezvous()
-        assert (info.rank, info.world_size) == (0, 1)
-        assert rendezvous.lost() == [] and rendezvous.waiting() == []
-        host.kill()
-        host.wait()
-        began = time.monotonic()
-        with pytest.raises(StoreLostError, match=f"the rendezvous store at 127.0.0.1:{port}"):
-            rendezvous.lost()
-        assert time.monotonic() - began < 10
-    finally:
-        if host.poll() is None:
+    with _store_node(serve, "up") as host:
+        try:
+            rendezvous = ElasticRendezvous("127.0.0.1", port, "test", 1, 2, timedelta(seconds=20))
+            assert not rendezvous.hosting  # the port is another process's: this node dials it
+            info = rendezvous.next_rendezvous()
+            assert (info.rank, info.world_size) == (0, 1)
+            assert rendezvous.lost() == [] and rendezvous.waiting() == []
             host.kill()
             host.wait()
-        if rendezvous is not None:
-            rendezvous.shutdown()
+            began = time.monotonic()
+            with pytest.raises(StoreLostError, match=f"the rendezvous store at 127.0.0.1:{port}"):
+                rendezvous.lost()
+            assert time.monotonic() - began < 10
+        finally:
+            if rendezvous is not None:
+                rendezvous.shutdown()
 
 
 def test_a_node_waiting_to_join_when_the_run_ends_learns_it_ended():
@@ -284,17 +294,10 @@ def test_a_node_waiting_to_join_when_the_run_ends_learns_it_ended():
                  f"deadline = time.monotonic() + 60\n"
                  f"while not r.waiting() and time.monotonic() < deadline: time.sleep(0.05)\n"
                  f"print('waiting:', r.waiting(), flush=True); r.shutdown()")
-    host = subprocess.Popen([sys.executable, "-c", host_node], stdout=subprocess.PIPE, text=True, env=job_env())
-    rendezvous = None
-    try:
-        assert host.stdout.readline().strip() == "in"
+    with _store_node(host_node, "in") as host:
         rendezvous = ElasticRendezvous("127.0.0.1", port, "ended", 1, 2, timedelta(seconds=20))
         assert not rendezvous.hosting
         with pytest.raises(RunEndedError, match="ended before this node met the others"):
             rendezvous.next_rendezvous()
         assert "keeping the store up" in host.stdout.read()
         assert host.wait(timeout=30) == 0
-    finally:
-        if host.poll() is None:
-            host.kill()
-            host.wait()
