@@ -30,8 +30,9 @@ _GRACE_SECONDS = 3.0
 START_METHODS = ("spawn", "forkserver")
 # Imported once by the fork server, so that its children start with them (~3 s of CPU a process; FSDP2:
 # another second, paid by every rank that shards parameters, which phalanx itself imports lazily).
-# torch._dynamo: torch imports it at a training loop's first optimizer.zero_grad() or step (~2 s of CPU).
-_SERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "phalanx"]
+# torch._dynamo: torch imports it at a training loop's first optimizer.zero_grad() or step (~2 s of CPU). And the
+# modules a rank's first `px.` name loads (phalanx/eager.py).
+_SERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "phalanx", "phalanx.eager"]
 _WHOLE_ENVIRONMENT = "_PHALANX_WHOLE_ENVIRONMENT"
 _FORKED = "_PHALANX_FORKED_RANK"  # a rank forked from a process that had imported torch: freeze its heap
 _server_preload_env: list = []  # [LD_PRELOAD the fork server started with], once it has started

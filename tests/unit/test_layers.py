@@ -32,7 +32,7 @@ LAYERS = [
     {"data", "checkpoint", "launch", "integrations", "observe"},
     {"testing"},
     {"__init__", "metrics"},
-    {"tools", "warm"},
+    {"tools", "warm", "eager"},
     {"cli"},
     {"__main__"},
 ]
@@ -68,6 +68,7 @@ ALLOWED = {
     # is prepared before torch is imported (launch/warm_start.py)
     "cli": {"errors", "__init__", "launch"},
     "__main__": {"cli"},
+    "eager": {"__init__"},  # the fork server's preload: what the first public name loads (launch/spawn.py)
 }
 
 MAX_MODULES = 12  # per package, its __init__ included: past that, a package splits along a real seam
