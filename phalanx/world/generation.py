@@ -636,8 +636,7 @@ def lost_since(members) -> set[int]:
     that train, or known gone. Empty without live recovery."""
     if not live_recovery():
         return set()
-    now = current()
-    return (set(members) - set(now.members)) | (now.gone(world.store()) & set(members))
+    return (set(members) - set(current().members)) | _lost_among(members)
 
 
 def _lost_among(ranks) -> set[int]:
