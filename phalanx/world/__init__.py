@@ -17,6 +17,8 @@ from .group import (
     init,
     is_initialized,
     is_main,
+    launch_rank,
+    launch_world_size,
     live_group,
     local_rank,
     local_world_size,

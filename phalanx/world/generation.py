@@ -85,7 +85,7 @@ def min_world_size() -> int | None:
 
 def live_recovery() -> bool:
     """Whether a lost rank is recovered from in-process: asked for, in a world of several ranks."""
-    return min_world_size() is not None and world.is_initialized() and world.world_size() > 1
+    return min_world_size() is not None and world.is_initialized() and world.launch_world_size() > 1
 
 
 def membership_timeout() -> float:
@@ -223,7 +223,7 @@ def current() -> Generation:
     """The generation this process trains in (generation 0, the whole world, until a loss)."""
     global _current
     if _current is None:
-        _current = Generation(0, tuple(range(world.world_size())), dist.group.WORLD)
+        _current = Generation(0, tuple(range(world.launch_world_size())), dist.group.WORLD)
         world.before_shutdown(forget)  # the next init() starts at generation 0 again
     return _current
 
@@ -404,7 +404,7 @@ def say_mode(live: bool, why: str) -> None:
         return
     _mode = live
     if live and world.is_main() and current().number == 0:
-        joining.count_ranks_from(world.store(), world.world_size())  # before the launcher may let a node join
+        joining.count_ranks_from(world.store(), world.launch_world_size())  # before the launcher may let a node join
     progress.recovery(live)  # every rank: its launcher keeps the others after a loss only if they recover
     if not world.is_main():
         return
@@ -511,7 +511,7 @@ def admit_joiners() -> tuple[int, ...]:
     decision = old._key("joined", _admissions)
     _admissions += 1
     if old.rank == 0:
-        ready = [rank for rank in joining.ready_ranks(store, world.world_size()) if rank not in old.members]
+        ready = [rank for rank in joining.ready_ranks(store, world.launch_world_size()) if rank not in old.members]
         text = ",".join(map(str, ready)) or "-"
         if store.compare_set(decision, "", text) == text.encode():  # decided here (the first writer wins)
             for rank in ready:

@@ -155,6 +155,14 @@ def control_group():
     return _control
 
 
+def _ranks_that_train():
+    """(how many ranks train now, their control group), once init() ran: stop.stop_requested(agree=True)'s."""
+    return (group_size(), _control) if _spec is not None else None
+
+
+stop.ranks_that_train = _ranks_that_train
+
+
 def _make_control_group(timeout: timedelta) -> None:
     global _control
     if dist.get_world_size() > 1:
@@ -240,7 +248,7 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
     _share_cores(spec, chosen)
     _store = dist.PrefixStore(f"phalanx/{attempt}", store) if store is not None else None
     _spec, _device, _attempt = spec, chosen, attempt
-    log.configure(spec.rank)
+    log.configure(spec.rank, is_main)
     if network is not None:
         getattr(log.logger, network.level)(network.sentence)
     allocator.say_at_init(spec.rank, spec.world_size)  # under torchrun/srun: the allocator, and the LD_PRELOAD
@@ -318,6 +326,8 @@ def shutdown() -> None:
         _watchdog.stop()
         _watchdog = None
     stacks.unregister()
+    if _spec is not None:
+        log.configure(_spec.rank)  # no world to be the main rank of: the launch rank 0 logs at INFO, as before init()
     recorder.stop(remove=not os.environ.get("PHALANX_RUN_DIR"))
     progress.stop()
     _spec = _device = _store = _live = _control = None
@@ -388,10 +398,32 @@ def _require() -> WorldSpec:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else _require().rank
+    """This process's rank among the ranks that train now: 0..world_size()-1. After a loss or a join (live
+    recovery) the ranks are numbered again, densely, in the order they had, as a restart would number them. A rank
+    waiting to join answers its launch rank (one no other process has: never 0) until `checkpointer.restore()` takes
+    it in."""
+    if joining.pending() or not dist.is_initialized():
+        return launch_rank()
+    return group_rank()
 
 
 def world_size() -> int:
+    """How many ranks train now: the world, or after a loss or a join (live recovery) the ranks of the run (a rank
+    waiting to join: its launch world's size, until it is taken in)."""
+    if joining.pending() or not dist.is_initialized():
+        return launch_world_size()
+    return group_size()
+
+
+def launch_rank() -> int:
+    """The rank this process was launched with (a joiner: the rank drawn for it), fixed for the process's life.
+    Log lines, errors and the launcher name processes by it; torch's `dist.get_rank()` answers it too."""
+    return dist.get_rank() if dist.is_initialized() else _require().rank
+
+
+def launch_world_size() -> int:
+    """The size of the world this process was launched into: torch's default group, which a loss or a join does
+    not change (`dist.get_world_size()`). The ranks that train now: world_size()."""
     return dist.get_world_size() if dist.is_initialized() else _require().world_size
 
 
@@ -409,11 +441,11 @@ def device() -> torch.device:
 
 
 def is_main() -> bool:
-    """True on global rank 0 (after a loss: on the first of the ranks left), and in a process that has not joined
-    a world."""
+    """True on exactly one of the ranks that train: rank() 0 (after a loss of the first rank, the first of the ranks
+    left), and in a process that has not joined a world."""
     if joining.pending():
         return False  # a joiner before the run took it in: its world of its own is not the run's
-    return _spec is None or (rank() == 0 if _live is None else rank() == _live[1][0])
+    return _spec is None or rank() == 0
 
 
 def attempt() -> str:
@@ -442,7 +474,7 @@ def barrier(timeout=None, name: str = "barrier") -> None:
     members = range(spec.world_size) if _live is None else _live[1]
     key = f"{name}/{_barrier_count}" if _live is None else f"{name}/generation{_live[0]}/{_barrier_count}"
     entry = recorder.begin(recorder.BARRIER)
-    _store.set(f"{key}/{rank()}", b"1")
+    _store.set(f"{key}/{launch_rank()}", b"1")
     arrived = _store.add(key, 1)
     now = time.monotonic()
     deadline, dead_check = now + limit, now + DEAD_CHECK_AFTER
@@ -456,19 +488,19 @@ def barrier(timeout=None, name: str = "barrier") -> None:
             if lost_among is not None:  # live recovery: a peer on another host too, by its beacon (generation.py)
                 gone = lost_among(missing)
                 if gone:
-                    raise PeerDiedError(explain(f"barrier '{name}' lost rank(s) {sorted(gone)}", rank=rank(),
+                    raise PeerDiedError(explain(f"barrier '{name}' lost rank(s) {sorted(gone)}", rank=launch_rank(),
                                                 seen="their processes gone", expected="every rank alive",
                                                 fix="The ranks left regroup and go on (live recovery)."))
             if dead:
                 raise RanksTimedOutError(explain(
-                    f"barrier '{name}' cannot complete", rank=rank(),
+                    f"barrier '{name}' cannot complete", rank=launch_rank(),
                     seen=f"rank(s) {sorted(dead)} ended without arriving (pid {', '.join(map(str, dead.values()))})",
                     expected="every rank alive", fix="Read the dead ranks' logs: they crashed or were killed "
                                                      "(SIGKILL usually means out of memory)."), missing_ranks=dead)
         if now > deadline:
             missing = [r for r in members if not _store.check([f"{key}/{r}"])]
             raise RanksTimedOutError(explain(
-                f"barrier '{name}' timed out after {limit:.0f}s", rank=rank(),
+                f"barrier '{name}' timed out after {limit:.0f}s", rank=launch_rank(),
                 seen=f"{arrived}/{len(members)} ranks arrived, missing ranks {missing}",
                 expected="every rank",
                 fix="Look at the missing ranks' logs: they crashed, hang, or skipped this barrier."),

@@ -33,7 +33,10 @@ _stopping = False  # the agreed stop is under way: later signals change nothing
 _owner = 0  # the pid that installed the handlers: a forked child (a DataLoader worker) is not asked
 _previous: dict = {}
 _teardown = None  # () -> bool: the launcher is tearing the group down (a failure elsewhere): die at once
-_group = None  # Gloo group of stop_requested(agree=True)
+_group = None  # Gloo group of stop_requested(agree=True) in a world phalanx did not make
+# group.py's: (how many ranks train now, their control group) once init() ran, else None. After a loss (live
+# recovery) the agreement is among the ranks left, never on torch's default group.
+ranks_that_train = None
 
 
 class RunStopped(SystemExit):
@@ -144,12 +147,16 @@ def stop_requested(agree: bool = False) -> bool:
     """
     global _group
     listen()
-    if not agree or not dist.is_initialized() or dist.get_world_size() == 1:
+    training = ranks_that_train() if ranks_that_train is not None and dist.is_initialized() else None
+    size, group = training if training is not None else (dist.get_world_size() if dist.is_initialized() else 1, None)
+    if not agree or size == 1:
         return _requested is not None
-    if _group is None:  # every rank's first call is at the same point: it is a collective
-        _group = dist.new_group(backend="gloo")
+    if group is None:
+        if _group is None:  # every rank's first call is at the same point: it is a collective
+            _group = dist.new_group(backend="gloo")
+        group = _group
     flag = torch.tensor([code_of(_requested)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag):
         request(reason_of(int(flag)))
     return _requested is not None

@@ -71,6 +71,7 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     steplog = px.StepLog(os.path.join(directory, "steplog"), every=1, print_every=0, tensorboard=False)
     dies_at = at if rank == doomed_rank else then[1] if then is not None and rank == then[0] else None
     losses, started_as, doomed, armed = [], os.getpid(), dies_at is not None, [False]
+    views = set()  # (generation, px.rank(), px.world_size(), px.is_main(), launch rank) seen at each step
     groups = _GroupsKept()
     generation.on_regroup(groups.regrouped)
     first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
@@ -102,6 +103,8 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                         log.flush()
                     _die(directory)
                 optimizer.step()
+                views.add((generation.current().number, px.rank(), px.world_size(), px.is_main(),
+                           px.world.launch_rank()))
                 if not step.undone:
                     log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
                     log.flush()
@@ -116,7 +119,25 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     current = generation.current()
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
             "params": parameters(model), "losses": losses, "main": px.is_main(), "groups_made": groups_made,
-            "older_groups_alive": groups.older_alive(current.number)}
+            "older_groups_alive": groups.older_alive(current.number), "views": sorted(views)}
+
+
+def check_world_views(results: list) -> None:
+    """In every generation the ranks that train saw themselves as ranks 0..n-1 of a world of n (numbered in their
+    launch order, as a restart would number them), with exactly one main rank, rank 0."""
+    by_generation: dict[int, list] = {}
+    for result in results:
+        if result is not None:
+            for number, rank, size, main, launched in result["views"]:
+                by_generation.setdefault(number, []).append((launched, rank, size, main))
+    for number, views in sorted(by_generation.items()):
+        views.sort()
+        sizes = {size for _, _, size, _ in views}
+        assert len(sizes) == 1, f"generation {number}: the ranks disagree on the world size: {views}"
+        ranks = [rank for _, rank, _, _ in views]
+        assert ranks == sorted(set(ranks)) and set(ranks) <= set(range(sizes.pop())), \
+            f"generation {number}: ranks not dense, or out of launch order: {views}"
+        assert [rank for _, rank, _, main in views if main] in ([0], []), f"generation {number}: mains {views}"
 
 
 class _GroupsKept:

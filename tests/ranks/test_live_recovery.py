@@ -28,7 +28,13 @@ import torch.nn.functional as F
 import phalanx as px
 from phalanx.testing import run_ranks
 from tests.helpers.global_batch_cases import Indexed, make_model, reference_run
-from tests.helpers.live_recovery_cases import applied_ids, newest_checkpoint, steplog_records, train
+from tests.helpers.live_recovery_cases import (
+    applied_ids,
+    check_world_views,
+    newest_checkpoint,
+    steplog_records,
+    train,
+)
 
 LOST_AT = (0, 1)  # step 1 of epoch 0
 
@@ -36,10 +42,10 @@ LOST_AT = (0, 1)  # step 1 of epoch 0
 # A sharded run loses rank 1: on this model (a bucket per parameter, chunks of 16 elements) rank 2 owns no
 # parameter's elements, only padding, while rank 1 owns half of the first layer's weights, kept by rank 2.
 @pytest.mark.parametrize("moment, shm, shard, lost", [
-    ("exchange", "1", "none", 2), ("exchange", "0", "none", 2), ("forward", "1", "none", 2),
+    ("exchange", "1", "none", 2), ("exchange", "0", "none", 2), ("forward", "1", "none", 0),
     ("optimizer", "0", "none", 2), ("exchange", "0", "gradients", 1), ("optimizer", "1", "gradients", 1),
     ("forward", "0", "optimizer", 1), ("optimizer", "0", "optimizer", 1), ("save", "1", "none", 2)],
-    ids=["mid-exchange-shm", "mid-exchange-gloo", "mid-forward-shm", "before-optimizer-gloo",
+    ids=["mid-exchange-shm", "mid-exchange-gloo", "rank0-mid-forward-shm", "before-optimizer-gloo",
          "gradients-mid-exchange-gloo", "gradients-before-optimizer-shm", "optimizer-mid-forward-gloo",
          "optimizer-before-optimizer-gloo", "mid-save-shm"])
 def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost):
@@ -62,6 +68,10 @@ def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, 
     first, second = (results[rank] for rank in survivors)
     assert first["losses"] == second["losses"] and len(first["losses"]) == len(expected_steps)
     assert (first["main"], second["main"]) == (True, False)
+    # px.rank() and px.world_size() follow the ranks that train: the two left are ranks 0 and 1 of 2 from the loss on
+    assert [view[1:4] for view in first["views"] if view[0] == 1] == [(0, 2, True)], first["views"]
+    assert [view[1:4] for view in second["views"] if view[0] == 1] == [(1, 2, False)], second["views"]
+    check_world_views(results)
     assert newest_checkpoint(str(tmp_path))["world_size"] == 2  # saved by the two ranks left, and loadable
     _check_the_steplog_went_on(str(tmp_path), len(expected_steps), survivors)
 
@@ -82,6 +92,8 @@ def test_two_losses_in_a_row_leave_no_process_group_behind(tmp_path, shm):
         for ours, theirs in zip(results[rank]["params"], expected_params):
             assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
     assert applied_ids(str(tmp_path), 4) == expected_steps, "a sample was lost or used twice"
+    check_world_views(results)
+    assert {view[:3] for rank in (0, 1) for view in results[rank]["views"] if view[0] == 2} == {(2, 0, 2), (2, 1, 2)}
 
 
 def _check_the_steplog_went_on(directory: str, steps: int, survivors: tuple) -> None:
