@@ -16,7 +16,6 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 
 from tests.conftest import ROOT, checkout_on_pythonpath, run_command
 from tests.helpers.forked_python import run_python
+from tests.helpers.system_packages import MAKE
 
 README = ROOT / "README.md"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("phalanx")
@@ -134,8 +134,7 @@ class TestOpening:
         """No world: `make -n` (a dry run) of make demo and make test."""
         makefile = (ROOT / "Makefile").read_text()
         assert re.search(r"^TORCH_SPEC \?= torch==", makefile, flags=re.MULTILINE), "TORCH_SPEC must be overridable"
-        if shutil.which("make") is None:
-            pytest.skip("make is not installed")
+        MAKE.require()
         for target, last in (("demo", "phalanx demo"), ("test", "-m tests.suite")):
             # -n prints the commands without running them; -B as on a fresh clone, with nothing installed.
             # --no-print-directory: under `make test` this make is nested and would add Entering/Leaving lines.

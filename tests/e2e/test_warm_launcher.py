@@ -9,7 +9,6 @@ from the one tests/conftest.py gives the other e2e tests.
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,8 @@ import pytest
 
 from phalanx.diagnose.recorder import pid_alive
 from tests.conftest import ROOT, checkout_on_pythonpath
-from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
+from tests.helpers.namespaces import NamespaceUnavailable, etc_files, veth_hosts
+from tests.helpers.system_packages import UNSHARE
 
 HANG_GUARD = 120
 
@@ -110,22 +110,18 @@ def test_a_command_in_other_namespaces_is_forked_into_them(server, tmp_path):
     """World size 2, the command in a network namespace with a host name and an /etc/hosts of its own (`ip netns
     exec NS unshare --uts`, as a multi-node test makes a host): fresh and warm, the workers see the same host
     name, network links and /etc/hosts, the namespace's; the warm one was forked (the server enters them)."""
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
-        pytest.skip("needs root, iproute2 and unshare: a server enters a command's namespaces as root only")
-    try:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a server enters a command's namespaces as root only")
+    UNSHARE.require()
+    try:  # NamespaceUnavailable without iproute2 too, saying how to install it
         with veth_hosts("pxw", 219) as hosts:
             host = hosts[1]
-            etc = Path("/etc/netns") / host["ns"]
-            etc.mkdir(parents=True)
-            try:
-                (etc / "hosts").write_text(f"{host['addr']} node-b\n")
+            with etc_files(host["ns"], {"hosts": f"{host['addr']} node-b\n"}):
                 where = ["ip", "netns", "exec", host["ns"], "unshare", "--uts", "sh", "-c",
                          'hostname node-b && exec "$@"', "sh"]
                 fresh = launch(tmp_path, base_env(), where=where)
                 before = len(log_lines(server))
                 warm = launch(tmp_path, base_env(PHALANX_WARM_LAUNCHER=server["socket"]), where=where)
-            finally:
-                shutil.rmtree(etc)
     except NamespaceUnavailable as error:
         pytest.skip(str(error))
     assert fresh.returncode == warm.returncode == 0, (fresh.stderr, warm.stderr)

@@ -9,7 +9,6 @@ one launch serves the cases of TestTwoHostsTwoRanks, each test reading its own.
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from tests.conftest import ROOT, with_warm_launcher
 from tests.e2e.test_launch import HANG_GUARD, _on_each_host, two_hosts  # noqa: F401 - a fixture, used by name
 from tests.helpers.namespaces import NamespaceUnavailable, veth_hosts
+from tests.helpers.system_packages import IPROUTE2, TC
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "xhost_job.py")
 
@@ -54,9 +54,7 @@ CASES = ("flat", "auto", "optimizer", "gradients", "uneven", "hier")
 def four_ranks():
     """World size 4: 2 hosts x 2 ranks (network namespaces), one launch of every case: {case: (exit codes, stderr
     of each host, {rank: record})}."""
-    if shutil.which("ip") is None:
-        pytest.skip("multi-node test skipped: the `ip` command (iproute2) is not installed")
-    try:
+    try:  # NamespaceUnavailable without iproute2 too, saying how to install it
         with veth_hosts("phx", 214) as hosts:
             nodes, outputs = _run(hosts, (2, 2), "--cases", ",".join(CASES))
     except NamespaceUnavailable as exc:
@@ -165,8 +163,8 @@ class TestBench:
 
         At 100 Mbit/s, a rate where the network dominates (the issue's figures): at 1 Gbit/s tbf's 64 KB burst
         drops packets of the 4 flows and the retransmits added 2-7 % to the counters (measured)."""
-        if shutil.which("ip") is None or shutil.which("tc") is None:
-            pytest.skip("the bench needs iproute2 (ip, tc)")
+        IPROUTE2.require()
+        TC.require()
         out = tmp_path / "bench.json"
         # The environment the bench gives its launchers, with a warm launcher named for it: they are forked.
         env = with_warm_launcher({**{k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")},

@@ -2,15 +2,22 @@
 hosts), or each by a veth pair to a bridge (any number).
 
 Names carry a random tag, so runs side by side (or a previous run's leftovers) never collide; whatever
-was made is deleted on the way out, also when the set-up itself fails half-way.
+was made is deleted on the way out, also when the set-up itself fails half-way. A namespace's own /etc files
+(`etc_files`) go in /etc/netns, which tests side by side share.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+from tests.helpers.system_packages import IPROUTE2
+
+ETC_NETNS = Path("/etc/netns")  # `ip netns exec NS` mounts /etc/netns/NS/<file> over /etc/<file>
 
 
 class NamespaceUnavailable(RuntimeError):
@@ -23,6 +30,9 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def _add_namespaces(hosts: list[dict], created: list) -> None:
     """Make each host's namespace, noting in `created` what to delete; NamespaceUnavailable when one cannot be."""
+    reason = IPROUTE2.missing()
+    if reason is not None:
+        raise NamespaceUnavailable(reason)
     for host in hosts:
         made = ip("netns", "add", host["ns"], check=False)
         if made.returncode != 0:
@@ -86,3 +96,32 @@ def bridged_hosts(prefix: str, octet: int, count: int) -> Iterator[list[dict]]:
         for link in reversed(links):
             ip("link", "del", link, check=False)
 
+
+@contextmanager
+def etc_files(namespace: str, files: dict[str, str]) -> Iterator[Path]:
+    """Yield /etc/netns/<namespace>/, holding `files` ({name: text}: what /etc/<name> reads inside the namespace);
+    removed on the way out, with /etc/netns too if this made it and nothing else is in it by then. Other tests
+    use /etc/netns at the same time: it is made by a mkdir that may fail, never by a check and then a mkdir."""
+    folder = ETC_NETNS / namespace
+    while True:
+        try:
+            ETC_NETNS.mkdir()
+            made_root = True
+        except FileExistsError:
+            made_root = False
+        try:
+            folder.mkdir()
+            break
+        except FileNotFoundError:  # the test that made /etc/netns removed it between the two mkdirs
+            continue
+    try:
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if made_root:
+            try:
+                ETC_NETNS.rmdir()
+            except OSError:  # another test's files are in it: it stays, empty once they are gone
+                pass

@@ -5,10 +5,12 @@ network namespace of its own on a bridge, and munge. The e2e SLURM tests start i
     python -m tests.helpers.slurm_cluster -- sbatch --wait examples/slurm/train_cpu.sbatch
                                                            # up, run one command against it, down
 
-Needs root, iproute2 and Debian's slurmctld, slurmd, slurm-client and munge packages (installed with
-apt-get when missing, as .ci/run installs iproute2). Everything it makes is removed on the way out,
-whatever happened: the jobs, the daemons, what they started in the namespaces, the namespaces, the
-bridge, the /etc/netns/<ns>/ files and its folder.
+Needs root, iproute2 and Debian's slurmctld, slurmd, slurm-client and munge packages, which it never installs
+(.ci/run does): without them it is unavailable, with the command that installs them. Everything it makes is
+removed on the way out, whatever happened: the jobs, the daemons, what they started in the namespaces, the
+namespaces, the bridge, the /etc/netns/<ns>/ files and its folder. Clusters side by side (tests/suite.py's
+latency stage starts three at once) never share a name or a subnet; each slurmd's fixed port is in its node's
+network namespace.
 
 Like many real clusters, the nodes' host name does not lead to the nodes' network: inside each
 namespace it resolves to 127.0.1.1 (Debian's default) and each node has a second interface on a
@@ -26,10 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from contextlib import ExitStack
 from pathlib import Path
 
-PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
-DAEMONS = ("/usr/sbin/slurmctld", "/usr/sbin/slurmd", "/usr/sbin/munged", "/usr/bin/sbatch")
+from tests.helpers.namespaces import etc_files
+from tests.helpers.system_packages import IPROUTE2, SLURM
+
 FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 START_TIMEOUT = 60.0  # seconds for the nodes to show idle; on a busy 2-core machine it takes 2-5
 
@@ -38,24 +43,19 @@ class ClusterUnavailable(Exception):
     """This machine cannot host the cluster (not root, no namespaces, no packages): a reason to skip."""
 
 
+def check_machine() -> None:
+    """ClusterUnavailable, saying what is missing and how to install it, unless this machine can host the cluster.
+    Nothing is installed here: a test suite must not change its machine (.ci/run installs the packages)."""
+    if os.geteuid() != 0:
+        raise ClusterUnavailable("the SLURM cluster needs root (network namespaces, daemons)")
+    for package in (IPROUTE2, SLURM):
+        reason = package.missing()
+        if reason is not None:
+            raise ClusterUnavailable(reason)
+
+
 def _run(*command: str, check: bool = True, timeout: float = 30, env: dict | None = None):
     return subprocess.run(command, capture_output=True, text=True, check=check, timeout=timeout, env=env)
-
-
-def ensure_packages() -> None:
-    """Install SLURM and munge with apt-get when they are missing; ClusterUnavailable if that fails."""
-    if all(os.path.exists(path) for path in DAEMONS):
-        return
-    if shutil.which("apt-get") is None:
-        raise ClusterUnavailable(f"SLURM is not installed ({', '.join(PACKAGES)}) and there is no apt-get")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ("apt-get", "install", "-y", "-qq", *PACKAGES)
-    # policy-rc.d-free machines would start the packaged daemons: ours use their own files, ports and socket.
-    if _run(*install, check=False, timeout=600, env=env).returncode != 0:
-        _run("apt-get", "update", "-qq", check=False, timeout=600, env=env)
-        done = _run(*install, check=False, timeout=600, env=env)
-        if done.returncode != 0:
-            raise ClusterUnavailable(f"could not install {', '.join(PACKAGES)}: {done.stderr.strip()[-300:]}")
 
 
 def _free_port() -> int:
@@ -64,13 +64,23 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _unused_subnet() -> str:
-    """A 10.x.y.0/24 that no route of this machine covers yet (its first three numbers)."""
-    taken = _run("ip", "-4", "route", "show", check=False).stdout if shutil.which("ip") else ""
+def _unused_subnet() -> tuple[str, socket.socket]:
+    """A 10.x.y.0/24 that no address or route of this machine covers yet (its first three numbers), and the
+    socket that holds it: an abstract unix socket named after it, which one process alone can bind, so that
+    clusters starting at once never take the same one (each checks the routes before any has added its own).
+    Closing the socket, or the process ending, lets the subnet go."""
+    taken = "".join(_run("ip", "-4", what, "show", check=False).stdout for what in ("route", "addr"))
     while True:
         net = f"10.{random.randrange(200, 250)}.{random.randrange(256)}"
-        if f"{net}." not in taken:
-            return net
+        if f"{net}." in taken:
+            continue
+        hold = socket.socket(socket.AF_UNIX)
+        try:
+            hold.bind(f"\0phalanx-slurm-subnet-{net}")
+        except OSError:  # another cluster holds it
+            hold.close()
+            continue
+        return net, hold
 
 
 class SlurmCluster:
@@ -81,19 +91,21 @@ class SlurmCluster:
 
     def __init__(self, nodes: int = 2, cpus: int = 2):
         self.nodes, self.cpus = nodes, cpus
-        tag = f"{random.randrange(16 ** 4):04x}"
-        self.net = _unused_subnet()
+        tag = uuid.uuid4().hex[:6]  # the longest name, a veth's inner end, stays within 15 characters
+        self.net: str | None = None  # chosen and held in start()
+        self._subnet_hold: socket.socket | None = None
         self.bridge = f"phxsb{tag}"
         self.names = [f"node{k}" for k in range(1, nodes + 1)]
         self.namespaces = [f"phxslurm{tag}{k}" for k in range(1, nodes + 1)]
-        self.addresses = [f"{self.net}.{10 + k}" for k in range(1, nodes + 1)]
+        self.addresses: list[str] = []  # on the subnet start() holds
         self.host_ends = [f"phxs{tag}h{k}" for k in range(1, nodes + 1)]  # the bridge's side of each link
         self.spare_ends = [f"phxs{tag}x{k}" for k in range(1, nodes + 1)]  # the far end of each spare network
-        self.controller_addr = f"{self.net}.1"
+        self.controller_addr = ""
         self.dir: Path | None = None
         self.env: dict = {}
         self._daemons: list[subprocess.Popen] = []
         self._made: list[tuple[str, str]] = []  # what to remove, in reverse order
+        self._etc = ExitStack()  # the namespaces' /etc/netns files
 
     # -- building ----------------------------------------------------------------------------------
 
@@ -105,14 +117,13 @@ class SlurmCluster:
         self.stop()
 
     def start(self, timeout: float = START_TIMEOUT) -> SlurmCluster:
-        if os.geteuid() != 0:
-            raise ClusterUnavailable("the SLURM cluster needs root (network namespaces, daemons)")
-        if shutil.which("ip") is None:
-            raise ClusterUnavailable("the `ip` command (iproute2) is not installed")
-        ensure_packages()
+        check_machine()
         self.dir = Path(tempfile.mkdtemp(prefix="phalanx-slurm-"))
         os.chmod(self.dir, 0o755)  # munged insists that no one else may write above its files
         try:
+            self.net, self._subnet_hold = _unused_subnet()
+            self.addresses = [f"{self.net}.{10 + k}" for k in range(1, self.nodes + 1)]
+            self.controller_addr = f"{self.net}.1"
             self._network()
             self._munge()
             self._write_config()
@@ -150,14 +161,8 @@ class SlurmCluster:
             self._link(spare_end, namespace, "eth1", f"192.168.{200 + k}.2/24")
             _run("ip", "link", "set", spare_end, "up")
             _run("ip", "-n", namespace, "link", "set", "lo", "up")
-            if not os.path.isdir("/etc/netns"):
-                os.makedirs("/etc/netns")
-                self._made.insert(0, ("empty dir", "/etc/netns"))  # removed last, and only if empty
-            etc = Path("/etc/netns") / namespace
-            etc.mkdir(parents=True, exist_ok=True)
-            self._made.append(("dir", str(etc)))
-            (etc / "hosts").write_text("\n".join(hosts) + "\n")
-            (etc / "resolv.conf").write_text("")  # no DNS to wait for: names come from hosts
+            # resolv.conf empty: no DNS to wait for, names come from hosts
+            self._etc.enter_context(etc_files(namespace, {"hosts": "\n".join(hosts) + "\n", "resolv.conf": ""}))
 
     def _link(self, outer: str, namespace: str, inner: str, cidr: str) -> None:
         """A veth pair: `outer` stays here, `inner` goes into the namespace with address `cidr`."""
@@ -313,14 +318,11 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                 _run("ip", "netns", "del", name, check=False)
             elif kind == "link":
                 _run("ip", "link", "del", name, check=False)
-            elif kind == "dir":
-                shutil.rmtree(name, ignore_errors=True)
-            else:
-                try:
-                    os.rmdir(name)
-                except OSError:
-                    pass
         self._made = []
+        self._etc.close()
+        if self._subnet_hold is not None:  # its address went with the bridge
+            self._subnet_hold.close()
+            self._subnet_hold = None
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None

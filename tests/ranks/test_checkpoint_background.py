@@ -20,6 +20,7 @@ import torch
 import phalanx as px
 from phalanx.checkpoint.background import writer
 from phalanx.testing import run_ranks
+from tests.helpers.system_packages import MOUNT
 
 
 def make_net():
@@ -220,6 +221,7 @@ def _fails_and_recovers(rank, directory):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 MB tmpfs mounted for this test (root only): room for a few checkpoints of 3.3 MB, not for 16 MB more."""
+    MOUNT.require()
     mount = tmp_path / "disk"
     mount.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True,
