@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..diagnose import progress, recorder
 from ..errors import CheckpointError, CheckpointWriteError, explain
 from ..log import logger
-from ..world import generation, joining, stop
+from ..world import generation, joining, step_count, stop
 from ..world import group as world
 from . import atomic_files, background, handover, random_state, restoring, shard_files, spreading
 from .agreement import StopAgreement
@@ -100,6 +100,7 @@ class Checkpointer:
         later (`wait()` waits for it), and holds the state exactly as it was at this call. A save that comes
         while the previous one is still being written waits for it first."""
         previous, before = recorder.phase(recorder.SAVING), progress.saving()
+        step_count.say_saving()  # every StepLog ends its window here: a resume from this save starts a new one
         started = time.monotonic()
         path = None
         try:
@@ -319,6 +320,7 @@ class Checkpointer:
         self.steps, size, seconds = handover.receive(state, members, joiners)
         progress.step(self.steps)
         generation.regroup_followers(joined.number, members, [], started, joined=joiners, healed=(size, seconds))
+        step_count.say_restored(self.steps)
         for value in state.values():  # a global-batch loader whose pass has not begun: dealt over the run's ranks
             if getattr(value, "plan", None) is not None and not getattr(value, "_follows_generations", True):
                 value.regroup(joined.rank, joined.world_size)
@@ -400,6 +402,7 @@ class Checkpointer:
         restoring.restore_random_states(payload["random_states"], device)
         self.saved_world_size = payload["world_size"]
         self.steps = int(payload.get("steps", 0))  # files from before step() existed: counted from 0
+        step_count.say_restored(self.steps)  # every StepLog logs on from here, in the state or not
         progress.restored(self.steps, path, started, time.monotonic())
         if world.group_rank() == 0:
             plain = {k: v for k, v in state.items() if type(v) in (int, float, str, bool)}

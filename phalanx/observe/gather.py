@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..diagnose import recorder, step_clock
 from ..errors import PeerFailedError, RanksTimedOutError, explain
+from ..world import generation
 from ..world import group as world
 
 PRESENCE_AFTER = 1.0  # seconds of waiting before a rank notes in the store that it is there
@@ -71,7 +72,10 @@ class RowGather:
         self._work = self._outputs = self.launched = None
         if not work.is_completed():
             with step_clock.waiting_for_peers():
-                self._wait(work, what)
+                if generation.live_recovery():  # a peer lost (its process, or its host silent) ends the wait
+                    generation.wait_for(work, what)
+                else:
+                    self._wait(work, what)
         try:
             work.wait()
         except Exception as exc:  # Gloo: a peer closed its connection, or its own timeout passed

@@ -1,7 +1,8 @@
 """Where rank 0 puts StepLog records: `steps.jsonl` and TensorBoard event files, each flushed per write.
 
 steps.jsonl gets one JSON object per line, appended and flushed. On resume it is trimmed to the
-records before the steps about to be redone. TensorBoard events are written with tensorboardX's
+records before the steps about to be redone; a log that cannot know its step keeps the file and starts
+another beside it (steps.2.jsonl, ...). TensorBoard events are written with tensorboardX's
 protobuf classes (an extra: `pip install phalanx[log]`); a file opened after a resume purges the
 steps it will write again (tensorboardX's `purge_step` event), so curves never overlap.
 """
@@ -43,6 +44,33 @@ def read_records(path) -> list[dict]:
     return records
 
 
+def jsonl_files(directory) -> list[Path]:
+    """steps.jsonl and the files started beside it (steps.2.jsonl, steps.3.jsonl, ...), oldest first."""
+    directory = Path(directory)
+    numbered = []
+    for path in directory.glob("steps.*.jsonl"):
+        middle = path.name[len("steps."):-len(".jsonl")]
+        if middle.isdigit():
+            numbered.append((int(middle), path))
+    first = [directory / JSONL_NAME] if (directory / JSONL_NAME).exists() else []
+    return first + [path for _, path in sorted(numbered)]
+
+
+def file_beside(directory) -> Path:
+    """The name of a new records file beside the ones in `directory` (which are kept)."""
+    files = jsonl_files(directory)
+    if not files:
+        return Path(directory) / JSONL_NAME
+    last = files[-1].name[len("steps."):-len(".jsonl")]
+    return Path(directory) / f"steps.{int(last) + 1 if last.isdigit() else 2}.jsonl"
+
+
+def last_step(path) -> int | None:
+    """The step of the last record of a steps.jsonl, or None when it holds none."""
+    steps = [r["step"] for r in read_records(path) if isinstance(r.get("step"), int)]
+    return max(steps) if steps else None
+
+
 def trim(path, keep_through: int) -> int:
     """Keep the records of steps <= keep_through (atomically: temporary file, rename); returns how many went."""
     path = Path(path)
@@ -64,8 +92,8 @@ class JsonlFile:
     """Appends records to steps.jsonl through one open handle; each append is flushed to the OS before it
     returns (a killed process loses nothing written; an fsync per record would cost milliseconds on a disk)."""
 
-    def __init__(self, directory: Path):
-        self.path = directory / JSONL_NAME
+    def __init__(self, path: Path):
+        self.path = path
         self.handle = None
 
     def write(self, records: list[dict]) -> None:
@@ -135,7 +163,7 @@ class TensorBoardFile:
         self.directory, (self.pb, self.summary_pb) = directory, protos
         self.handle = None
 
-    def _open(self, purge_step: int) -> None:
+    def _open(self, purge_step: int | None) -> None:
         global _files
         _files += 1
         # tensorboardX's name (the second it was made, the host) and a suffix of its own: TensorBoard reads a
@@ -144,16 +172,18 @@ class TensorBoardFile:
         self.handle = open(self.directory / name, "ab")
         pb = self.pb
         self._append(pb.Event(wall_time=time.time(), file_version="brain.Event:2"))
-        # What purge_step=s writes: TensorBoard drops the events of steps >= s that came before this one.
-        self._append(pb.Event(wall_time=time.time(), step=purge_step,
-                              session_log=pb.SessionLog(status=pb.SessionLog.START)))
+        if purge_step is not None:  # what purge_step=s writes: TensorBoard drops the earlier events of steps >= s
+            self._append(pb.Event(wall_time=time.time(), step=purge_step,
+                                  session_log=pb.SessionLog(status=pb.SessionLog.START)))
 
     def _append(self, event) -> None:
         data = event.SerializeToString()
         header = struct.pack("<Q", len(data))
         self.handle.write(header + struct.pack("<I", _masked_crc(header)) + data + struct.pack("<I", _masked_crc(data)))
 
-    def write(self, records: list[dict], purge_step: int) -> None:
+    def write(self, records: list[dict], purge_step: int | None) -> None:
+        """Append `records`; the first write opens the file, purging the steps from `purge_step` on that earlier
+        files hold (None: purge nothing, the step count is not known to follow theirs)."""
         if self.handle is None:
             self._open(purge_step)
         Summary = self.summary_pb.Summary

@@ -15,15 +15,17 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from .outputs import JSONL_NAME, read_records
+from .outputs import JSONL_NAME, jsonl_files, read_records
 
 
 def find_jsonl(run_dir: Path) -> Path | None:
-    """RUN_DIR/steps.jsonl, else the newest steps.jsonl below RUN_DIR."""
-    direct = run_dir / JSONL_NAME
-    if direct.is_file():
-        return direct
-    found = sorted(run_dir.rglob(JSONL_NAME), key=lambda p: p.stat().st_mtime)
+    """The newest records file of RUN_DIR (steps.jsonl, or the last one started beside it: steps.2.jsonl, ...),
+    else the newest below RUN_DIR."""
+    direct = jsonl_files(run_dir)
+    if direct:
+        return direct[-1]
+    found = sorted((path for pattern in (JSONL_NAME, "steps.*.jsonl") for path in run_dir.rglob(pattern)),
+                   key=lambda p: p.stat().st_mtime)
     return found[-1] if found else None
 
 

@@ -19,10 +19,12 @@ import torch.distributed as dist
 
 from ..diagnose import progress, step_clock
 from ..errors import StepLogError, explain
-from ..world import generation
+from ..log import logger
+from ..world import generation, step_count
 from ..world import group as world
 from . import outputs
 from .gather import RowGather
+from .generations import FollowsGenerations
 from .window import FIELDS, INDEX, line, make_record
 
 GATHER_SECONDS = 0.5  # records are gathered about this often; a record slower than this is gathered at once
@@ -30,14 +32,17 @@ MAX_BATCH = 1000  # windows per gather, at most
 PEAK_READ_NS = 200_000_000  # the peak resident set is read at most this often (it only grows)
 
 
-class StepLog:
+class StepLog(FollowsGenerations):
     """Log the run every `every` steps to the terminal (rank 0), `log_dir/steps.jsonl` and TensorBoard.
 
     Make it on every rank, and call `step(loss=..., samples=...)` on every rank once per optimizer step:
     `loss` is this rank's loss for the step (a tensor or a number, the mean over its samples) and
     `samples` its sample count; `tokens` its token count, for tokens/s. The record's loss is the mean
-    over every sample of every rank. Put the log in the checkpoint's state so that a resumed run
-    trims what it will redo: `state["log"] = log`.
+    over every sample of every rank. It follows the run's step through a `Checkpointer`, whether or not it is
+    in the checkpoint's state: a restore sets its step count (records of the steps to be redone are trimmed),
+    and each save ends its window, so that a run resumed from any checkpoint logs every step in exactly one
+    record. A log whose step count nothing told (no checkpoint restored, not in a restored state) never
+    rewrites a steps.jsonl that holds records: it starts steps.2.jsonl beside it, and says so.
 
     Options: `optimizer` (its first group's lr is logged), `flops_per_sample` or `flops_per_token`
     with `peak_flops` (one device's peak, FLOP/s: `mfu` is logged only with both), `total_steps` (the
@@ -67,6 +72,8 @@ class StepLog:
         self.print_every, self.print_fn = print_every, print_fn
         self.timeout = float(timeout if timeout is not None else os.environ.get("PHALANX_TIMEOUT", 600))
         self.steps = 0  # steps counted, from the restored value on
+        self._known = False  # whether the step count is the run's: a restore, the log's own state or the others said
+        self._state_loaded = False  # load_state_dict() ran in the restore under way: its step count wins
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise StepLogError(explain("StepLog was made before this process joined its world",
                                        seen=f"WORLD_SIZE={os.environ['WORLD_SIZE']}, no process group",
@@ -80,6 +87,11 @@ class StepLog:
         self._peak, self._peak_read_ns = 0.0, -PEAK_READ_NS  # the resident set's peak, read at most every 0.2 s
         self._start_step = 0  # the step count this process started logging from (after a restore)
         self._rows: list[list[float]] = []  # finished windows not gathered yet
+        # This rank's rows of the gather in flight, and of the last one that completed here: were the world to change
+        # before the main rank wrote them, the ranks left gather them again (_onto_generation).
+        self._in_flight: list[list[float]] = []
+        self._held: list[list[float]] = []
+        self._written_through = 0  # the main rank: the step of the last record in its file
         self._gather_every = 1  # windows per gather: agreed from the gathered rows, the same on every rank
         self._records_written = 0
         self._jsonl = self._tensorboard = None
@@ -98,6 +110,9 @@ class StepLog:
         self._key = self._gather.key if self._gather is not None else f"steplog-{id(self):x}"
         self._new_window()
         self._mark()
+        if step_count.restored() is not None:  # made after a restore: log on from its step
+            self._resume_at(step_count.restored())
+        step_count.follow(self)
         world.before_shutdown(self._at_shutdown)  # the agreed stop and the end of a run write what is left
         if generation.live_recovery():
             generation.on_regroup(self._onto_generation)
@@ -184,16 +199,25 @@ class StepLog:
             rows, self._rows = self._rows, []
             self._emit([[row] for row in rows])
             return
-        if self._gather.pending:
-            self._emit_gathered()
+        if self._gather.pending and not self._emit_gathered():
+            return  # a rank was lost: the ranks left gathered the windows again (_onto_generation)
         if self._rows:
             self._gather.launch(torch.tensor(self._rows, dtype=torch.float64))
-            self._rows = []
+            self._in_flight, self._rows = self._rows, []
             if wait:
                 self._emit_gathered()
 
-    def _emit_gathered(self) -> None:
-        per_rank = self._gather.result(f"the records up to step {self.steps}")
+    def _emit_gathered(self) -> bool:
+        """Write the records of the gather in flight; False when a rank was lost in it (live recovery: the ranks
+        left regroup, and gather what it held again)."""
+        try:
+            per_rank = self._gather.result(f"the records up to step {self.steps}")
+        except RuntimeError as lost:  # PeerFailedError is one
+            if not generation.is_loss(lost):
+                raise
+            generation.recover(lost)
+            return False
+        self._held, self._in_flight = self._in_flight, []
         by_rank = [rows.tolist() for rows in per_rank]
         windows = [[by_rank[r][k] for r in range(self.world_size)] for k in range(len(by_rank[0]))]
         # The next cadence from what every rank saw, so every rank adopts the same: a gather about every
@@ -201,23 +225,28 @@ class StepLog:
         slowest = max(row[INDEX["wall_s"]] for row in windows[-1])
         self._gather_every = max(1, min(MAX_BATCH, int(GATHER_SECONDS / slowest) if slowest > 0 else MAX_BATCH))
         self._emit(windows)
+        return True
 
-    def _emit(self, windows: list[list[list[float]]]) -> None:
+    def _emit(self, windows: list[list[list[float]]], ranks: list[tuple[int, ...]] | None = None) -> None:
+        """Write one record per window (each rank's row of it); `ranks`: the launch ranks whose rows each window
+        holds (default: the members, in order). Records name ranks by their launch ranks, which never change."""
         if not self.main or not windows:
             return
         lr = _lr(self.optimizer)
-        records = [make_record(rows, lr=lr, memory_kind="cuda" if self._cuda else "rss",
-                               flops_per_sample=self.flops_per_sample, flops_per_token=self.flops_per_token,
-                               peak_flops=self.peak_flops) for rows in windows]
-        if self._members != tuple(range(len(self._members))):  # ranks were lost: name them by their global ranks
-            for record in records:
-                for key in ("slowest_rank", "peak_memory_rank"):
-                    record[key] = self._members[record[key]]
-        if self._records_written == 0:  # this process's first: what an earlier run wrote from here on goes
-            outputs.trim(self._jsonl.path, self._start_step)
+        records = []
+        for rows, members in zip(windows, ranks or [self._members] * len(windows)):
+            record = make_record(rows, lr=lr, memory_kind="cuda" if self._cuda else "rss",
+                                 flops_per_sample=self.flops_per_sample, flops_per_token=self.flops_per_token,
+                                 peak_flops=self.peak_flops)
+            for key in ("slowest_rank", "peak_memory_rank"):
+                record[key] = members[record[key]]
+            records.append(record)
+        if self._jsonl is None:
+            self._choose_file()
         self._jsonl.write(records)
+        self._written_through = records[-1]["step"]
         if self._tensorboard is not None:
-            self._tensorboard.write(records, self._start_step + 1)
+            self._tensorboard.write(records, self._start_step + 1 if self._known else None)
         for record in records:
             self._records_written += 1
             if self.print_every and (self._records_written - 1) % self.print_every == 0:
@@ -244,47 +273,25 @@ class StepLog:
     def _at_shutdown(self) -> None:
         self.close()
 
-    # -- live recovery ----------------------------------------------------------------------------
-
-    def _onto_generation(self, current) -> None:
-        """Under live recovery, after each change of the ranks that train (world/generation.py): gather on their
-        control group from now on (made with the generation: no group is made in a step). The windows ended but not
-        yet written are dropped on every rank (a lost rank's rows are gone, and a gather in flight on the old group
-        may never end); the window in progress goes on, and a rank that joined adopts the others' step count."""
-        # A gather in flight on the old group is dropped with its RowGather: the collective holds its own tensors
-        # until it ends, and the old group is freed once it has (world/generation.py).
-        launched = self._gather.launched if self._gather is not None else None
-        dropped = (launched.tolist() if launched is not None else []) + self._rows
-        self._rows, self._gather_every = [], 1
-        self.rank, self.world_size, self._members = current.rank, current.world_size, tuple(current.members)
-        self._gather = None
-        if self.world_size > 1:
-            self._gather = self._control_gather(key=f"{self._key}/generation{current.number}")
-            steps = torch.tensor([self.steps], dtype=torch.int64)
-            generation.wait_for(dist.broadcast(steps, group=world.control_group(), group_src=0, async_op=True),
-                                "the StepLog's step count")
-            if int(steps) != self.steps:  # a rank that joined: it logs on from the others' count
-                self.steps = self._start_step = int(steps)
-                self._new_window()
-                self._mark()
-        if not self.main and world.is_main():
-            self._become_main()
-        if self.main and dropped:
-            print(f"StepLog: the record(s) of steps {int(min(r[_END] for r in dropped))}-"
-                  f"{int(max(r[_END] for r in dropped))} are not written: the world changed while they were gathered",
-                  flush=True)
-
-    def _become_main(self) -> None:
-        """The first rank was lost: this one writes the records from now on, after what the other wrote."""
-        self.main = True
-        self._start_step = self.steps  # the records written so far stay (see _emit's trim)
-        self._open_outputs()
+    def _choose_file(self) -> None:
+        """The main rank's first write: the records file to append to. A step count that is the run's continues the
+        newest file, trimmed of the steps to be redone; one that nothing told never overwrites records: a new file
+        beside them."""
+        files = outputs.jsonl_files(self.directory)
+        path = files[-1] if files else self.directory / outputs.JSONL_NAME
+        if self._known:
+            outputs.trim(path, self._start_step)
+        elif outputs.last_step(path) is not None:
+            path = outputs.file_beside(self.directory)
+            logger.warning("StepLog: %s holds the records of an earlier run, and this log was not told its step (no "
+                           "checkpoint restored, the log not in a restored state): they are kept, and this run's go "
+                           "to %s", files[-1], path)
+        self._jsonl = outputs.JsonlFile(path)
 
     def _open_outputs(self) -> None:
-        """This rank writes the records: steps.jsonl, and TensorBoard's file unless tensorboard=False (True: the
-        package required; None: used when installed, said once when not)."""
+        """This rank writes the records: steps.jsonl (chosen at the first write: _choose_file), and TensorBoard's file
+        unless tensorboard=False (True: the package required; None: used when installed, said once when not)."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._jsonl = outputs.JsonlFile(self.directory)
         protos = None
         if self._tensorboard_wanted is not False:
             protos = outputs.tensorboard_module(required=self._tensorboard_wanted is True)
@@ -311,16 +318,39 @@ class StepLog:
             raise StepLogError(explain("a StepLog state must hold its step count", rank=self.rank,
                                        seen=f"{state!r}", expected="{'steps': <int >= 0>}",
                                        fix="Restore a state saved from StepLog.state_dict()."))
+        self._state_loaded = True
+        self._resume_at(steps)
+
+    def follow_restore(self, step: int) -> None:
+        """A Checkpointer restored the run at `step` (world/step_count.py): log on from it, unless this log's own
+        state was restored with it (its count wins: it counts log.step() calls)."""
+        if self._state_loaded:
+            self._state_loaded = False
+            return
+        self._resume_at(step)
+
+    def follow_save(self) -> None:
+        """A checkpoint is taken at this step, on every rank: the window ends here (no collective: its row is gathered
+        with the next), so that a run resumed from it starts a window where a record ended."""
+        if self._window[_STEPS]:
+            self._end_window()
+
+    def _resume_at(self, steps: int) -> None:
         self.steps = self._start_step = steps
-        self._rows = []
+        self._known = True
+        self._rows, self._in_flight, self._held = [], [], []
         self._new_window()
         self._mark()
         if self.main:
-            self._jsonl.close()  # trimming replaces the file: the next write opens the new one
-            dropped = outputs.trim(self._jsonl.path, steps)
+            self._written_through = steps
+            if self._jsonl is not None:
+                self._jsonl.close()  # trimming replaces the file: the next write opens the new one
+                self._jsonl = None
+            files = outputs.jsonl_files(self.directory)
+            dropped = outputs.trim(files[-1], steps) if files else 0
             if dropped:
                 print(f"StepLog: resumed at step {steps}; {dropped} record(s) of later steps removed from "
-                      f"{self._jsonl.path}", flush=True)
+                      f"{files[-1]}", flush=True)
         progress.logged(self.steps, self.total_steps)
 
 

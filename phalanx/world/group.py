@@ -23,7 +23,7 @@ from ..diagnose import progress, recorder, stacks
 from ..diagnose.watch import stall_timeout
 from ..diagnose.watchdog import Watchdog
 from ..errors import PeerDiedError, RanksTimedOutError, WorldConfigError, explain
-from . import interface, joining, stop
+from . import interface, joining, step_count, stop
 from .discovery import WorldSpec, discover
 from .rendezvous import host_store, join_store
 
@@ -330,6 +330,7 @@ def shutdown() -> None:
         log.configure(_spec.rank)  # no world to be the main rank of: the launch rank 0 logs at INFO, as before init()
     recorder.stop(remove=not os.environ.get("PHALANX_RUN_DIR"))
     progress.stop()
+    step_count.forget()
     _spec = _device = _store = _live = _control = None
     _owns_group = _abandoned = False
     joining.set_pending(False)

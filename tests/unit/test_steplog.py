@@ -20,6 +20,7 @@ from phalanx.diagnose import step_clock
 from phalanx.launch import live_status
 from phalanx.observe import outputs, report
 from phalanx.observe.window import FIELDS, INDEX, line, make_record
+from phalanx.world import step_count
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,12 +137,20 @@ class TestWorldOfOne:
         jsonl = {r["step"]: r["loss"] for r in outputs.read_records(tmp_path / "steps.jsonl")}
         assert all(shown[s][0] == pytest.approx(jsonl[s], rel=1e-6) for s in shown)  # the resumed run's values
 
-    def test_a_fresh_run_in_the_same_folder_starts_the_log_over(self, tmp_path):
-        train(px.StepLog(tmp_path, every=1, tensorboard=False), 3)
+    def test_a_log_not_told_its_step_keeps_the_records_and_starts_a_file_beside_them(self, tmp_path, caplog):
+        """A fresh run in the same folder, with no checkpoint restored and the log in no state: it cannot know its
+        step, so it never rewrites the earlier records under its own numbers (one warning names the file)."""
+        first = px.StepLog(tmp_path, every=1, tensorboard=False)
+        train(first, 3)
+        first.close()
         log = px.StepLog(tmp_path, every=1, tensorboard=False)
         train(log, 2)
         log.close()
-        assert [r["step"] for r in outputs.read_records(tmp_path / "steps.jsonl")] == [1, 2]
+        assert [r["step"] for r in outputs.read_records(tmp_path / "steps.jsonl")] == [1, 2, 3]
+        assert [r["step"] for r in outputs.read_records(tmp_path / "steps.2.jsonl")] == [1, 2]
+        warned = [r.getMessage() for r in caplog.records if "holds the records of an earlier run" in r.getMessage()]
+        assert len(warned) == 1 and str(tmp_path / "steps.jsonl") in warned[0], warned
+        assert report.find_jsonl(tmp_path) == tmp_path / "steps.2.jsonl"  # `phalanx report` draws the newest
 
     def test_a_line_cut_by_a_kill_is_skipped(self, tmp_path):
         (tmp_path / "steps.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
@@ -242,3 +251,60 @@ class TestLiveStatus:
 
     def test_only_on_a_terminal(self, monkeypatch):
         assert not live_status.wanted(io.StringIO())
+
+
+def covered_steps(directory) -> list[int]:
+    """Every step the records of steps.jsonl cover, in order: a record covers `steps` steps ending at `step`."""
+    return [step for record in outputs.read_records(Path(directory) / "steps.jsonl")
+            for step in range(record["step"] - record["steps"] + 1, record["step"] + 1)]
+
+
+class TestFollowsTheCheckpointer:
+    """A StepLog that is not in the checkpoint's state follows Checkpointer.restore() and its saves (world of one)."""
+
+    @staticmethod
+    def run(directory, steps, *, log_every=10, save_every=50, stop=False, log_after_restore=False):
+        """Train until `steps` steps are done, resuming from the newest checkpoint; `stop`: save and close at the
+        end (an agreed stop), else end as a kill would (nothing flushed or saved)."""
+        step_count.forget()  # a new process: nothing restored yet
+        model = torch.nn.Linear(3, 1)
+        state = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.01)}
+        make_log = lambda: px.StepLog(directory / "log", every=log_every, tensorboard=False, print_every=0)
+        log = None if log_after_restore else make_log()
+        checkpointer = px.Checkpointer(directory / "ckpt", every=save_every, async_save=False)
+        checkpointer.restore(state)
+        log = log or make_log()
+        assert log.steps == checkpointer.steps
+        while checkpointer.steps < steps:
+            loss = model(torch.randn(4, 3)).pow(2).mean()
+            loss.backward()
+            state["optimizer"].step()
+            state["optimizer"].zero_grad()
+            log.step(loss=loss, samples=4)
+            checkpointer.step(state)
+        if stop:
+            checkpointer.save(state)
+            log.close()
+        else:
+            log._closed = True  # killed: what was not written is lost, as in a process that ends here
+
+    def test_a_stop_and_resume_logs_every_step_once_under_its_number(self, tmp_path):
+        """The issue's case: stopped at step 153, resumed to 300, the log not in the state."""
+        self.run(tmp_path, 153, stop=True)
+        first = [r["step"] for r in outputs.read_records(tmp_path / "log" / "steps.jsonl")]
+        assert first[-2:] == [150, 153], first
+        self.run(tmp_path, 300)
+        records = outputs.read_records(tmp_path / "log" / "steps.jsonl")
+        assert [r["step"] for r in records][:len(first)] == first  # the first run's records are all there
+        assert covered_steps(tmp_path / "log") == list(range(1, 301))
+
+    @pytest.mark.parametrize("log_after_restore", [False, True], ids=["made-before-restore", "made-after-restore"])
+    def test_a_kill_and_resume_trims_what_is_redone_and_logs_every_step_once(self, tmp_path, log_after_restore):
+        """Saves every 25 steps, a record every 10: killed at step 37 (records to 30 written), resumed from 25. The
+        save ended a window at 25, so the records kept end there and the resumed run's begin after it."""
+        self.run(tmp_path, 37, save_every=25)
+        assert [r["step"] for r in outputs.read_records(tmp_path / "log" / "steps.jsonl")] == [10, 20, 25, 30]
+        self.run(tmp_path, 60, save_every=25, stop=True, log_after_restore=log_after_restore)
+        assert covered_steps(tmp_path / "log") == list(range(1, 61))
+        assert [r["step"] for r in outputs.read_records(tmp_path / "log" / "steps.jsonl")] == [
+            10, 20, 25, 30, 40, 50, 60]
