@@ -116,7 +116,7 @@ class Checkpointer:
     def _save(self, state: dict) -> Path:
         kinds = {name: kind_of(name, value) for name, value in state.items()}  # same check, same error, on all ranks
         device = _own_device()
-        states = random_state.gather(random_state.capture(device), world.collective_device())
+        states = random_state.gather(random_state.capture(device, state), world.collective_device())
         # FSDP2's shards (shard="parameters") are written by their ranks, each into a part file of its own;
         # a sharded optimizer's pieces (shard="optimizer"/"gradients") are gathered to rank 0, bucket by bucket.
         split = {name: shard_files.split(dtensors) for name, value in state.items()
@@ -163,7 +163,7 @@ class Checkpointer:
                  if (dtensors := shard_files.dtensor_state(value, unwrap)) is not None}
         gathered = {name: value.state_dict(to=0) for name, value in state.items()
                     if shard_files.is_optimizer_view(value) and name not in split}
-        states = random_state.gather(random_state.capture(_own_device()), world.collective_device())
+        states = random_state.gather(random_state.capture(_own_device(), state), world.collective_device())
         sequence, cause = -1, failed["error"] if failed else None
         if rank == 0 and failed is None:
             try:
@@ -399,7 +399,7 @@ class Checkpointer:
             return False
         path, payload = chosen if chosen else restoring.load_chosen(self.directory, sequence, location)
         restoring.apply(self.directory, payload, state, path)
-        restoring.restore_random_states(payload["random_states"], device)
+        restoring.restore_random_states(payload["random_states"], device, state)
         self.saved_world_size = payload["world_size"]
         self.steps = int(payload.get("steps", 0))  # files from before step() existed: counted from 0
         step_count.say_restored(self.steps)  # every StepLog logs on from here, in the state or not

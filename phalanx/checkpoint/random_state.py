@@ -18,10 +18,17 @@ import torch.distributed as dist
 from ..world import generation
 from ..world import group as world
 
+ENTRY = "entry/"  # the prefix of an entry's own per-rank random state: "entry/<name>/<key>"
 
-def capture(device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """This process's generator states; CUDA only for `device` (a rank never touches another's GPU)."""
+
+def capture(device: torch.device | None = None, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """This process's generator states; CUDA only for `device` (a rank never touches another's GPU). With the
+    checkpoint's `state`, also the random state of its entries that keep one per rank (`rank_random_state()`: a
+    loader's generator state at the start of its pass, from which a resumed pass draws its workers' seeds)."""
     states = {"torch": torch.get_rng_state()}
+    for name, value in (state or {}).items():
+        if hasattr(value, "rank_random_state"):
+            states.update({f"{ENTRY}{name}/{key}": tensor for key, tensor in value.rank_random_state().items()})
     if device is not None and device.type == "cuda":
         states["cuda"] = torch.cuda.get_rng_state(device)
     version, internal, gauss_next = random.getstate()
@@ -44,6 +51,15 @@ def restore(states: dict[str, torch.Tensor], device: torch.device | None = None)
     numpy = states["numpy"].tolist()
     keys = np.array(numpy[2:], dtype=np.uint32)
     np.random.set_state(("MT19937", keys, numpy[0], numpy[1], float(states["numpy_gauss"][0])))
+
+
+def restore_entries(states: dict[str, torch.Tensor], state: dict) -> None:
+    """Hand each entry of `state` its own per-rank random state from `states` (capture's, of this rank)."""
+    for name, value in state.items():
+        prefix = f"{ENTRY}{name}/"
+        if hasattr(value, "load_rank_random_state"):
+            value.load_rank_random_state({key[len(prefix):]: tensor for key, tensor in states.items()
+                                          if key.startswith(prefix)})
 
 
 def reseed_derived(states: dict[str, torch.Tensor], rank: int, device: torch.device | None = None) -> int:

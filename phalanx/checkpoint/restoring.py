@@ -135,10 +135,13 @@ def onto(value, device: torch.device):
     return value
 
 
-def restore_random_states(saved: list, device: torch.device) -> None:
+def restore_random_states(saved: list, device: torch.device, state: dict) -> None:
+    """Each rank's generators (and its entries' own random states: random_state.capture) as that rank saved them; a
+    rank the checkpoint did not have gets streams derived from a saved one, its entries rank 0's (in their state)."""
     rank = world.group_rank()
     if rank < len(saved):
         random_state.restore(saved[rank], device)
+        random_state.restore_entries(saved[rank], state)
     else:  # more ranks than were saved: a stream of its own, derived from a saved one
         random_state.reseed_derived(saved[rank % len(saved)], rank, device)
     if rank == 0 and len(saved) != world.group_size():

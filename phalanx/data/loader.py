@@ -293,6 +293,18 @@ class DataLoader(torch.utils.data.DataLoader):
             state["seed_state"] = position["seed_state"]
         return state
 
+    def rank_random_state(self) -> dict:
+        """This rank's own part of the position (the Checkpointer saves it with each rank's random states): the
+        generator state its pass began with, which a resumed pass draws its workers' seeds from. Each rank has its
+        own (its own stream); state_dict() holds the one of the rank that saves it."""
+        seed_state = self.state_dict().get("seed_state")
+        return {} if seed_state is None else {"seed_state": seed_state}
+
+    def load_rank_random_state(self, states: dict) -> None:
+        """After load_state_dict(): this rank's own part of the position, as rank_random_state() gave it."""
+        if "seed_state" in states:
+            self._position["seed_state"] = states["seed_state"]
+
     def load_state_dict(self, state: dict) -> None:
         """Restore a position: the next pass over `state['epoch']` starts at the batch after the saved one."""
         sampler = self._require_sampler("load_state_dict")

@@ -31,12 +31,13 @@ def main():
     args.run_dir.mkdir(parents=True, exist_ok=True)
     px.init()
     at = tuple(int(part) for part in args.at.split(":"))
-    (args.run_dir / f"host-{px.rank()}").write_text(args.host)
-    result = train(px.rank(), str(args.run_dir), args.doomed, at, args.moment, args.pause, args.shard,
+    rank = px.world.launch_rank()  # the files are named by it: px.rank() is renumbered after a loss
+    (args.run_dir / f"host-{rank}").write_text(args.host)
+    result = train(rank, str(args.run_dir), args.doomed, at, args.moment, args.pause, args.shard,
                    hidden=args.hidden)
     number, members = result["generation"]
     torch.save({"pid": list(result["pid"]), "generation": [number, list(members)], "main": result["main"],
-                "params": result["params"]}, args.run_dir / f"result-{px.rank()}.pt")
+                "params": result["params"]}, args.run_dir / f"result-{rank}.pt")
     px.shutdown()
 
 
