@@ -22,6 +22,7 @@ from .errors import (
     CheckpointWriteError,
     CollectiveMismatchError,
     DataConfigError,
+    DuplicateNodeRankError,
     MasterUnreachableError,
     MembershipError,
     NoTrainableParametersError,

@@ -45,7 +45,22 @@ class StoreLostError(MasterUnreachableError):
 
 
 class RendezvousTimeoutError(PhalanxError, TimeoutError):
-    """An elastic rendezvous did not gather --nnodes MIN nodes within --rdzv-timeout."""
+    """The nodes did not meet within --rdzv-timeout: fewer than --nnodes MIN (elastic), or some of the fixed
+    --nnodes N missing (`missing_ranks`: their node ranks)."""
+
+    def __init__(self, message: str, missing_ranks=()):
+        super().__init__(message)
+        self.missing_ranks = sorted(missing_ranks)
+
+
+class DuplicateNodeRankError(WorldConfigError):
+    """Two launchers of a fixed --nnodes N run hold the same --node-rank (both left it at its default 0, say).
+    `launchers`: the two, as 'host (address, pid N)'."""
+
+    def __init__(self, message: str, node_rank: int = -1, launchers=()):
+        super().__init__(message)
+        self.node_rank = node_rank
+        self.launchers = list(launchers)
 
 
 class RunEndedError(PhalanxError):

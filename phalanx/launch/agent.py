@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from ..diagnose import progress
 from ..diagnose.recorder import pid_alive
 from ..errors import RendezvousTimeoutError, RunEndedError, StoreLostError, explain
-from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
+from ..world.meeting.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
 from ..world.stop import STOP_EXIT_CODE
 from .diagnosis import RunDiagnosis
 from .failures import describe_failure, root_cause, sweep_process_groups

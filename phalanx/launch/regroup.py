@@ -1,7 +1,7 @@
 """Membership changes under `--nnodes MIN:MAX`: a node lost, a node joining, and what the user is told; and
 under `--min-world-size` a rank lost while the others go on in-process (KeptSurvivors).
 
-A node is lost when it misses its heartbeats (world/membership.py): the survivors stop their workers and
+A node is lost when it misses its heartbeats (world/meeting/membership.py): the survivors stop their workers and
 meet again at the smaller world; the workers resume from the newest checkpoint. A node waiting to join
 makes every node ask its workers for the agreed stop (the one a SIGTERM asks for: they agree on a step,
 save, exit 75), then the group meets again at the larger world: nothing is redone. Neither counts against
@@ -18,7 +18,7 @@ import time
 
 from ..diagnose.recorder import pid_alive
 from ..world.joining import JOIN_ENV
-from ..world.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES, ElasticRendezvous
+from ..world.meeting.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES, ElasticRendezvous
 from .failures import signal_name
 
 POLL = 0.5  # seconds between looks at the rendezvous state (lost nodes, waiting ones: a node joins within it)

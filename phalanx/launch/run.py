@@ -31,9 +31,10 @@ from ..errors import PhalanxError, RunEndedError, explain
 from ..world.generation import MEMBERSHIP_MARGIN, MEMBERSHIP_TIMEOUT_ENV, MIN_WORLD_ENV, membership_timeout
 from ..world.group import usable_cores
 from ..world.interface import set_for_world
-from ..world.membership import ElasticRendezvous
-from ..world.rendezvous import LOOPBACK, StaticRendezvous
-from ..world.slurm import launcher_nodes
+from ..world.meeting.membership import ElasticRendezvous
+from ..world.meeting.rendezvous import StaticRendezvous
+from ..world.meeting.slurm import launcher_nodes
+from ..world.meeting.store import LOOPBACK
 from ..world.stop import STOP_EXIT_CODE
 from . import live_status
 from .agent import Agent
@@ -349,7 +350,9 @@ def run(argv: list[str] | None = None, server: WorkerServer | None = None) -> in
         if agent is not None:
             sweep_process_groups(agent.group_pids)
             agent.stop_log_tailers()
-        if handler is not None:
+        if isinstance(handler, ElasticRendezvous) and not summary.now.attempts:
+            handler.leave()  # stopped or failed while it waited: closing the rendezvous would end the others' run
+        elif handler is not None:
             handler.shutdown()
         if server is not None:
             server.close()

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..allocator import CHOSEN_BY_LAUNCHER, worker_preload
 from ..errors import RankFailedError, RanksTimedOutError, explain
 from ..world.generation import MIN_WORLD_ENV
-from ..world.rendezvous import LOOPBACK, host_store
+from ..world.meeting.store import LOOPBACK, host_store
 from .failures import signal_name
 
 _GRACE_SECONDS = 3.0

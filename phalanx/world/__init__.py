@@ -1,6 +1,7 @@
-"""Joining the world: the environment read (discovery; slurm.py for `phalanx run` under srun), the
-rendezvous store, the network interface between hosts (interface.py), the process group, and the stop
-requests that reach the process (stop.py).
+"""Joining the world: the environment read (discovery), where processes first meet (meeting/: the rendezvous store,
+the launchers' meetings, an srun step's nodes), the network interface between hosts (interface.py), the process
+group, the generations of live recovery, the step the run is at (step_count.py), and the stop requests that reach
+the process (stop.py).
 
 `group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports.
 

@@ -25,7 +25,7 @@ from ..diagnose.watchdog import Watchdog
 from ..errors import PeerDiedError, RanksTimedOutError, WorldConfigError, explain
 from . import interface, joining, step_count, stop
 from .discovery import WorldSpec, discover
-from .rendezvous import host_store, join_store
+from .meeting.store import host_store, join_store
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)  # collectives: long enough for a slow first step
 DEFAULT_CONNECT_TIMEOUT = timedelta(seconds=120)  # rendezvous: a missing master is reported after this

@@ -18,8 +18,8 @@ import time
 from ..diagnose.stacks import stat_fields
 from . import group as world
 from .interface import address_toward
-from .membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
-from .rendezvous import LOOPBACK
+from .meeting.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
+from .meeting.store import LOOPBACK
 
 PROBE_EVERY = 0.1  # seconds between probes of one peer on another host
 PROBE_TIMEOUT = 0.1  # seconds a probe waits for a connection (silence counts only after SILENT_WINDOW)

@@ -26,7 +26,7 @@ import torch
 from phalanx.diagnose.stacks import descendants
 from phalanx.errors import RunEndedError, StoreLostError
 from phalanx.testing import free_port
-from phalanx.world.membership import ElasticRendezvous
+from phalanx.world.meeting.membership import ElasticRendezvous
 from tests.conftest import ROOT, run_temp_dir, with_warm_launcher
 from tests.e2e.test_launch import fresh_env, two_hosts  # noqa: F401 - two_hosts is a fixture
 
@@ -288,7 +288,7 @@ def test_a_node_waiting_to_join_when_the_run_ends_learns_it_ended():
     (RunEndedError: its launcher exits 0), not a store gone (StoreLostError: exit code 1, seen in the chaos runs)."""
     port = free_port()
     host_node = (f"import sys, time; from datetime import timedelta; "
-                 f"from phalanx.world.membership import ElasticRendezvous; "
+                 f"from phalanx.world.meeting.membership import ElasticRendezvous; "
                  f"r = ElasticRendezvous('127.0.0.1', {port}, 'ended', 1, 2, timedelta(seconds=20)); "
                  f"assert r.hosting; r.next_rendezvous(); print('in', flush=True); "
                  f"deadline = time.monotonic() + 60\n"

@@ -3,6 +3,8 @@ tells the run summary, and which nodes it waits for at the end, from the workers
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from phalanx.diagnose.progress import Progress
 from phalanx.launch.regroup import KeptSurvivors
 
@@ -203,7 +205,7 @@ def test_a_join_round_that_finds_the_run_closed_lets_this_nodes_workers_finish()
 
     from phalanx.errors import RunEndedError
     from phalanx.launch.regroup import Regroup
-    from phalanx.world.membership import ElasticRendezvous
+    from phalanx.world.meeting.membership import ElasticRendezvous
 
     class _Closed:
         def next_rendezvous(self):
@@ -211,6 +213,7 @@ def test_a_join_round_that_finds_the_run_closed_lets_this_nodes_workers_finish()
 
     handler = object.__new__(ElasticRendezvous)
     handler._inner, handler.master_addr, handler.master_port = _Closed(), "10.0.0.1", 29500
+    handler.timeout = timedelta(seconds=60)  # what __init__ sets: the round's waiting line counts down from it
     with pytest.raises(RunEndedError, match="ended before this node met the others"):
         handler.next_rendezvous()
     regroup = Regroup(_JoiningRendezvous(decided="live:round-1"), grace_period=30.0, changes=[],

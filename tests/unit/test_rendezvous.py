@@ -7,7 +7,7 @@ import pytest
 
 from phalanx.errors import MasterUnreachableError, PortInUseError
 from phalanx.testing import free_port
-from phalanx.world.rendezvous import LOOPBACK, host_or_join, host_store, join_store, owns_address
+from phalanx.world.meeting.store import LOOPBACK, host_or_join, host_store, join_store, owns_address
 
 
 def listening_addresses(port: int) -> set:

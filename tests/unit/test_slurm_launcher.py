@@ -1,12 +1,12 @@
 """`phalanx run` under srun, one task per node: the node count, node rank, master and port read from SLURM
-(world/slurm.py) where the flags are unset. One process, synthetic environments."""
+(world/meeting/slurm.py) where the flags are unset. One process, synthetic environments."""
 
 import pytest
 
 from phalanx.errors import WorldConfigError
 from phalanx.launch import run as launch
 from phalanx.world.discovery import discover
-from phalanx.world.slurm import launcher_nodes
+from phalanx.world.meeting.slurm import launcher_nodes
 
 # What srun sets in the task of node 1 of a 2-node step with one task per node (seen on a real cluster).
 STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",

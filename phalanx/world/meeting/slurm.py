@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..errors import WorldConfigError, explain
-from .discovery import job_port, parse_nodelist, parse_tasks_per_node
+from ...errors import WorldConfigError, explain
+from ..discovery import job_port, parse_nodelist, parse_tasks_per_node
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The node that owns the master address hosts the store (it can bind it; host name
 others dial it; torch's DynamicRendezvousHandler keeps the rounds on it (C10dRendezvousBackend). Each
 launcher sends a heartbeat every KEEP_ALIVE_INTERVAL; a node silent for KEEP_ALIVE_MISSES of them is lost,
 and a round with MIN nodes closes LAST_CALL after the MIN-th arrived (at once with MAX). torch's errors
-(a C++ trace for a lost store) come out as typed ones.
+(a C++ trace for a lost store) come out as typed ones. A node waiting for a round says so every PROGRESS_EVERY
+seconds (waiting.py); one that leaves before its workers ran leaves the rendezvous open for the others.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
@@ -26,14 +28,16 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousSettings,
     RendezvousTimeout,
+    _Action,
     _BackendRendezvousStateHolder,
 )
 
-from ..errors import RendezvousTimeoutError as PhalanxRendezvousTimeout
-from ..errors import RunEndedError, StoreLostError, explain
-from . import joining
-from .interface import address_toward
-from .rendezvous import host_or_join, join_store
+from ...errors import RendezvousTimeoutError as PhalanxRendezvousTimeout
+from ...errors import RunEndedError, StoreLostError, explain
+from .. import joining
+from ..interface import address_toward
+from .store import host_or_join, join_store
+from .waiting import Ticker, elastic_line, say, store_line
 
 # Measured on 2 namespaces: a lost node is named ~4 s after its death, the smaller round closes 2 s later.
 KEEP_ALIVE_INTERVAL = 1  # seconds between a launcher's heartbeats (torch: 5)
@@ -45,6 +49,7 @@ STATE_TIMEOUT = timedelta(seconds=10)  # a read of the rounds' state that takes 
 CLOSED_NOTICE = 2.5
 PROBE_TIMEOUT = 3.0  # seconds for the store's host to answer a TCP connect
 SYNC_POLL = 0.1  # seconds between a waiting launcher's reads of the rounds' state (torch: 1)
+LEAVE_TIMEOUT = 1.0  # seconds a launcher that leaves tries to take itself off the round; then its heartbeats expire
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,10 @@ class Node:
 
 
 class _Handler(DynamicRendezvousHandler):
-    """torch's handler, minus its second TCPStore server: the workers use the store phalanx placed."""
+    """torch's handler, minus its second TCPStore server: the workers use the store phalanx placed.
+    `on_pause(state)`: called at each pause of a wait for the round, with the state last read."""
+
+    on_pause = None
 
     def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
         return self._store
@@ -71,11 +79,36 @@ class _Handler(DynamicRendezvousHandler):
         self._bootstrap_store_info = None
         # torch's rounds read their state once a second while they wait for one another (each change of the round
         # costs a few reads): SYNC_POLL apart instead, so that a node joins the workers in progress within a second.
-        delay, dynamic_rendezvous._delay = dynamic_rendezvous._delay, _sync_pause
+        delay, dynamic_rendezvous._delay = dynamic_rendezvous._delay, self._pause
         try:
             return super().next_rendezvous()
         finally:
             dynamic_rendezvous._delay = delay
+
+    def _pause(self, seconds) -> None:
+        _sync_pause(seconds)  # in Python: a stop request's handler runs here (launch/stop.py)
+        if self.on_pause is not None:
+            self.on_pause(self._state_holder.state)
+
+    def leave(self) -> None:
+        """Off the wait list, and off a round not yet complete, without closing the rendezvous."""
+        self._stop_heartbeats()
+        with self._heartbeat_lock:
+            self._op_executor.run(_LeaveOp(), time.monotonic() + LEAVE_TIMEOUT)
+
+
+class _LeaveOp:
+    """torch's exit operation for a node that goes before its workers ran: the round it waits in must not
+    count it, a round complete without it is left alone. Past the deadline it goes anyway (its heartbeats stop)."""
+
+    def __call__(self, ctx, deadline: float) -> _Action:
+        if time.monotonic() > deadline:
+            return _Action.FINISH
+        if ctx.node in ctx.state.wait_list:
+            return _Action.REMOVE_FROM_WAIT_LIST
+        if ctx.node in ctx.state.participants and not ctx.state.complete:
+            return _Action.REMOVE_FROM_PARTICIPANTS
+        return _Action.FINISH
 
 
 def _sync_pause(seconds) -> None:
@@ -94,8 +127,10 @@ class ElasticRendezvous(RendezvousHandler):
     def __init__(self, master_addr: str, master_port: int, run_id: str, min_nodes: int, max_nodes: int,
                  timeout: timedelta):
         self.master_addr, self.run_id, self.timeout = master_addr, run_id, timeout
-        self.store, self.hosting = host_or_join(master_addr, master_port, timeout=timeout,
-                                                timeout_setting="--rdzv-timeout")
+        self.store, self.hosting = host_or_join(
+            master_addr, master_port, timeout=timeout, timeout_setting="--rdzv-timeout",
+            waiting_line=lambda left: store_line("the node that owns --master-addr", f"{master_addr}:{master_port}",
+                                                 f"--nnodes {min_nodes}:{max_nodes}", left, timeout.total_seconds()))
         self.master_port = self.store.port
         self.round = -1
         self.store_lost = False
@@ -121,12 +156,16 @@ class ElasticRendezvous(RendezvousHandler):
         except Exception as exc:
             raise self._lost(exc) from None
         self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self._ticker = Ticker(timeout.total_seconds())
+        self._inner.on_pause = self._say_waiting
 
     @property
     def where(self) -> str:
         return f"{self.master_addr}:{self.master_port}"
 
-    def _lost(self, exc: BaseException) -> StoreLostError:
+    def _lost(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, SignalException):  # a stop request raised inside torch's wait (launch/stop.py): as is
+            return exc
         self.store_lost = True
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         return StoreLostError(explain(
@@ -148,6 +187,7 @@ class ElasticRendezvous(RendezvousHandler):
         return True  # the workers dial the store at MASTER_ADDR:MASTER_PORT
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._ticker = Ticker(self.timeout.total_seconds())
         try:
             info = self._inner.next_rendezvous()
         except RendezvousClosedError:
@@ -181,11 +221,29 @@ class ElasticRendezvous(RendezvousHandler):
         except Exception as exc:
             raise self._lost(exc) from None
 
+    def _say_waiting(self, state) -> None:
+        """Every PROGRESS_EVERY seconds of a wait for a round: the nodes in it and waiting, the time left."""
+        if not self._ticker.due():
+            return
+        joining = state.complete and self._inner._this_node not in state.participants
+        say(elastic_line(state.round, len(state.participants), len(state.wait_list), joining, self.min_nodes,
+                         self.max_nodes, self.where, self._ticker.left(), self.timeout.total_seconds()))
+
     def num_nodes_waiting(self) -> int:
         return 0  # to torch's agent; phalanx's asks waiting()
 
     def get_run_id(self) -> str:
         return self.run_id
+
+    def leave(self) -> None:
+        """Go without closing the rendezvous (shutdown() closes it, which ends the run of every node): for a node
+        whose workers never ran, stopped or failed while it waited, the others' run is not its to end."""
+        if self.store_lost:
+            return
+        try:
+            self._inner.leave()
+        except Exception:  # the store's host is gone, or slow: this node's heartbeats stop all the same
+            pass
 
     def shutdown(self) -> bool:
         if self.store_lost:  # nothing to close (the heartbeat thread, a daemon, may be stuck in a read: left alone)

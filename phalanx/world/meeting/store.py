@@ -2,7 +2,8 @@
 
 torch's TCPStore server listens on every interface of the host. phalanx binds the listening socket
 itself, on the one address the ranks will dial (127.0.0.1 for a single host), and hands it to the
-store; binding port 0 lets the kernel pick a free port, so there is no race for it.
+store; binding port 0 lets the kernel pick a free port, so there is no race for it. A node that waits for
+another's store waits in Python, where a stop request is heard, and says so.
 """
 
 from __future__ import annotations
@@ -10,13 +11,13 @@ from __future__ import annotations
 import errno
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
-from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
-from ..errors import MasterUnreachableError, PortInUseError, explain
+from ...errors import MasterUnreachableError, PortInUseError, explain
+from .waiting import Ticker, say
 
 LOOPBACK = "127.0.0.1"
 
@@ -63,13 +64,16 @@ def host_store(addr: str, port: int, world_size: int, *, rank: int | None = 0, t
 
 
 def join_store(addr: str, port: int, world_size: int, *, rank: int | None, connect_timeout: timedelta,
-               timeout=timedelta(minutes=10), timeout_setting: str = "the connect timeout") -> dist.TCPStore:
+               timeout=timedelta(minutes=10), timeout_setting: str = "the connect timeout",
+               waiting_line: Callable[[float], str] | None = None) -> dist.TCPStore:
     """Connect to the TCPStore at addr:port; MasterUnreachableError after `connect_timeout`.
 
     The port is dialled from Python until it answers, and only then handed to torch's client: torch's C++
-    client logs every failed try and, when it gives up, its own C++ stack trace."""
+    client logs every failed try and, when it gives up, its own C++ stack trace. `waiting_line(seconds left)`:
+    what a launcher says every PROGRESS_EVERY seconds while nobody answers."""
     where = f"{addr}:{port}"
-    deadline = time.monotonic() + connect_timeout.total_seconds()
+    ticker = Ticker(connect_timeout.total_seconds())
+    deadline = ticker.deadline
     while True:
         try:
             with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
@@ -82,6 +86,8 @@ def join_store(addr: str, port: int, world_size: int, *, rank: int | None, conne
                     expected=f"rank 0 (or node 0's `phalanx run`) listening on {where}",
                     fix="Check the master address and port, that rank 0 / node 0 started, and that the port is open "
                         f"between the hosts ({timeout_setting} sets how long to wait).")) from None
+            if waiting_line is not None and ticker.due():
+                say(waiting_line(ticker.left()))
             time.sleep(max(0.0, min(0.2, deadline - time.monotonic())))
     try:
         store = dist.TCPStore(addr, port, world_size, is_master=False,
@@ -112,7 +118,8 @@ def owns_address(addr: str) -> bool:
     return False
 
 
-def host_or_join(addr: str, port: int, *, timeout: timedelta, timeout_setting: str) -> tuple[dist.TCPStore, bool]:
+def host_or_join(addr: str, port: int, *, timeout: timedelta, timeout_setting: str,
+                 waiting_line: Callable[[float], str] | None = None) -> tuple[dist.TCPStore, bool]:
     """(store, hosting): the node that owns `addr` hosts the store on `port` (every interface), any other dials
     it and waits up to `timeout` for it (MasterUnreachableError then). Decided by the address, not the host name:
     in containers and network namespaces the host name says nothing about which node is the master."""
@@ -124,49 +131,4 @@ def host_or_join(addr: str, port: int, *, timeout: timedelta, timeout_setting: s
                 raise
             # Several nodes on one machine, all on loopback: the first hosts, the others dial it.
     return join_store(addr, port, 1, rank=None, connect_timeout=timeout, timeout=timeout,
-                      timeout_setting=timeout_setting), False
-
-
-class StaticRendezvous(RendezvousHandler):
-    """A fixed set of nodes (`--nnodes N`, node ranks given): node 0 hosts the store, the others dial it.
-
-    Unlike torch's static handler, the store is created up front, so a busy port or an unreachable
-    master is reported before any worker starts, and a single-node store listens on loopback only.
-    """
-
-    def __init__(self, master_addr: str, master_port: int, node_rank: int, nnodes: int, run_id: str,
-                 timeout: timedelta):
-        self.master_addr, self.node_rank, self.nnodes, self.run_id = master_addr, node_rank, nnodes, run_id
-        if node_rank == 0:
-            self.store = host_store(master_addr, master_port, nnodes, rank=None, timeout=timeout,
-                                    all_interfaces=nnodes > 1)
-        else:
-            self.store = join_store(master_addr, master_port, nnodes, rank=None, connect_timeout=timeout,
-                                    timeout=timeout, timeout_setting="--rdzv-timeout")
-        self.master_port = self.store.port
-
-    def get_backend(self) -> str:
-        return "phalanx-static"
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True  # workers reuse this store: they find it at MASTER_ADDR:MASTER_PORT
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        return RendezvousInfo(dist.PrefixStore(self.run_id, self.store), self.node_rank, self.nnodes,
-                              RendezvousStoreInfo(self.master_addr, self.master_port))
-
-    def is_closed(self) -> bool:
-        return False
-
-    def set_closed(self) -> None:
-        pass
-
-    def num_nodes_waiting(self) -> int:
-        return 0  # a static world never grows
-
-    def get_run_id(self) -> str:
-        return self.run_id
-
-    def shutdown(self) -> bool:
-        return True
+                      timeout_setting=timeout_setting, waiting_line=waiting_line), False
