@@ -98,6 +98,7 @@ def test_a_loss_a_join_a_stop_and_a_resume_keep_one_world_view(tmp_path, three_h
         kill_node(launchers[2])
         wait_until(lambda: _steps_applied(tmp_path, 0, world_size=2) >= 3, "3 steps of the 2 hosts left",
                    launchers[:2])
+        (tmp_path / "expect-joiner").touch()  # the ranks left wait for it: the run must not end before it is in
         launchers[2] = _launch(tmp_path, three_hosts, 2, port)  # host 2 comes back: its worker joins in-process
         wait_until(lambda: _joiner_steps(tmp_path) >= 3, "the joiner's third step", launchers)
         launchers[0].send_signal(signal.SIGTERM)

@@ -10,6 +10,7 @@ Each process writes, in RUN_DIR, files named by its pid (a resumed run's ranks r
 - saved-<pid>.jsonl: per step, [step, px.rank(), the fingerprint of its state as a save at that step takes it];
 - restored-<pid>.json: [step, px.rank(), the fingerprint of its state right after checkpointer.restore()];
 - result-<pid>.pt (weights_only): its final parameters, when it finishes.
+Once RUN_DIR/expect-joiner exists, the ranks of a world smaller than the first wait for a joiner before each step.
 """
 
 import argparse
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.world import joining
+from phalanx.world import group, joining
 from tests.helpers.global_batch_cases import GLOBAL_BATCH, MICRO_BATCH, SEED, Indexed, make_model, make_optimizer
 
 HIDDEN = 64  # wide enough that every rank owns elements of the model at shard="optimizer"
@@ -55,12 +56,24 @@ def state_fingerprint(model, optimizer, loader) -> dict:
             "loader": fingerprint(loader.state_dict()), "random stream": fingerprint(torch.get_rng_state())}
 
 
+def wait_for_a_joiner(world_size: int) -> None:
+    """Until a rank is ready to join or in (up to 120 s; a joiner's rank is one the first world of `world_size` never
+    used): the test brings a lost host back, and the run must not end before its worker is taken in, however slow
+    this machine is today."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if joining.waiting(px.world.store()) or any(rank >= world_size for rank in group.live_members()):
+            return
+        time.sleep(0.05)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--host", type=int, required=True)
     parser.add_argument("--pause", type=float, default=0.2, help="seconds of sleep per step")
     parser.add_argument("--epochs", type=int, default=16)
+    parser.add_argument("--hosts", type=int, default=3, help="the run's world: the hosts it starts with, one rank each")
     args = parser.parse_args()
     px.init()
     pid, launched = os.getpid(), px.world.launch_rank()
@@ -84,6 +97,8 @@ def main():
     for epoch in range(loader.state_dict()["epoch"], args.epochs):
         loader.set_epoch(epoch)
         for step in loader:
+            if px.world_size() < args.hosts and (args.run_dir / "expect-joiner").exists():
+                wait_for_a_joiner(args.hosts)
             time.sleep(args.pause)
             optimizer.zero_grad()
             ids, attempt = [], 0
