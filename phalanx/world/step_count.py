@@ -21,7 +21,9 @@ class Follower(Protocol):
         """A checkpoint is taken now, at the same step on every rank that trains."""
 
 
-_restored: int | None = None  # the step the last restore of this process brought it to
+# (the step the last restore of this process brought it to, the Checkpointer that restored it): the step holds while
+# that Checkpointer lives (a process that starts another run, with no shutdown between, was not restored).
+_restored: tuple[int, weakref.ref] | None = None
 _followers: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -31,16 +33,19 @@ def follow(follower: Follower) -> None:
 
 
 def restored() -> int | None:
-    """The step the last restore of this process brought it to, or None (no checkpoint restored yet)."""
-    return _restored
+    """The step the last restore of this process brought it to, while the Checkpointer that restored it lives; else
+    None (no checkpoint restored yet)."""
+    if _restored is None or _restored[1]() is None:
+        return None
+    return _restored[0]
 
 
-def say_restored(step: int) -> None:
-    """The Checkpointer's: the state of step `step` was restored (or handed to a joiner)."""
+def say_restored(step: int, by) -> None:
+    """Checkpointer `by`'s: the state of step `step` was restored (or handed to a joiner)."""
     global _restored
-    _restored = int(step)
+    _restored = (int(step), weakref.ref(by))
     for follower in list(_followers):
-        follower.follow_restore(_restored)
+        follower.follow_restore(int(step))
 
 
 def say_saving() -> None:

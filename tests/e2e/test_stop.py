@@ -86,12 +86,17 @@ def check_stopped(code: int, output: str, run_dir: Path, ended: float, moment: s
 
 def check_step_log(run_dir: Path, stops=()) -> None:
     """The StepLog's steps.jsonl and TensorBoard files hold exactly one record per logged step: every 2nd step,
-    and the shorter windows written at the agreed stops; TensorBoard (its purges applied) shows the same steps."""
+    and the shorter windows ended at each save (every 3rd step: a resume starts where a record ended) and written at
+    the agreed stops; every step is in exactly one record; TensorBoard (its purges applied) shows the same steps."""
     records = read_records(run_dir / "log" / "steps.jsonl")
     steps = [r["step"] for r in records]
     assert steps == sorted(set(steps)), f"a step logged twice or out of order: {steps}"
     assert set(range(2, 81, 2)) <= set(steps), f"logged steps missing: {sorted(set(range(2, 81, 2)) - set(steps))}"
-    assert set(steps) - set(range(2, 81, 2)) <= set(stops), f"records off the cadence: {steps}, stops {stops}"
+    cadence = set(range(2, 81, 2)) | set(range(3, 81, 3))
+    assert set(steps) - cadence <= set(stops), f"records off the cadence: {steps}, stops {stops}"
+    covered = [step for r in records for step in range(r["step"] - r["steps"] + 1, r["step"] + 1)]
+    windows = [(r["step"], r["steps"]) for r in records]
+    assert covered == list(range(1, 81)), f"steps not in exactly one record: {windows}"
     assert all(r["samples"] == 8 * r["steps"] and r["loss"] is not None for r in records)
     try:
         from phalanx.observe.tb_events import read_scalars

@@ -18,6 +18,16 @@ def _no_child_processes(monkeypatch):
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
+@pytest.fixture(autouse=True)
+def _no_restore_carried_over():
+    """Each test is a process of its own as far as a restored step goes (world/step_count.py: px.shutdown() forgets it,
+    and the tests of one worker share a process that never shuts down)."""
+    yield
+    from phalanx.world import step_count
+
+    step_count.forget()
+
+
 @pytest.fixture
 def world_of_one():
     """A Gloo process group of one rank in this process (an in-process store), destroyed afterwards."""

@@ -262,11 +262,6 @@ def covered_steps(directory) -> list[int]:
 class TestFollowsTheCheckpointer:
     """A StepLog that is not in the checkpoint's state follows Checkpointer.restore() and its saves (world of one)."""
 
-    @pytest.fixture(autouse=True)
-    def _a_process_of_its_own(self):
-        yield
-        step_count.forget()  # what px.shutdown() does: the next test's logs were not restored
-
     @staticmethod
     def run(directory, steps, *, log_every=10, save_every=50, stop=False, log_after_restore=False):
         """Train until `steps` steps are done, resuming from the newest checkpoint; `stop`: save and close at the
