@@ -166,6 +166,32 @@ class UnevenInputsError(PhalanxError):
         self.missing_ranks = sorted(missing_ranks)
 
 
+class ReplicaMismatchError(PhalanxError):
+    """The replica audit found ranks holding different parameters or optimizer state, and could not heal them
+    (2 ranks, no majority, or audit="raise"). `ranks`: those that differ; `sides`: the groups of ranks that
+    agree; `entry`: what differs first; `step`: the audit's step; `agreed_at`: the last step all agreed."""
+
+    def __init__(self, message: str, ranks=(), sides=(), entry: str = "", step: int = -1, agreed_at: int = -1):
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.sides = [list(side) for side in sides]
+        self.entry = entry
+        self.step = step
+        self.agreed_at = agreed_at
+
+
+class NonFiniteGradientError(PhalanxError, FloatingPointError):
+    """A rank's own gradient held a NaN or an Inf before the exchange: no rank applied that step. `ranks`: the
+    ranks that saw one; `step`, `micro_batch`; `parameter`: the first parameter holding one (None if unknown)."""
+
+    def __init__(self, message: str, ranks=(), step: int = -1, micro_batch: int = 0, parameter: str | None = None):
+        super().__init__(message)
+        self.ranks = sorted(ranks)
+        self.step = step
+        self.micro_batch = micro_batch
+        self.parameter = parameter
+
+
 class BenchConfigError(PhalanxError, ValueError):
     """`phalanx bench` was asked for something this machine or install cannot run."""
 

@@ -28,6 +28,7 @@ from ..world import generation, joining, step_count, stop
 from ..world import group as world
 from . import atomic_files, background, handover, random_state, restoring, shard_files, spreading
 from .agreement import StopAgreement
+from .audit_trail import AuditTrail
 from .background import BackgroundSaves, commit, report, staging
 from .entries import check_plain, kind_of, unwrap
 
@@ -86,6 +87,7 @@ class Checkpointer:
         self._last_save = (None, 0.0)  # (path, seconds) of the newest save
         self.async_save = bool(async_save)
         self._background = BackgroundSaves(self.directory) if self.async_save else None
+        self._trail = AuditTrail(self)  # the saves the replica audit vouches for, or sets aside
         progress.checkpointer(str(self.directory))
         if every is not None:  # the loop will call step(): a stop request can wait for it
             stop.listen()
@@ -105,6 +107,7 @@ class Checkpointer:
         path = None
         try:
             path = self._save_background(state) if self.async_save else self._save(state)
+            self._trail.saved(atomic_files.sequence_of(path.name))
             return path
         finally:
             recorder.phase(previous)
@@ -199,7 +202,7 @@ class Checkpointer:
             main = {"format": FORMAT, "sequence": sequence, "world_size": size, "entries": entries,
                     "random_states": states, "parts": [], "steps": self.steps}
         job = {"directory": str(self.directory), "sequence": sequence, "rank": rank, "world_size": size,
-               "keep": self.keep, "timeout": self._limit(), "parts": bool(part)}
+               "keep": self.keep, "timeout": self._limit(), "parts": bool(part), "protect": self._trail.trusted}
         self._background.submit(job, part or None, main)
         return self.directory / atomic_files.CHECKPOINT_NAME.format(sequence)
 
@@ -269,7 +272,7 @@ class Checkpointer:
             entries[name] = {"kind": kinds[name], "state": saved, "sharded": name in split}
         payload = {"format": FORMAT, "sequence": sequence, "world_size": world.group_size(),
                    "entries": entries, "random_states": states, "parts": parts or [], "steps": self.steps}
-        path, size = commit(self.directory, payload, self.keep)
+        path, size = commit(self.directory, payload, self.keep, self._trail.trusted)
         logger.info("saved checkpoint %s (%.1f MB in %.2fs)", path, size / 1e6, time.monotonic() - started)
         return path
 
@@ -403,6 +406,7 @@ class Checkpointer:
         restoring.restore_random_states(payload["random_states"], device, state)
         self.saved_world_size = payload["world_size"]
         self.steps = int(payload.get("steps", 0))  # files from before step() existed: counted from 0
+        self._trail.restored(atomic_files.sequence_of(path.name))
         step_count.say_restored(self.steps, self)  # every StepLog logs on from here, in the state or not
         progress.restored(self.steps, path, started, time.monotonic())
         if world.group_rank() == 0:

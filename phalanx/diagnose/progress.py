@@ -247,6 +247,13 @@ def regrouped(number: int, members, lost, seconds: float, redone: bool, joined=(
                       seconds=round(seconds, 4), redone=redone, step=int(_record.slots[P_STEP]), at=time.monotonic())
 
 
+def event(kind: str, **fields) -> None:
+    """A rare event of the training for the run summary (e.g. `replica_mismatch`, `nonfinite_skipped`: the
+    replica audit's, engine/replicas/), with the step this rank is at."""
+    if _record is not None:
+        _record.event(event=kind, at_step=int(_record.slots[P_STEP]), **fields)
+
+
 def exited() -> None:
     if _record is not None:
         slots = _record.slots

@@ -29,7 +29,7 @@ SITE_CAPACITY = 256
 (E_SEQ, E_KIND, E_BUCKET, E_NUMEL, E_DTYPE, E_STATE, E_ENTER, E_START, E_DONE, E_SITE, E_STEP) = range(11)
 
 KINDS = ("?", "bucket", "broadcast", "barrier", "checkpoint", "join", "used-map", "all-gather", "rendezvous",
-         "shadow", "host-phase", "network-phase")
+         "shadow", "host-phase", "network-phase", "replica-audit", "finite-flags")
 KIND = {name: code for code, name in enumerate(KINDS)}
 PHASES = ("startup", "init", "data", "forward", "backward", "optimizer", "checkpoint", "shutdown", "exited")
 PHASE = {name: code for code, name in enumerate(PHASES)}
@@ -166,7 +166,9 @@ _WHAT = {"bucket": "gradient exchange", "shadow": "join() shadow exchange", "use
          "join": "join() control all-reduce", "checkpoint": "checkpoint commit broadcast",
          "all-gather": "model signature all-gather", "rendezvous": "rendezvous (init_process_group)",
          "host-phase": "host phase (shared memory between this host's ranks) of the gradient exchange",
-         "network-phase": "network phase (Gloo between hosts) of the gradient exchange"}
+         "network-phase": "network phase (Gloo between hosts) of the gradient exchange",
+         "replica-audit": "replica audit all-gather (fingerprints of the parameters and optimizer state)",
+         "finite-flags": "all-reduce of the non-finite gradient flags"}
 
 
 @dataclass

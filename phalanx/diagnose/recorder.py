@@ -37,6 +37,7 @@ JOIN, USED_MAP, ALL_GATHER, RENDEZVOUS, SHADOW = (KIND["join"], KIND["used-map"]
 DATA, FORWARD, BACKWARD, OPTIMIZER = PHASE["data"], PHASE["forward"], PHASE["backward"], PHASE["optimizer"]
 SAVING, SHUTDOWN = PHASE["checkpoint"], PHASE["shutdown"]
 HOST_PHASE, NETWORK_PHASE = KIND["host-phase"], KIND["network-phase"]  # the two levels of an exchange across hosts
+AUDIT, FINITE_FLAGS = KIND["replica-audit"], KIND["finite-flags"]  # engine/replicas/
 
 _ring: Ring | None = None
 _sites: CallSites | None = None

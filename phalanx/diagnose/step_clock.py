@@ -1,7 +1,8 @@
 """Where this process's step time went that was not its own work: waiting for peers, waiting for data.
 
 Two running totals in nanoseconds, added to by the engine's bounded waits (bucket/step_guard.py,
-the shared-memory exchange's claim) and by phalanx's loader. A reader (observe/steplog.py) takes
+the shared-memory exchange's claim) and by phalanx's loader; and a count of the optimizer steps skipped
+for a non-finite gradient (engine/replicas/nonfinite.py). A reader (observe/steplog.py) takes
 differences between two of its calls; nothing here resets. Process-wide, like the recorder: a wait
 is the process's, whichever DDP instance or loader caused it. An addition costs two clock reads.
 """
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 
 _exchange_wait_ns = 0
 _data_wait_ns = 0
+_skipped_steps = 0
 
 now_ns = time.perf_counter_ns
 
@@ -42,3 +44,14 @@ def waiting_for_peers():
 def totals() -> tuple[int, int]:
     """(nanoseconds waited for peers, nanoseconds waited for data) since the process started."""
     return _exchange_wait_ns, _data_wait_ns
+
+
+def add_skipped_step() -> None:
+    """Every rank skipped an optimizer step: a gradient was NaN or Inf (on_nonfinite="skip")."""
+    global _skipped_steps
+    _skipped_steps += 1
+
+
+def skipped_steps() -> int:
+    """Optimizer steps skipped for a non-finite gradient since the process started."""
+    return _skipped_steps

@@ -44,6 +44,7 @@ from .pickling import PicklingMixin
 from .reducer import Reducer, unused_parameters_error
 from .regroup import RegroupMixin
 from .replicas import broadcast_coalesced, check_same_signature, shared_states, synced_buffers, trained
+from .replicas.audit import ReplicaAudit, check_settings
 from .state_dict import StateDictMixin
 from .torch_surface import TorchSurfaceMixin, check_device_ids, check_ready_to_wrap, ignored_names, move_to
 
@@ -84,10 +85,14 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False, *, shard: str = "none", **unsupported):
+                 static_graph: bool = False, *, shard: str = "none", audit_every: int | None = None,
+                 audit: str = "heal", on_nonfinite: str = "raise", **unsupported):
         super().__init__()
         Joinable.__init__(self)
         check_ready_to_wrap(unsupported)
+        audit_every = check_settings(audit_every, audit, on_nonfinite, dist.get_rank())
+        self._audit_settings = (audit_every, audit, on_nonfinite)  # the replica audit (replicas/audit.py)
+        self._audit = None
         self.module = module
         self._on_the_world = process_group is None or process_group == dist.group.WORLD  # followed: regroup.py
         self.process_group = process_group if process_group is not None else (live_group() or dist.group.WORLD)
@@ -155,6 +160,9 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
                                 as_view=self.gradient_as_bucket_view or self.shard == OPTIMIZER, guard=self._guard,
                                 control_device=self._control_device, sparse=sparse_indices(self.module, named))
         self._named_params = named
+        if self._audit is None:
+            self._audit = ReplicaAudit(self, *self._audit_settings)
+        self._reducer.set_check(self._audit.check)
         if self.shard != "none" and self._reducer.exchange.defers_gathers:
             self._gather_waits = install_gather_waits(self.module, self._reducer.exchange)
         # The parameters' hooks keep the reducer alive; drop them when this wrapper goes away, so
@@ -174,6 +182,8 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
             names, reducer.unready_error = reducer.unready_error, None
             raise unused_parameters_error(names, self._guard.step)
         will_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if torch.is_grad_enabled():
+            self._audit.forward(will_sync)  # counts the steps and the micro-batches
         if will_sync:
             recorder.next_step()  # the heartbeat's step count: synchronized forwards
         else:
@@ -254,6 +264,10 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         check_comm_hook(hook, self._comm_hook is not None)
         if self._reducer is None:
             self._ensure_engine()
+        if getattr(hook, "__name__", "") == "post_localSGD_hook" and self._audit.every:
+            # torch's local SGD: replicas differ between the periodic averagings, by design
+            logger.info("post_localSGD_hook: the replica audit is off for this model (replicas differ by design)")
+            self._audit.every = 0
         self._comm_hook = (state, hook)
         self._reducer.set_exchange(choose_exchange(self.process_group, self._guard, self._reducer.params, owner=self,
                                                    comm_hook=(state, hook)))
@@ -273,8 +287,10 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         if self._reducer is None:
             self._ensure_engine()
         named = self._named_params
-        return ShardedOptimizer(optimizer, self._reducer.exchange, [p for _, p in named], [n for n, _ in named],
-                                overlap_forward, live=self._live_sharding())
+        sharded = ShardedOptimizer(optimizer, self._reducer.exchange, [p for _, p in named], [n for n, _ in named],
+                                   overlap_forward, live=self._live_sharding())
+        self._audit.sharded(sharded, [n for n, _ in named])
+        return sharded
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:

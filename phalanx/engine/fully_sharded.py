@@ -33,6 +33,7 @@ from ..sharding.param_retarget import retarget
 from ..sharding.stray_optimizers import forbid
 from ..world import generation
 from .ddp import DistributedDataParallel
+from .replicas.audit import check_settings
 from .torch_surface import check_device_ids, check_ready_to_wrap, move_to
 
 PARAMETERS = "parameters"
@@ -71,10 +72,15 @@ class ParameterShardedDDP(DistributedDataParallel, level=PARAMETERS):
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, shard: str = PARAMETERS, shard_blocks=None,
-                 reshard_after_forward: bool = True, init=None, **unsupported):
+                 reshard_after_forward: bool = True, init=None, audit_every: int | None = None, audit: str = "heal",
+                 on_nonfinite: str = "raise", **unsupported):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
         check_ready_to_wrap(unsupported)
+        # No replica to audit: each rank holds its own shard of everything (docs/audit.md); FSDP2's backward
+        # is torch's, so the non-finite check has no bucket to read either.
+        check_settings(audit_every, audit, on_nonfinite, dist.get_rank())
+        self._audit = None
         if gradient_as_bucket_view:
             raise unsupported_with_sharding("gradient_as_bucket_view", shard, "FSDP2 keeps gradient shards of its "
                                             "own: drop gradient_as_bucket_view.")

@@ -67,15 +67,18 @@ class DDPJoinHook(JoinHook):
             ddp._reducer.shadow_backward()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        """After join: every rank adopts the model of the (highest) last rank to finish."""
+        """After join: every rank adopts the model of the (highest) last rank to finish, and its optimizer state
+        (replicas/audit.py: the replica audit then checks that they agree)."""
         ddp = self.ddp
-        src, step = all_reduce_max(ddp, [dist.get_rank() if is_last_joiner else -1, ddp._guard.step])
+        src, step, steps = all_reduce_max(ddp, [dist.get_rank() if is_last_joiner else -1, ddp._guard.step,
+                                                ddp._audit.steps])
         broadcast_coalesced([t for _, t in shared_states(ddp.module, ddp._ignored)], src,
                             ddp.process_group, wait=ddp._guard.wait_work)
         ddp._guard.step = step
         ddp._guard.end()
         ddp._guard.enabled = True
         ddp._join_config = _JoinConfig.construct_disabled_join_config()
+        ddp._audit.after_join(src, steps)
 
 
 def all_reduce_max(ddp, values: list[int]) -> list[int]:

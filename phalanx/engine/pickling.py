@@ -27,7 +27,7 @@ class PicklingMixin:
                                           expected="the default group (process_group=None)",
                                           fix="Copy or save the inner model (`model.module`) instead."))
         state = dict(self.__dict__)
-        for name in ("process_group", "_guard", "_reducer", "_hosts", "_comm_hook"):
+        for name in ("process_group", "_guard", "_reducer", "_hosts", "_comm_hook", "_audit"):
             state.pop(name, None)
         return state
 
@@ -39,7 +39,7 @@ class PicklingMixin:
         super().__setstate__(state)
         self.process_group = _default_group()
         self._guard = self._reducer = self._hosts = None
-        self._comm_hook = None
+        self._comm_hook = self._audit = None  # a copy audits its own replicas once it trains
 
     def _ensure_engine(self) -> None:
         if self.process_group is None:

@@ -34,6 +34,7 @@ class Reducer:
                  control_device: torch.device, sparse: frozenset = frozenset()):
         self.params, self.names, self.group = params, names, group
         self.exchange = exchange
+        self.check = None  # the non-finite gradient check (replicas/nonfinite.py), when the model has one
         self.cap_bytes, self.first_cap_bytes = cap_bytes, first_cap_bytes
         self.tolerate_unused = tolerate_unused
         self.sparse = sparse  # indices of the parameters whose gradients are sparse tensors
@@ -82,6 +83,7 @@ class Reducer:
         self.exchange.settle(self.buckets)
         old, previous = self.buckets, self.exchange
         self.exchange = exchange
+        exchange.check = self.check
         self._build(plan)
         if self.as_view:
             for bucket in self.buckets:
@@ -98,6 +100,10 @@ class Reducer:
 
     def plan(self) -> list[list[int]]:
         return [list(b.indices) for b in self.buckets]
+
+    def set_check(self, check) -> None:
+        """Run `check` (a GradientCheck with `exchange()`; None: none) on every bucket as it leaves this rank."""
+        self.check = self.exchange.check = check
 
     def set_exchange(self, exchange: BucketExchange) -> None:
         """Average with `exchange` from now on (register_comm_hook): the same plan, storage of its own."""
@@ -197,6 +203,8 @@ class Reducer:
         for bucket in buckets:  # bucket by bucket, while the later ones are still in flight
             self.exchange.deliver(bucket, used)
             recorder.done(self._entries.pop(bucket.index, -1))
+        if self.check is not None:  # whether any rank saw a NaN or Inf: after the deliveries, as a comm hook
+            self.check.exchange(self.group, self.guard)  # (PowerSGD) issues collectives until its future ends
         if not self.rebuilt:
             self._rebuild()
         self._reset()
@@ -298,6 +306,8 @@ class Reducer:
             self.guard.wait(dist.all_reduce(self._used, group=self.group, async_op=True).get_future(),
                             "the shadow all-reduce of the used-parameter map")
             recorder.done(entry)
+        if self.check is not None:
+            self.check.exchange(self.group, self.guard, shadow=True)
         if not self.rebuilt:
             self._ready[:] = self._no_ready
             self._rebuild()

@@ -68,6 +68,7 @@ class RegroupMixin:
         if self._comm_hook is not None:
             self._reducer.set_exchange(choose_exchange(process_group, self._guard, self._reducer.params, owner=self,
                                                        comm_hook=self._comm_hook))
+        self._audit.due("regroup")  # the replicas are compared at the end of the next optimizer step
 
     def _follow_generations(self) -> None:
         """With live recovery on (world/generation.py), regroup onto each new generation of the world. Only a

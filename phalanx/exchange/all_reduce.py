@@ -28,10 +28,12 @@ class AllReduceExchange(BucketExchange):
 
     def launch(self, bucket: Bucket) -> None:
         if bucket.sparse:
+            self._check_local(bucket)
             self._launch_sparse(bucket, bucket.sparse_gradient())
             return
         with self.timer("copy_in", bucket.index):
             bucket.fill_(self.scale)
+        self._check_local(bucket)
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._handles[bucket.index] = self._start(bucket.storage)
 

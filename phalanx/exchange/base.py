@@ -9,12 +9,21 @@ and choose.py picks one.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
 
 from ..bucket.buckets import Bucket
 from ..bucket.step_guard import StepGuard
 from .phase_timer import PhaseTimer
+
+
+class GradientCheck(Protocol):
+    """What the reducer runs on this rank's gradients of a bucket as they leave the rank (the non-finite check,
+    engine/replicas/nonfinite.py): the exchange calls it between its copy-in and its collective."""
+
+    def local(self, bucket: Bucket, flat: torch.Tensor | None) -> None:
+        """`flat`: this rank's gradients of `bucket`, flat (scaled or not); None: read them from `.grad`."""
 
 
 class BucketExchange(ABC):
@@ -40,6 +49,7 @@ class BucketExchange(ABC):
     # Not a Gloo all-reduce, which one rank may finish while another gives it up.
     settles_alike = False
     closing = None  # a weakref.finalize that closes what the exchange holds beyond tensors (choose.py)
+    check: GradientCheck | None = None  # set by the reducer: run on each bucket before it leaves the rank
 
     def __init__(self, guard: StepGuard):
         self.guard = guard
@@ -98,6 +108,12 @@ class BucketExchange(ABC):
     def shadow(self, buckets: list[Bucket]) -> None:
         """join(): issue the collectives of one synchronized backward with zero gradients, as a rank that
         ran out of data, without touching `.grad`."""
+
+    def _check_local(self, bucket: Bucket, in_buffer: bool = True) -> None:
+        """After the copy-in, before the collective: the check (if any) sees this rank's gradients of `bucket`,
+        in its buffer (`in_buffer`), or in `.grad` (a sparse bucket, or a copy-in that leaves some out)."""
+        if self.check is not None:
+            self.check.local(bucket, bucket.buffer if in_buffer and not bucket.sparse else None)
 
     def settle(self, buckets: list[Bucket]) -> None:
         """Before this exchange is replaced: return once no peer can still read this rank's buckets."""

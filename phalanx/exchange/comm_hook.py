@@ -30,6 +30,7 @@ class CommHookExchange(BucketExchange):
         if not bucket.sparse:
             with self.timer("copy_in", bucket.index):
                 bucket.fill_(None)
+        self._check_local(bucket)
         with self.timer("reduce", bucket.index):  # what the hook does before it returns its future
             self._futures[bucket.index] = self.hook(self.state, GradBucket(bucket, bucket.index == self._last))
 

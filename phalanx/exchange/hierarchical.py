@@ -176,6 +176,7 @@ class HierarchicalExchange(AllReduceExchange):
             self.comm.claim(bucket.storage)  # no peer still fetches from the last step's copy
         with self.timer("copy_in", bucket.index):
             bucket.fill_(self.scale)
+        self._check_local(bucket)
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._host_reduce(bucket, f"the gradient exchange of bucket {bucket.index}")
 

@@ -131,6 +131,7 @@ class ShardedExchange(BucketExchange):
             if self.mode == GRADIENTS:  # copied: the full gradients are not kept
                 for p in bucket.params:
                     p.grad = None
+        self._check_local(bucket)
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._start_reduce(bucket, self._reduce_target(bucket.index))
 

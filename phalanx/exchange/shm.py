@@ -131,6 +131,7 @@ class ShmExchange(AllReduceExchange):
                 copy_in.copy(self.scale)
             else:  # a dtype the kernel does not take (a split bucket always has a copy-in)
                 bucket.fill_(self.scale)
+        self._check_local(bucket, in_buffer=mode == POSTED)  # split: its own chunk stays in .grad
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._tickets[bucket.index] = self.comm.post(bucket.storage)
 

@@ -73,6 +73,9 @@ class Invocation:
     # change (a lost node named, a joining one seen) to the first step at the new size; a loss kept in-process
     # (--min-world-size) also has the ranks' regroup time and the step they redid (launch/regroup.py).
     changes: list = field(default_factory=list)
+    # The replica audit's findings (a rank that differed, healed or not) and the steps every rank skipped for a
+    # non-finite gradient (engine/replicas/): the workers' events, as the lowest rank recorded them.
+    audit: list = field(default_factory=list)
 
 
 class RunSummary:
@@ -120,6 +123,8 @@ class RunSummary:
         for event in record.events:
             if event.get("event") == "checkpointer" and not self.directory:
                 self.directory = event.get("directory")
+            if event.get("event") in ("replica_mismatch", "nonfinite_skipped"):
+                self.now.audit.append({k: v for k, v in event.items() if k != "at_step"})
         startup = max(0.0, record.loop_start - began - record.restore_seconds)
         counted = record.loop_at_save if lost else record.loop_seconds
         redone = record.loop_seconds - counted
@@ -230,6 +235,13 @@ def summary_lines(now: Invocation, job: list[dict], job_path: str | None) -> lis
             redone = f"step {change['redone'] + 1} redone" if change.get("redone") is not None else "no step redone"
             took += f", regrouped in {change['regroup_seconds']:.3f} s, {redone}"
         lines.append(f"  {change['change']}: world size {before} -> {after}, resumed from step {change['step']}{took}")
+    for event in now.audit:
+        if event["event"] == "nonfinite_skipped":
+            lines.append(f"  step {event['step']} skipped on every rank: a non-finite gradient on rank(s) "
+                         f"{event['ranks']} ({event.get('parameter') or 'parameter unknown'})")
+        else:
+            lines.append(f"  replica audit after step {event['step']}: {event['entry']}; all agreed at step "
+                         f"{event['agreed_at']}; {'healed' if event['healed'] else 'the run stopped'}")
     if len(job) > 1:
         total = _total(job)
         lines.append(f"  the whole job, {len(job)} runs: {total['wall']:.1f} s wall, goodput "

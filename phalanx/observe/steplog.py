@@ -131,6 +131,8 @@ class StepLog(FollowsGenerations):
         window[_WAIT] += exchange * 1e-9
         window[_BUSY] += (wall - exchange) * 1e-9
         window[_DATA] += (data - self._last_data) * 1e-9
+        skipped = step_clock.skipped_steps()
+        window[_SKIPPED] += skipped - self._last_skipped
         self._add_loss(loss, samples)
         if tokens is not None:
             window[_TOKENS] += tokens
@@ -168,6 +170,7 @@ class StepLog(FollowsGenerations):
         """Now is the start of the next step: the clocks are read from here."""
         self._last_ns = step_clock.now_ns()
         self._last_wait, self._last_data = step_clock.totals()
+        self._last_skipped = step_clock.skipped_steps()
 
     def _new_window(self) -> None:
         self._window = [0.0] * len(FIELDS)
@@ -354,7 +357,7 @@ class StepLog(FollowsGenerations):
         progress.logged(self.steps, self.total_steps)
 
 
-_STEPS, _END, _LOSS, _SAMPLES, _TOKENS, _TOKENS_GIVEN, _BUSY, _WALL, _WAIT, _DATA, _PEAK = (
+_STEPS, _END, _LOSS, _SAMPLES, _TOKENS, _TOKENS_GIVEN, _BUSY, _WALL, _WAIT, _DATA, _PEAK, _SKIPPED = (
     INDEX[name] for name in FIELDS)
 
 

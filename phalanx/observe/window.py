@@ -14,9 +14,9 @@ import time
 
 # A rank's row: steps in the window and its end step, the loss summed over its samples, its samples
 # and tokens (TOKENS_GIVEN: steps that passed tokens), seconds busy / in all / waiting for peers /
-# waiting for data, and its peak memory in bytes.
+# waiting for data, its peak memory in bytes, and the optimizer steps skipped for a non-finite gradient.
 FIELDS = ("steps", "end_step", "loss_sum", "samples", "tokens", "tokens_given", "busy_s", "wall_s", "wait_s",
-          "data_s", "peak_memory")
+          "data_s", "peak_memory", "skipped")
 INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -69,6 +69,7 @@ def make_record(rows: list, *, lr: float | None = None, memory_kind: str = "rss"
         "mfu": achieved / denominator if achieved is not None and denominator else None,
         "peak_flops": denominator,
         "world_size": world,
+        "skipped_steps": int(max(col["skipped"])) if "skipped" in col else 0,  # every rank skips together
     }
     return record
 
@@ -101,4 +102,6 @@ def line(record: dict) -> str:
         parts.append(f"lr {record['lr']:.3g}")
     if record["mfu"] is not None:
         parts.append(f"mfu {record['mfu']:.1%}")
+    if record.get("skipped_steps"):
+        parts.append(f"skipped {record['skipped_steps']} (non-finite gradients)")
     return " | ".join(parts)

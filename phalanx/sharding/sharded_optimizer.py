@@ -68,6 +68,10 @@ class ShardedOptimizer(OptimizerView):
         self._only_through_view()
         self._names = names
         self.overlap_forward = overlap_forward
+        # The replica audit's (engine/replicas/): checks of the state before each step reads it (before the
+        # copies' snapshot), and what a step that counted ends with.
+        self.step_checks: list = []
+        self.after_step_hooks: list = []
         # Live recovery (world/generation.py): copies of this rank's shard on another rank, and a re-shard
         # onto each new world. `live`: (the model's ranks by host, the model's current exchange), or None.
         self._copies = None
@@ -99,21 +103,25 @@ class ShardedOptimizer(OptimizerView):
         regroup and redo it: the loader hands it out again (shard_copies.py)."""
         copies = self._copies_now()
         if copies is None:
-            return super().step(closure, grad_scaler)
-        copies.committing = False
-        try:
-            return super().step(closure, grad_scaler)
-        except Exception as lost:
-            if not generation.is_loss(lost):
-                raise
-            if not copies.committing:
-                generation.fail_step()  # the others' commit of this step fails too
-            copies.rolling_back = True
+            loss = super().step(closure, grad_scaler)
+        else:
+            copies.committing = False
             try:
-                generation.recover(lost, redoing=True, undone=True)
-            finally:
-                copies.rolling_back = False
-            return None
+                loss = super().step(closure, grad_scaler)
+            except Exception as lost:
+                if not generation.is_loss(lost):
+                    raise
+                if not copies.committing:
+                    generation.fail_step()  # the others' commit of this step fails too
+                copies.rolling_back = True
+                try:
+                    generation.recover(lost, redoing=True, undone=True)
+                finally:
+                    copies.rolling_back = False
+                return None
+        for hook in self.after_step_hooks:
+            hook()
+        return loss
 
     def _copies_now(self):
         """The shard copies, when a loss is to be recovered in-process (a global-batch loop under live recovery)."""
@@ -123,6 +131,8 @@ class ShardedOptimizer(OptimizerView):
 
     def _before_step(self) -> None:
         self.exchange.wait_gathered()
+        for check in self.step_checks:
+            check()
         if self._copies_now() is not None:
             self._copies.before_step()
 

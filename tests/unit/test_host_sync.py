@@ -1,7 +1,8 @@
 """No host read in a steady-state DDP step, counted on the CPU: the engine takes the path a GPU takes (its
 tag checks off, as StepGuard.reads_back says for a GPU) while every call that reads a tensor back on the
-host is counted; after the first step (the one-time bucket rebuild) there must be none. A world of one,
-in-process; tests/ranks/test_ddp_host_sync.py checks the same on a GPU, where it matters.
+host is counted; after the first step (the one-time bucket rebuild) there must be none but the non-finite
+gradient check's verdict, read once per step before the optimizer steps (on_nonfinite="off": none). A world
+of one, in-process; tests/ranks/test_ddp_host_sync.py checks the same on a GPU, where it matters.
 """
 
 from __future__ import annotations
@@ -71,9 +72,9 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_a_steady_step_reads_nothing_back_on_the_host(world_of_one, monkeypatch, setting):
     """World size 1 (in-process Gloo): steps 2-4 of phalanx DDP make no .item() / .tolist() / bool() / ...
-    call on a tensor."""
+    call on a tensor (the non-finite check off: its one read is counted below)."""
     monkeypatch.setattr(StepGuard, "reads_back", lambda self, device: False)  # as on a GPU
-    model = phalanx.DistributedDataParallel(_net(), **SETTINGS[setting])
+    model = phalanx.DistributedDataParallel(_net(), on_nonfinite="off", **SETTINGS[setting])
     if setting == "comm hook":
         model.register_comm_hook(None, allreduce_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -85,6 +86,23 @@ def test_a_steady_step_reads_nothing_back_on_the_host(world_of_one, monkeypatch,
         for batch in batches[1:]:
             _step(model, optimizer, batch)
     assert calls == [], f"{setting}: host reads in steady-state steps: {calls}"
+
+
+def test_the_non_finite_check_reads_its_verdict_once_per_step(world_of_one, monkeypatch):
+    """World size 1: with the check on (the default), a steady step reads back one thing, the all-reduced flags
+    of whether any rank saw a NaN or Inf, when the optimizer is about to step (engine/replicas/nonfinite.py)."""
+    monkeypatch.setattr(StepGuard, "reads_back", lambda self, device: False)
+    model = phalanx.DistributedDataParallel(_net())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
+    _step(model, optimizer, batches[0])
+    calls: list = []
+    with counting_host_reads(calls):
+        for batch in batches[1:]:
+            _step(model, optimizer, batch)
+    assert [name for name, _ in calls] == ["tolist"] * 3, calls
+    assert all("replicas/nonfinite.py" in where for _, where in calls), calls
 
 
 def test_the_counter_sees_a_read():
@@ -109,7 +127,7 @@ def test_a_parameter_unused_here_is_looked_up_and_keeps_none(world_of_one, monke
     map read back (the one read a steady step may make; torch's reducer reads it at every step), and a
     parameter no rank used keeps .grad None."""
     monkeypatch.setattr(StepGuard, "reads_back", lambda self, device: False)
-    model = phalanx.DistributedDataParallel(_HalfUsed(), find_unused_parameters=True)
+    model = phalanx.DistributedDataParallel(_HalfUsed(), find_unused_parameters=True, on_nonfinite="off")
     calls: list = []
     for step in range(3):
         model.zero_grad()

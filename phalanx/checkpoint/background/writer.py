@@ -36,16 +36,18 @@ _POLL = 0.05  # seconds between checks that the writer is alive, while waiting f
 _NICENESS = 10
 
 
-def commit(directory: Path, payload: dict, keep: int) -> tuple[Path, int]:
+def commit(directory: Path, payload: dict, keep: int, protect: int | None = None) -> tuple[Path, int]:
     """Write `payload` as checkpoint number payload["sequence"] (atomically), list it in the manifest (after the
-    file: a crash in between leaves the previous manifest, whose files are all there), prune beyond `keep`."""
+    file: a crash in between leaves the previous manifest, whose files are all there), prune beyond `keep`, but
+    for checkpoint `protect` (the newest the replica audit vouches for: checkpoint/audit_trail.py)."""
     directory.mkdir(parents=True, exist_ok=True)
     atomic_files.remove_stale_temps(directory)
     listed = atomic_files.read_manifest(directory) or []
     sequence = payload["sequence"]
     path = directory / atomic_files.CHECKPOINT_NAME.format(sequence)
     size, crc32 = atomic_files.write_atomic(path, lambda file: torch.save(payload, file))
-    kept = (listed + [atomic_files.ManifestEntry(path.name, sequence, size, crc32)])[-keep:]
+    every = listed + [atomic_files.ManifestEntry(path.name, sequence, size, crc32)]
+    kept = [e for e in every[:-keep] if e.sequence == protect] + every[-keep:]
     atomic_files.write_manifest(directory, kept)
     keep_names = {e.file for e in kept}
     for name in atomic_files.checkpoint_files(directory).values():
@@ -160,7 +162,7 @@ def _run(job: dict, buffer) -> dict:
                                                    job["parent"])
             except PartLost as lost:  # the parts written are pruned with the next checkpoint committed
                 return {"ok": False, "lost": True, "error": str(lost), "path": None, "sequence": sequence}
-        path, size = commit(directory, payload, job["keep"])
+        path, size = commit(directory, payload, job["keep"], job.get("protect"))
         for note in directory.glob(f"ckpt-{sequence:08d}.part-*.pt.json"):
             note.unlink(missing_ok=True)
         written += size

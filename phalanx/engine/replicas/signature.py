@@ -1,4 +1,4 @@
-"""Keeping model replicas identical: the cross-rank signature check and coalesced broadcasts.
+"""The same model everywhere, at the start: the cross-rank signature check and coalesced broadcasts.
 
 A replica is described by a signature (names, shapes, dtypes of parameters and buffers); ranks
 compare a digest of it in one all-gather. Tensors are broadcast flattened per (device, dtype), one
@@ -12,9 +12,9 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ..bucket.step_guard import tag_modulus
-from ..diagnose import recorder
-from ..errors import ParameterMismatchError, explain
+from ...bucket.step_guard import tag_modulus
+from ...diagnose import recorder
+from ...errors import ParameterMismatchError, explain
 
 BROADCAST_CAP_BYTES = 250 * 1024 * 1024  # per flat chunk: bounds the extra memory of a broadcast
 
