@@ -48,7 +48,8 @@ from ..errors import MembershipError, PeerDiedError, PeerFailedError, explain
 from ..log import logger
 from . import group as world
 from . import joining
-from .liveness import PeerWatch, identity
+from .liveness import identity
+from .watch import GenerationWatch
 
 MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
 MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
@@ -59,6 +60,8 @@ MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
 # launcher's stall watch (`phalanx run`, launch/run.py) waits MEMBERSHIP_MARGIN beyond that.
 MEMBERSHIP_MARGIN = 30.0
 AWAITED_SAY_EVERY = 10.0  # seconds between the lines naming the members the survivors still wait for
+AGREE_READ_EVERY = 0.5  # seconds between a survivor's reads of who is alive, when another one decides
+ORPHAN_AFTER = 0.5  # seconds into the agreement after which the deciding survivor probes the members it still misses
 LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
 WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
 REGROUP_CONNECT_SECONDS = 30.0  # the ranks left making a new generation's process groups wait this long for each other
@@ -102,8 +105,7 @@ class Generation:
     number: int
     members: tuple[int, ...]
     group: object  # a ProcessGroup; dist.group.WORLD for generation 0
-    _who: dict = field(default_factory=dict, compare=False, repr=False)  # member -> its identity, once read
-    _watch: PeerWatch = field(default_factory=PeerWatch, compare=False, repr=False)
+    _watching: dict = field(default_factory=dict, compare=False, repr=False)  # "watch": this rank's (watch.py)
 
     @property
     def rank(self) -> int:
@@ -119,21 +121,21 @@ class Generation:
 
     # -- who is gone --------------------------------------------------------------------------------
 
+    def watch(self, store) -> GenerationWatch:
+        """This rank's watch in the generation (watch.py): one peer on another host, the pids of its own host, the
+        verdicts the others spread. Set up (in a thread) once this rank said who it is."""
+        if "watch" not in self._watching:
+            self._watching["watch"] = GenerationWatch(self._key, self.members, dist.get_rank(), store)
+        return self._watching["watch"]
+
     def gone(self, store) -> set[int]:
-        """Members known gone (liveness.py): a process on this host that no longer runs; on another host, one
-        whose beacon refuses a connection, or has not answered for the heartbeat window (its host cut off)."""
-        gone = set()
-        for member in self.members:
-            if member == dist.get_rank():
-                continue
-            if member not in self._who:
-                key = self._key("who", member)
-                if not store.check([key]):
-                    continue
-                self._who[member] = store.get(key).decode()
-            if self._watch.gone(member, self._who[member]):
-                gone.add(member)
-        return gone
+        """Members known gone (watch.py): a process on this host that no longer runs; on another host, one whose
+        watcher's kept connection ended, or found it silent for the heartbeat window."""
+        return self.watch(store).gone()
+
+    def close_watch(self) -> None:
+        if "watch" in self._watching:
+            self._watching["watch"].close()
 
     # -- the per-step commit --------------------------------------------------------------------------
 
@@ -164,7 +166,7 @@ class Generation:
             now = time.monotonic()
             if now >= look:
                 look = now + LIVENESS_EVERY
-                if self.gone(store) or now > deadline:
+                if self.watch(store).troubled() or now > deadline:
                     return self.fail_commit(store, number)
             if reads > EAGER_READS:
                 time.sleep(pause)
@@ -178,34 +180,42 @@ class Generation:
         count = store.add(counter, 0)
         while 0 <= count < full:  # others may add meanwhile: then try again from what they made it
             count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
+        self.watch(store).say_trouble()  # the others' waits on their peers end at their next look
         return count == full
-
-    def commit_failed(self, store, number: int) -> bool:
-        """Whether a member gave step `number` up."""
-        return store.add(self._counter(number)[0], 0) < 0
 
     # -- the next generation ------------------------------------------------------------------------------
 
     def agree_on_survivors(self, store) -> tuple[int, ...]:
-        """Collective over the survivors: the members that go on, the same tuple on each of them."""
+        """Collective over the survivors: the members that go on, the same tuple on each of them. Each appends its rank
+        to one list; the first of them decides once every member is on it or known gone (its watcher said so, or
+        after ORPHAN_AFTER its own probe: a member whose watcher is lost too), or the membership timeout passed. The
+        others look for the decision, and read the list only now and then (the first of them may be lost too)."""
         me = dist.get_rank()
-        decision = self._key("next")
-        store.set(self._key("alive", me), "1")
-        timeout = membership_timeout()
-        deadline = time.monotonic() + timeout
-        say_at = time.monotonic() + AWAITED_SAY_EVERY
+        decision, listed = self._key("next"), self._key("alive")
+        store.append(listed, f"{me},")
+        watch, timeout = self.watch(store), membership_timeout()
+        started = time.monotonic()
+        deadline, say_at, read_at = started + timeout, started + AWAITED_SAY_EVERY, started
         while not store.check([decision]):
-            alive = {m for m in self.members if store.check([self._key("alive", m)])}
-            settled = alive | self.gone(store)
-            if settled >= set(self.members) or time.monotonic() > deadline:
-                store.compare_set(decision, "", ",".join(map(str, sorted(alive))))
-                break
-            if time.monotonic() > say_at and me == min(alive):
-                say_at += AWAITED_SAY_EVERY
-                logger.warning("generation %d: waiting for rank(s) %s, alive but not yet regrouping (a slow step?), up "
-                               "to %.0f s (%s); then the others go on without them", self.number + 1,
-                               sorted(set(self.members) - settled), timeout, MEMBERSHIP_TIMEOUT_ENV)
-            time.sleep(0.01)
+            now = time.monotonic()
+            if now >= read_at:
+                alive = {int(rank) for rank in store.get(listed).decode().split(",") if rank}
+                deciding = me == min(alive)
+                read_at = now + (0.0 if deciding else AGREE_READ_EVERY)
+            if deciding:
+                gone = watch.gone()
+                if now - started > ORPHAN_AFTER:
+                    gone |= watch.probe(set(self.members) - alive - gone)
+                settled = alive | gone
+                if settled >= set(self.members) or now > deadline:
+                    store.compare_set(decision, "", ",".join(map(str, sorted(alive))))
+                    break
+                if now > say_at:
+                    say_at += AWAITED_SAY_EVERY
+                    logger.warning("generation %d: waiting for rank(s) %s, alive but not yet regrouping (a slow "
+                                   "step?), up to %.0f s (%s); then the others go on without them", self.number + 1,
+                                   sorted(set(self.members) - settled), timeout, MEMBERSHIP_TIMEOUT_ENV)
+            time.sleep(0.005 if deciding else 0.02)
         return tuple(int(r) for r in store.get(decision).decode().split(","))
 
 
@@ -224,7 +234,6 @@ def current() -> Generation:
     global _current
     if _current is None:
         _current = Generation(0, tuple(range(world.launch_world_size())), dist.group.WORLD)
-        world.before_shutdown(forget)  # the next init() starts at generation 0 again
     return _current
 
 
@@ -238,9 +247,9 @@ def commit_step() -> bool:
 
 def step_abandoned() -> bool:
     """Whether the step in flight cannot commit: a member gave it up (its exchange failed), or one is gone. A
-    rank waiting on a collective asks this: a peer that gave up will never send what it waits for."""
-    store, generation = world.store(), current()
-    return generation.commit_failed(store, _commits) or bool(generation.gone(store))
+    rank waiting on a collective asks this: a peer that gave up will never send what it waits for. One store read
+    (watch.py: a counter that a step given up, or a member found gone, adds to)."""
+    return current().watch(world.store()).troubled()
 
 
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "socket closed")
@@ -425,6 +434,7 @@ def announce() -> None:
     """Say which process this rank is, for the survivors of a loss to tell at once that it is gone."""
     generation = current()
     world.store().set(generation._key("who", dist.get_rank()), identity())
+    generation.watch(world.store())
 
 
 def next_generation(cause: BaseException) -> Generation:
@@ -481,9 +491,11 @@ def _meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fal
     before = current()  # generation 0 registered its end-of-run reset
     _old_groups.extend((g, abandoned) for g in (before.group, world.control_group())
                        if g is not None and g != dist.group.WORLD)
+    before.close_watch()
     _current, _commits, _admissions = Generation(number, tuple(members), group), 0, 0
     world.set_live(_current.number, _current.members, group, control, abandoned)
     world.store().set(_current._key("who", dist.get_rank()), identity())
+    _current.watch(world.store())
 
 
 # -- ranks that join (joining.py) --------------------------------------------------------------------
@@ -649,8 +661,13 @@ world.start_solo = start_solo
 
 
 def forget() -> None:
-    """At shutdown (registered by current()): the next init() starts at generation 0 again."""
+    """At shutdown, after the last collectives: the next init() starts at generation 0 again."""
     global _current, _commits
+    if _current is not None:
+        _current.close_watch()
     _current, _commits = None, 0
     _followers.clear()
     _old_groups.clear()  # shutdown() destroys every group left
+
+
+world.forget_generations = forget

@@ -38,6 +38,7 @@ _attempt = "0"  # the worker group's keys in the store: its restart count, or th
 _owns_group = False
 _barrier_count = 0
 lost_among = None  # generation.py's: which of some ranks are known gone (live recovery), for barrier()
+forget_generations = None  # generation.py's: shutdown() ends the generations, once every last collective ran
 start_solo = None  # generation.py's: a joiner's generation of its own, until the run takes it in (joining.py)
 # After a loss (live recovery, generation.py): (generation number, members' global ranks, their process group).
 # None: the whole world, on torch's default group.
@@ -302,6 +303,8 @@ def shutdown() -> None:
     """
     global _spec, _device, _store, _owns_group, _watchdog, _live, _control, _abandoned
     run_before_shutdown()
+    if forget_generations is not None:  # after the StepLog's last records and the saves, which still regroup
+        forget_generations()
     recorder.phase(recorder.SHUTDOWN)
     stop.stop_listening()  # nobody reads the flag any more: a signal ends the process again
     if _store is not None and is_main():

@@ -1,16 +1,20 @@
 """Whether a peer process is gone: by its pid on this host, by its beacon on another.
 
 A peer that shares this process's boot, pid namespace and network is checked by its pid and start time (a
-recycled pid has a later start). Any other is probed: every process keeps a beacon, a listening socket, for
-as long as it lives. A connection to it is refused the moment the process is gone (its host's kernel closed
-the socket), and gets no answer at all while its host is cut off, which counts as gone once it lasts the
-launchers' heartbeat window (so that workers and launchers agree on when a silent node is lost). Probes are
-made only while a rank waits on its peers (world/generation.py), at most every PROBE_EVERY seconds a peer.
+recycled pid has a later start). Every process keeps a beacon, a listening socket, for as long as it lives, and a
+peer on another host is watched through it (world/watch.py says who watches whom): a kept-open connection to it
+(KeptWatch) ends the moment the process is gone (its host's kernel closes the socket: a FIN or a reset), and while
+its host is cut off the kernel's keepalives go unanswered, which ends it after the launchers' heartbeat window (so
+that workers and launchers agree on when a silent node is lost). No data flows on it: the keepalives are the
+kernels', one segment a second each way, whatever the processes are doing. A one-off probe (PeerWatch) tells the
+same in a regroup, for a peer nobody watches any more.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import selectors
 import socket
 import threading
 import time
@@ -46,6 +50,17 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields and fields[0] not in ("Z", "X", "x") else None
 
 
+def identity_host(who: str) -> str:
+    """The host part of an identity(): peers with the same one are checked by pid."""
+    return who.split()[0]
+
+
+def same_host_gone(who: str) -> bool:
+    """Whether the process of `who`, an identity() on this host, is gone (its pid ended, or was reused)."""
+    _, pid, start, _ = who.split()
+    return _start_time(int(pid)) != start
+
+
 def identity() -> str:
     """This process, as a peer reads it: "host pid start-time beacon-address" (starts the beacon)."""
     return f"{_host()} {os.getpid()} {_start_time(os.getpid())} {_beacon_address()}"
@@ -69,13 +84,30 @@ def _beacon_address() -> str:
 
 
 def _answer(beacon: socket.socket) -> None:
-    """Accept and close each probe, so that probes never fill the backlog."""
+    """Accept each watcher and probe and keep it open (its end says this process is gone) until it closes its end,
+    so that connections never pile up in the backlog or half-closed."""
+    selector = selectors.DefaultSelector()
+    selector.register(beacon, selectors.EVENT_READ)
     while True:
         try:
-            connection, _ = beacon.accept()
-        except OSError:  # closed
+            events = selector.select()
+        except OSError:  # the beacon closed under the selector (a forked child)
             return
-        connection.close()
+        for key, _ in events:
+            if key.fileobj is beacon:
+                try:
+                    connection, _ = beacon.accept()
+                except OSError:  # closed
+                    return
+                selector.register(connection, selectors.EVENT_READ)
+                continue
+            try:
+                ended = not key.fileobj.recv(64)  # a watcher sends nothing: readable means it closed its end
+            except OSError:
+                ended = True
+            if ended:
+                selector.unregister(key.fileobj)
+                key.fileobj.close()
 
 
 def _close_beacon_in_child() -> None:
@@ -99,6 +131,86 @@ def probe(address: str, timeout: float = PROBE_TIMEOUT) -> str:
         return "gone"
     except OSError:
         return "silent"
+
+
+# A kept watch sends a byte every TICK seconds, which the peer's kernel acknowledges (its process need not run: a busy
+# or stalled peer is not a silent one), with TCP_USER_TIMEOUT at the heartbeat window: a byte unacknowledged that long
+# ends the connection, so a host cut off is found SILENT_WINDOW to SILENT_WINDOW + TICK seconds after it went.
+TICK = 0.25
+WATCH_CONNECT_TIMEOUT = 1.0  # seconds per try to connect a kept watch (silence counts only after SILENT_WINDOW)
+
+
+class KeptWatch:
+    """A kept-open connection to one peer's beacon, in a thread of its own: `on_gone(why)` once, when the peer's process
+    is gone ("closed": the connection ended or was refused) or its host was silent for the heartbeat window ("silent":
+    a tick unacknowledged by its kernel, or no connection at all). `close()` ends the watch quietly."""
+
+    def __init__(self, address: str, on_gone, name: str = "phalanx-watch"):
+        self.address, self.on_gone = address, on_gone
+        self._socket: socket.socket | None = None
+        self._closed = threading.Event()
+        self._lock = threading.Lock()  # the socket is set, and shut down by close(), under it
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed.set()
+            if self._socket is not None:
+                try:
+                    self._socket.shutdown(socket.SHUT_RDWR)  # the blocked recv returns: the thread sees it was closed
+                except OSError:
+                    pass
+
+    def _run(self) -> None:
+        why = self._connect()
+        if why is None:
+            why = self._watch()
+        if why is not None and not self._closed.is_set():
+            self.on_gone(why)
+        if self._socket is not None:
+            self._socket.close()
+
+    def _connect(self) -> str | None:
+        host, port = self.address.rsplit(":", 1)
+        started = time.monotonic()
+        while not self._closed.is_set():
+            try:
+                sock = socket.create_connection((host, int(port)), timeout=WATCH_CONNECT_TIMEOUT)
+            except ConnectionRefusedError:
+                return "closed"
+            except OSError:
+                if time.monotonic() - started >= SILENT_WINDOW:
+                    return "silent"
+                self._closed.wait(PROBE_EVERY)
+                continue
+            if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux: how long a tick may go unacknowledged
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(SILENT_WINDOW * 1000))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(TICK)
+            with self._lock:
+                if self._closed.is_set():
+                    sock.close()
+                    return None
+                self._socket = sock  # close() from now on shuts it down
+            return None
+        return None
+
+    def _watch(self) -> str | None:
+        if self._socket is None:
+            return None
+        while not self._closed.is_set():
+            try:
+                self._socket.send(b"\0")
+                if not self._socket.recv(1):  # the peer never sends: this returns when the connection ends
+                    return "closed"
+            except TimeoutError as exc:
+                if exc.errno == errno.ETIMEDOUT:  # the kernel's: a tick unacknowledged for the window
+                    return "silent"
+                continue  # the socket's: a tick's wait for an end that did not come, all well
+            except OSError as exc:  # ETIMEDOUT: a tick unacknowledged for the window; else the connection ended
+                return "silent" if exc.errno == errno.ETIMEDOUT else "closed"
+        return None
 
 
 class PeerWatch:

@@ -1,0 +1,166 @@
+"""Who watches whom in a generation: one peer per rank, so that what a rank does to notice a loss does not grow with
+the world.
+
+The members, in rank order, come in blocks of one host each (a launcher gives its node's workers contiguous ranks; a
+host is what liveness.identity() says: a boot, a pid namespace and a network). The rank with local index i watches the
+rank with local index i (modulo its size) of the next host's block, the last host's the first's: a ring, each rank
+watched by one other, over one kept-open connection (liveness.KeptWatch). The peers on its own host it checks by pid.
+What a rank finds it spreads through the store: the generation's `gone` key (ranks appended) and its `trouble` counter,
+which a failed commit counts too, so that a rank waiting on its peers reads one counter per look, whatever the world.
+
+Setting a watch up reads the identities of this rank's host block and of one other host's, in a thread: O(ranks per
+host) store reads per rank and generation. A peer whose watcher is lost too (two hosts lost together) is found by the
+survivors' agreement (generation.py), which probes the members it still misses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ..log import logger
+from .liveness import KeptWatch, PeerWatch, identity_host, same_host_gone
+
+TROUBLE, GONE = "trouble", "gone"
+WHO_WAIT = 30.0  # seconds the set-up waits for a member to say who it is (one lost before it could is found otherwise)
+
+
+class GenerationWatch:
+    """This rank's watch in one generation (see the module docstring). `key(*parts)` names the generation's keys."""
+
+    def __init__(self, key, members: tuple[int, ...], me: int, store):
+        self.key, self.members, self.me, self.store = key, members, me, store
+        self.who: dict[int, str] = {}  # member -> identity, as read
+        self.block: tuple[int, ...] = ()  # the members on this rank's host (itself included)
+        self.watched: int | None = None
+        self._found: set[int] = set()  # gone, as this rank found them (its watch, the pids of its host)
+        self._said: set[int] = set()
+        self._kept: KeptWatch | None = None
+        self._probes = PeerWatch()  # a regroup's probes of members nobody watches any more
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._set_up, name="phalanx-watch-setup", daemon=True).start()
+
+    # -- what a rank asks ------------------------------------------------------------------------
+
+    def found(self) -> set[int]:
+        """The members this rank knows are gone, asking nobody: its watch's verdict, and the pids of its host."""
+        for member in self.block:
+            if member != self.me and member not in self._found and same_host_gone(self.who[member]):
+                self._verdict(member, "its process ended")
+        return set(self._found)
+
+    def troubled(self) -> bool:
+        """Whether the generation is ending: this rank found a member gone, or any member did, or gave a step up (one
+        store read)."""
+        return bool(self.found()) or self.store.add(self.key(TROUBLE), 0) > 0
+
+    def gone(self) -> set[int]:
+        """Every member known gone: what this rank found and what the others said (one or two store reads)."""
+        gone = self.found()
+        if self.store.add(self.key(TROUBLE), 0) > 0 and self.store.check([self.key(GONE)]):
+            gone |= {int(rank) for rank in self.store.get(self.key(GONE)).decode().split(",") if rank}
+        return gone
+
+    def probe(self, members) -> set[int]:
+        """Which of `members` are gone, by a probe of each (a regroup's: members nobody may watch any more)."""
+        gone = set()
+        for member in members:
+            who = self._identity(member, wait=False)
+            if who is not None and self._probes.gone(member, who):
+                gone.add(member)
+                self._verdict(member, "its probe")
+        return gone
+
+    def say_trouble(self) -> None:
+        """A step was given up here: the others' waits end at their next look."""
+        self.store.add(self.key(TROUBLE), 1)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            if self._kept is not None:
+                self._kept.close()
+
+    # -- set-up and verdicts -----------------------------------------------------------------------
+
+    def _identity(self, member: int, wait: bool = True) -> str | None:
+        if member not in self.who:
+            key = self.key("who", member)
+            if not self.store.check([key]):
+                if not wait:
+                    return None
+                deadline = time.monotonic() + WHO_WAIT
+                while not self.store.check([key]):
+                    if self._closed.is_set() or time.monotonic() > deadline:
+                        return None
+                    time.sleep(0.02)
+            self.who[member] = self.store.get(key).decode()
+        return self.who[member]
+
+    def _host_of(self, member: int) -> str | None:
+        who = self._identity(member)
+        return identity_host(who) if who is not None else None
+
+    def _set_up(self) -> None:
+        try:
+            self.block, watched, host = ring_place(self.members, self.me, self._host_of)
+            if watched is None:
+                return  # one host: its peers are checked by pid
+            address = self._identity(watched).split()[3]
+            with self._lock:
+                if not self._closed.is_set():
+                    self.watched = watched
+                    self._kept = KeptWatch(address, lambda why: self._watch_ended(watched, host, why))
+        except Exception as exc:  # the store gone with the run: nothing to watch
+            if not self._closed.is_set():
+                logger.debug("the generation's watch was not set up: %s", exc)
+
+    def _watch_ended(self, watched: int, host: tuple[int, ...], why: str) -> None:
+        """The kept watch ended: its peer's process is gone ("closed"), or its host is silent, and with it every
+        member of that host (their watchers, when the hosts differ in size, may be on the same silent host)."""
+        for member in (host if why == "silent" else (watched,)):
+            self._verdict(member, f"its watch: {why}")
+
+    def _verdict(self, member: int, why: str) -> None:
+        """`member` is gone: remembered here, and said once in the store for the others."""
+        self._found.add(member)
+        if member in self._said or self._closed.is_set():
+            return
+        self._said.add(member)
+        logger.debug("rank %d found rank %d gone (%s)", self.me, member, why)
+        try:
+            self.store.append(self.key(GONE), f"{member},")
+            self.store.add(self.key(TROUBLE), 1)
+        except Exception:  # the store's host is gone: the launcher ends the run
+            pass
+
+
+def ring_place(members: tuple[int, ...], me: int, host_of) -> tuple[tuple[int, ...], int | None, tuple[int, ...]]:
+    """(the members on `me`'s host, the member `me` watches (None: one host), the members of that one's host), asking
+    `host_of(member)` only of the members of its own host block and of the next one (O(ranks per host), whatever the
+    world).
+
+    >>> hosts = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c"}
+    >>> ring_place((0, 1, 2, 3, 4), 1, hosts.get), ring_place((0, 1, 2, 3, 4), 4, hosts.get)
+    (((0, 1), 3, (2, 3)), ((4,), 0, (0, 1)))
+    """
+    count, position = len(members), members.index(me)
+    mine = host_of(me)
+
+    def run(start: int, direction: int, host: str) -> list[int]:
+        found = []
+        for step in range(count):
+            member = members[(start + direction * step) % count]
+            if member in found or host_of(member) != host:
+                break
+            found.append(member)
+        return found
+
+    after = run(position, 1, mine)
+    if len(after) == count:
+        return tuple(members), None, ()
+    block = sorted(set(run(position, -1, mine) + after))
+    start = (members.index(after[-1]) + 1) % count
+    following = run(start, 1, host_of(members[start]))
+    return tuple(block), following[block.index(me) % len(following)], tuple(sorted(following))
