@@ -24,7 +24,7 @@ from ...log import logger
 from ...world import generation, step_count
 from . import optimizer_hooks
 from .differences import first_difference
-from .fingerprint import compare, fingerprint, salt, state_fingerprint, value_fingerprint, wrap
+from .fingerprint import compare, fingerprint, salt, state_fingerprint, states_fingerprints, value_fingerprint, wrap
 from .nonfinite import MODES as NONFINITE_MODES
 from .nonfinite import NonFiniteCheck
 from .shard_state import ShardStateCheck, ward_weight
@@ -73,7 +73,8 @@ class ReplicaAudit:
         self._counted = self.steps  # the iteration whose optimizer step was counted last
         self._micro = 0  # forwards with gradients since the last synchronized one
         self._due: list[str] = []
-        self._optimizers: weakref.WeakSet = weakref.WeakSet()
+        # The optimizers that stepped the model, in the order they first did: the same on every rank.
+        self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned = False
         self.shard_check: ShardStateCheck | None = None
         self.check = NonFiniteCheck(on_nonfinite, ddp._control_device) if on_nonfinite != "off" else None
@@ -119,8 +120,8 @@ class ReplicaAudit:
 
     def after_optimizer_step(self, optimizer=None) -> None:
         """An optimizer stepped this model (each synchronized iteration counts once): audit when due."""
-        if optimizer is not None and self.shard_check is None:
-            self._optimizers.add(optimizer)
+        if optimizer is not None and self.shard_check is None and optimizer not in self._optimizers:
+            self._optimizers[optimizer] = len(self._optimizers)
         if self._counted == self.steps:
             return
         self._counted = self.steps
@@ -196,13 +197,9 @@ class ReplicaAudit:
         parts = [torch.tensor([self.steps, changes], dtype=torch.int64, device=device), shards[0].reshape(1)]
         parts.append(torch.stack([fingerprint(p).to(device) for p in self._params]))
         optimizers = self._ordered_optimizers()
-        states = []
-        for p in self._params:
-            held = [optimizer.state.get(p) for optimizer in optimizers]
-            states.append(sum((state_fingerprint(s, device) for s in held if s), torch.zeros(
-                (), dtype=torch.int64, device=device)))
-        parts += [torch.stack(states), torch.tensor([self._groups_fingerprint(optimizers)], device=device),
-                  torch.stack(shards[1:])]
+        states = [_merged(optimizer.state.get(p) for optimizer in optimizers) for p in self._params]
+        parts += [states_fingerprints(states, device), torch.tensor([self._groups_fingerprint(optimizers)],
+                                                                     device=device), torch.stack(shards[1:])]
         return torch.cat(parts)
 
     def _gather(self, row: torch.Tensor, group) -> list[list[int]]:
@@ -213,21 +210,15 @@ class ReplicaAudit:
         return [r.tolist() for r in everyone]
 
     def _ordered_optimizers(self) -> list:
-        """The optimizers that stepped this model, in the same order on every rank (by their first parameter)."""
-        position = {id(p): i for i, p in enumerate(self._params)}
-
-        def first(optimizer):
-            return min((position.get(id(p), len(position)) for g in optimizer.param_groups for p in g["params"]),
-                       default=len(position))
-        return sorted(self._optimizers, key=first)
+        """The optimizers that stepped this model, in the same order on every rank (the order they first did)."""
+        return sorted(self._optimizers, key=self._optimizers.get)
 
     def _groups_fingerprint(self, optimizers: list) -> int:
-        """The optimizers' hyperparameters (every param group's options but its parameters)."""
+        """The optimizers' hyperparameters (every param group's plain options: numbers, strings, tuples of them)."""
         total = 0
         for number, optimizer in enumerate(optimizers):
             for index, group in enumerate(optimizer.param_groups):
-                options = tuple(sorted((str(k), v) for k, v in group.items() if k != "params"
-                                       and not isinstance(v, torch.Tensor)))
+                options = tuple(sorted((str(k), v) for k, v in group.items() if k != "params" and _plain(v)))
                 total = wrap(total + salt(f"{number}.{index}") * value_fingerprint(options))
         return total
 
@@ -251,9 +242,7 @@ class ReplicaAudit:
         if column >= 2 * count:
             return "the optimizers' hyperparameters (param_groups)", None
         param, name = self._params[column - count], self._names[column - count]
-        state = {}
-        for optimizer in self._ordered_optimizers():
-            state.update(optimizer.state.get(param) or {})
+        state = _merged(optimizer.state.get(param) for optimizer in self._ordered_optimizers())
         mine = {str(k): int(state_fingerprint({k: v}, torch.device("cpu"))) for k, v in state.items()}
         everyone = [None] * group.size()
         dist.all_gather_object(everyone, mine, group=group)
@@ -336,6 +325,24 @@ class ReplicaAudit:
         if self.shard_check is None:
             for optimizer in self._ordered_optimizers():
                 _adopt_state(optimizer, source, group)
+
+
+def _plain(value) -> bool:
+    """A value whose repr is the same on every rank that holds it (no object's address in it)."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _merged(states) -> dict | None:
+    """One parameter's state over the optimizers that hold it (one, usually)."""
+    found = [state for state in states if state]
+    if len(found) <= 1:
+        return found[0] if found else None
+    merged = {}
+    for number, state in enumerate(found):
+        merged.update({f"{number}.{key}" if key in merged else key: value for key, value in state.items()})
+    return merged
 
 
 def _ranks(ranks: list[int]) -> str:
