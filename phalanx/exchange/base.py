@@ -25,6 +25,10 @@ class GradientCheck(Protocol):
     def local(self, bucket: Bucket, flat: torch.Tensor | None) -> None:
         """`flat`: this rank's gradients of `bucket`, flat (scaled or not); None: read them from `.grad`."""
 
+    def seen(self, bucket: Bucket, finite: bool) -> None:
+        """The exchange looked itself, on the way (its copy-in): whether this rank's gradients of `bucket`, or
+        a part of them, were all finite (parts: every one must be)."""
+
 
 class BucketExchange(ABC):
     """How a bucket of gradients becomes its average across ranks, delivered into each `param.grad`.

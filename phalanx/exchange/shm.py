@@ -127,11 +127,13 @@ class ShmExchange(AllReduceExchange):
             step_clock.add_exchange_wait(step_clock.now_ns() - started)
         copy_in = self._copy_ins.get(bucket.index)
         with self.timer("copy_in", bucket.index):
-            if copy_in is not None:
-                copy_in.copy(self.scale)
+            if copy_in is not None:  # the non-finite check rides along (split: its own chunk when it is summed)
+                finite = copy_in.copy(self.scale, check=self.check is not None)
+                if self.check is not None:
+                    self.check.seen(bucket, finite)
             else:  # a dtype the kernel does not take (a split bucket always has a copy-in)
                 bucket.fill_(self.scale)
-        self._check_local(bucket, in_buffer=mode == POSTED)  # split: its own chunk stays in .grad
+                self._check_local(bucket)
         bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._tickets[bucket.index] = self.comm.post(bucket.storage)
 
@@ -267,10 +269,13 @@ class ShmExchange(AllReduceExchange):
                 flats[k] = grad.contiguous().view(-1)
                 copy_back.append((grad, flats[k]))
         start = bucket.offsets
+        finite = [] if self.check is not None else None  # this rank's own chunk, checked as it is summed
         self._split_exchange(bucket, ticket, what, 1.0 / self.divisor,
                              [(start[k] + lo, flats[k][lo:hi]) for k, lo, hi in own if k in flats],
                              [(owner, start[k] + lo, flats[k][lo:hi]) for owner, k, lo, hi in fetched if k in flats],
-                             sums=[(bucket.numel, self._tag_total)])
+                             sums=[(bucket.numel, self._tag_total)], finite=finite)
+        if finite is not None:
+            self.check.seen(bucket, all(finite))
         with self.timer("copy_out", bucket.index):
             for grad, flat in copy_back:
                 grad.copy_(flat.view(grad.shape))
@@ -278,11 +283,11 @@ class ShmExchange(AllReduceExchange):
             self.guard.check_tag_sum(self._tag_total.item(), bucket.storage.dtype, what)
 
     def _split_exchange(self, bucket: Bucket, ticket: int, what: str, scale: float, own: list, fetched: list,
-                        sums=()) -> None:
+                        sums=(), finite: list | None = None) -> None:
         """reduce_own_chunk() then fetch_chunks(), each once every rank is ready."""
         self._await(ticket, what, bucket.index)
         with self.timer("reduce", bucket.index):
-            results = self.comm.reduce_own_chunk(bucket.storage, ticket, own, scale, sums)
+            results = self.comm.reduce_own_chunk(bucket.storage, ticket, own, scale, sums, finite)
         self._await(results, what, bucket.index)
         with self.timer("copy_out", bucket.index):
             self.comm.fetch_chunks(bucket.storage, results, fetched)

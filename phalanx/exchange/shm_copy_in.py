@@ -44,15 +44,16 @@ class BucketCopyIn:
         self.template = [value for parts in segments for start, _, count in parts
                          for value in (base + start * size, 0, count)]
 
-    def copy(self, scale: float | None) -> None:
-        """The gradients' segments into the bucket, times `scale` (None: as they are)."""
+    def copy(self, scale: float | None, check: bool = False) -> bool | None:
+        """The gradients' segments into the bucket, times `scale` (None: as they are). With `check`, returns
+        whether every element copied was finite (the non-finite gradient check, on the way)."""
         bucket = self.bucket
         dtype = bucket.storage.dtype
         addresses = gradient_addresses(bucket.params) if self.whole else None
         if addresses is not None:
             self.template[1::3] = addresses
-            copy_pieces(self.template, dtype, scale, self.stream)
-            return
+            return copy_pieces(self.template, dtype, scale, self.stream, check)
+        finite = True
         grads = [p.grad for p in bucket.params]
         batch, base, size, buffer = [], bucket.buffer.data_ptr(), bucket.storage.element_size(), bucket.buffer
         for grad, segments in zip(grads, self.segments):
@@ -68,5 +69,8 @@ class BucketCopyIn:
                 else:
                     piece = grad.reshape(-1)[offset:offset + count]
                     out.copy_(piece) if scale is None else torch.mul(piece, scale, out=out)
+                    if check:
+                        finite = finite and bool(torch.isfinite(out.sum()))
         if batch:
-            copy_pieces(batch, dtype, scale, self.stream)
+            finite = copy_pieces(batch, dtype, scale, self.stream, check) and finite
+        return finite if check else None

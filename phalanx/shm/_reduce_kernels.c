@@ -14,8 +14,12 @@
  *   exchange's own chunk: term j is addresses[j], except this rank's, which is own * scale.
  * sum_segments(parts, segments, dtype, nontemporal): segments = (dst, offset, numel, ...) flat;
  *   dst[i] = sum over j of parts[j][offset + i]: the posted exchange's sum, straight into gradients.
- * copy_segments(segments, dtype, scale, multiply, nontemporal): segments = (dst, src, numel, ...);
+ * copy_segments(segments, dtype, scale, multiply, nontemporal, check): segments = (dst, src, numel, ...);
  *   dst[i] = src[i] * scale (multiply) or src[i]: gradients into a bucket, or results out of one.
+ *
+ * With `check` (copy_segments, sum_own_chunk) the call returns whether every source element it read (the
+ * gradients; sum_own_chunk: this rank's `own`) was finite, found on the way in the blocks already in L1: the
+ * non-finite gradient check (engine/replicas/nonfinite.py) at no extra pass over memory. Without, None.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -73,19 +77,38 @@ static void fence(int nontemporal) {
  * dst's first 16-byte boundary one by one, then 16 bytes at a time. Only for a src aligned like dst:
  * otherwise the loads straddle cache lines and the buffered way is faster (measured). */
 #if HAVE_STREAM
-#define DEFINE_STREAM_SCALED(SUFFIX, T, VECTOR, LANES, SET1, MUL, LOADU, STREAM)                  \
-    static void stream_scaled_##SUFFIX(T *dst, const T *src, T s, size_t m) {                    \
+/* `bad`, when not NULL, is set to 1 if a source element was NaN or infinite: x - x is NaN exactly then (the
+ * compare rides along the copy, which waits on memory anyway). */
+#define DEFINE_STREAM_SCALED(SUFFIX, T, VECTOR, LANES, SET1, MUL, SUB, UNORD, OR, MASK, LOADU, STREAM)   \
+    static void stream_scaled_##SUFFIX(T *dst, const T *src, T s, size_t m, int *bad) {          \
         size_t i = 0, head = ((16 - ((uintptr_t)dst & 15)) & 15) / sizeof(T);                   \
-        for (; i < head && i < m; i++) dst[i] = src[i] * s;                                      \
-        VECTOR scale = SET1(s);                                                                  \
-        for (; i + LANES <= m; i += LANES) STREAM(dst + i, MUL(LOADU(src + i), scale));          \
-        for (; i < m; i++) dst[i] = src[i] * s;                                                  \
+        int b = 0;                                                                               \
+        T d;                                                                                     \
+        for (; i < head && i < m; i++) {                                                         \
+            dst[i] = src[i] * s;                                                                 \
+            d = src[i] - src[i];                                                                 \
+            b |= d != d;                                                                         \
+        }                                                                                        \
+        VECTOR scale = SET1(s), seen = SET1(0);                                                  \
+        for (; i + LANES <= m; i += LANES) {                                                     \
+            VECTOR x = LOADU(src + i), y = SUB(x, x);                                            \
+            STREAM(dst + i, MUL(x, scale));                                                      \
+            seen = OR(seen, UNORD(y, y));                                                        \
+        }                                                                                        \
+        for (; i < m; i++) {                                                                     \
+            dst[i] = src[i] * s;                                                                 \
+            d = src[i] - src[i];                                                                 \
+            b |= d != d;                                                                         \
+        }                                                                                        \
+        if (bad) *bad |= b | (MASK(seen) != 0);                                                  \
     }
-DEFINE_STREAM_SCALED(f32, float, __m128, 4, _mm_set1_ps, _mm_mul_ps, _mm_loadu_ps, _mm_stream_ps)
-DEFINE_STREAM_SCALED(f64, double, __m128d, 2, _mm_set1_pd, _mm_mul_pd, _mm_loadu_pd, _mm_stream_pd)
+DEFINE_STREAM_SCALED(f32, float, __m128, 4, _mm_set1_ps, _mm_mul_ps, _mm_sub_ps, _mm_cmpunord_ps, _mm_or_ps,
+                     _mm_movemask_ps, _mm_loadu_ps, _mm_stream_ps)
+DEFINE_STREAM_SCALED(f64, double, __m128d, 2, _mm_set1_pd, _mm_mul_pd, _mm_sub_pd, _mm_cmpunord_pd, _mm_or_pd,
+                     _mm_movemask_pd, _mm_loadu_pd, _mm_stream_pd)
 #else
-#define stream_scaled_f32(dst, src, s, m) ((void)0)
-#define stream_scaled_f64(dst, src, s, m) ((void)0)
+#define stream_scaled_f32(dst, src, s, m, bad) ((void)0)
+#define stream_scaled_f64(dst, src, s, m, bad) ((void)0)
 #endif
 
 #define DEFINE_KERNELS(SUFFIX, T)                                                                 \
@@ -99,9 +122,29 @@ DEFINE_STREAM_SCALED(f64, double, __m128d, 2, _mm_set1_pd, _mm_mul_pd, _mm_loadu
     VECTOR_CLONES static void scale_##SUFFIX(T *restrict out, T s, size_t m) {                  \
         for (size_t i = 0; i < m; i++) out[i] *= s;                                            \
     }                                                                                            \
+    /* 1 if an element is NaN or infinite (x - x is NaN exactly then); run on blocks in L1. */   \
+    VECTOR_CLONES static int nonfinite_##SUFFIX(const T *restrict a, size_t m) {               \
+        int bad = 0;                                                                             \
+        for (size_t i = 0; i < m; i++) {                                                         \
+            T d = a[i] - a[i];                                                                   \
+            bad |= d != d;                                                                       \
+        }                                                                                        \
+        return bad;                                                                              \
+    }                                                                                            \
     VECTOR_CLONES static void scaled_##SUFFIX(T *restrict out, const T *restrict a, T s,        \
                                               size_t m) {                                        \
         for (size_t i = 0; i < m; i++) out[i] = a[i] * s;                                       \
+    }                                                                                            \
+    /* scaled_, and 1 if an element of `a` is NaN or infinite, found in the same loop. */          \
+    VECTOR_CLONES static int scaled_checked_##SUFFIX(T *restrict out, const T *restrict a, T s, \
+                                                     size_t m) {                                 \
+        int bad = 0;                                                                             \
+        for (size_t i = 0; i < m; i++) {                                                         \
+            T x = a[i], d = x - x;                                                               \
+            out[i] = x * s;                                                                      \
+            bad |= d != d;                                                                       \
+        }                                                                                        \
+        return bad;                                                                              \
     }                                                                                            \
     /* The product is rounded before the sum (-ffp-contract=off): the bits of a scale, then an add. */ \
     VECTOR_CLONES static void scaled_add2_##SUFFIX(T *restrict out, const T *restrict a, T s,   \
@@ -128,10 +171,11 @@ DEFINE_STREAM_SCALED(f64, double, __m128d, 2, _mm_set1_pd, _mm_mul_pd, _mm_loadu
     }                                                                                            \
     /* out_a and out_b may be `own` itself: each block is read before it is written. */         \
     static void own_chunk_##SUFFIX(T *out_a, T *out_b, const T *own, T **others, int count,     \
-                                   int rank, size_t numel, T s, int nt) {                        \
+                                   int rank, size_t numel, T s, int nt, int *bad) {              \
         T total[BLOCK];                                                                          \
         for (size_t start = 0; start < numel; start += BLOCK) {                                  \
             size_t m = numel - start < BLOCK ? numel - start : BLOCK;                            \
+            if (bad) *bad |= nonfinite_##SUFFIX(own + start, m); /* this rank's term, before it is written */ \
             /* The first two terms in one pass, this rank's scaled on the way. */                \
             if (rank == 0) scaled_add2_##SUFFIX(total, own + start, s, others[1] + start, m);    \
             else if (rank == 1) add2_scaled_##SUFFIX(total, others[0] + start, own + start, s, m); \
@@ -164,22 +208,26 @@ DEFINE_STREAM_SCALED(f64, double, __m128d, 2, _mm_set1_pd, _mm_mul_pd, _mm_loadu
         }                                                                                        \
     }                                                                                            \
     static void copy_segment_##SUFFIX(T *dst, const T *src, size_t numel, T s, int multiply,    \
-                                      int nt) {                                                  \
+                                      int nt, int *bad) {                                        \
         T total[BLOCK];                                                                          \
         if (!multiply) {                                                                         \
             store(dst, src, numel * sizeof(T), nt);                                              \
+            if (bad) *bad |= nonfinite_##SUFFIX(dst, numel);                                     \
             return;                                                                              \
         }                                                                                        \
         /* Streaming: straight to memory when src and dst are aligned alike. Otherwise (and through \
          * the cache) a buffer, then store(): writing a shared-memory dst directly measured slower, \
          * as memcpy's string stores take the lines without reading them first. */              \
         if (nt && HAVE_STREAM && !(((uintptr_t)dst ^ (uintptr_t)src) & 15)) {                  \
-            stream_scaled_##SUFFIX(dst, src, s, numel);                                          \
+            stream_scaled_##SUFFIX(dst, src, s, numel, bad);                                     \
             return;                                                                              \
         }                                                                                        \
         for (size_t start = 0; start < numel; start += BLOCK) {                                  \
             size_t m = numel - start < BLOCK ? numel - start : BLOCK;                            \
-            scaled_##SUFFIX(total, src + start, s, m);                                           \
+            if (bad)                                                                             \
+                *bad |= scaled_checked_##SUFFIX(total, src + start, s, m);                       \
+            else                                                                                 \
+                scaled_##SUFFIX(total, src + start, s, m);                                       \
             store(dst + start, total, m * sizeof(T), nt);                                        \
         }                                                                                        \
     }
@@ -253,10 +301,10 @@ static int check_dtype(int dtype) {
 static PyObject *sum_own_chunk(PyObject *self, PyObject *args) {
     Py_ssize_t out_a, out_b, own, numel, count;
     PyObject *addresses;
-    int dtype, rank, nt = 0;
+    int dtype, rank, nt = 0, check = 0, bad = 0;
     double scale;
-    if (!PyArg_ParseTuple(args, "nnnO!nidi|p", &out_a, &out_b, &own, &PyTuple_Type, &addresses, &numel, &dtype,
-                          &scale, &rank, &nt))
+    if (!PyArg_ParseTuple(args, "nnnO!nidi|pp", &out_a, &out_b, &own, &PyTuple_Type, &addresses, &numel, &dtype,
+                          &scale, &rank, &nt, &check))
         return NULL;
     void *others[MAX_PARTS];
     if (parse_addresses(addresses, others, &count, 2) < 0) return NULL;
@@ -268,12 +316,13 @@ static PyObject *sum_own_chunk(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     if (dtype == 1)
         own_chunk_f32((float *)out_a, (float *)out_b, (const float *)own, (float **)others, (int)count, rank,
-                      (size_t)numel, (float)scale, nt);
+                      (size_t)numel, (float)scale, nt, check ? &bad : NULL);
     else
         own_chunk_f64((double *)out_a, (double *)out_b, (const double *)own, (double **)others, (int)count, rank,
-                      (size_t)numel, scale, nt);
+                      (size_t)numel, scale, nt, check ? &bad : NULL);
     fence(nt);
     Py_END_ALLOW_THREADS
+    if (check) return PyBool_FromLong(!bad);
     Py_RETURN_NONE;
 }
 
@@ -302,9 +351,9 @@ static PyObject *sum_segments(PyObject *self, PyObject *args) {
 
 static PyObject *copy_segments(PyObject *self, PyObject *args) {
     PyObject *segments;
-    int dtype, multiply, nt = 0;
+    int dtype, multiply, nt = 0, check = 0, bad = 0;
     double scale;
-    if (!PyArg_ParseTuple(args, "Oidp|p", &segments, &dtype, &scale, &multiply, &nt)) return NULL;
+    if (!PyArg_ParseTuple(args, "Oidp|pp", &segments, &dtype, &scale, &multiply, &nt, &check)) return NULL;
     if (check_dtype(dtype) < 0) return NULL;
     Py_ssize_t triples;
     Py_ssize_t *values = parse_triples(segments, &triples);
@@ -320,13 +369,16 @@ static PyObject *copy_segments(PyObject *self, PyObject *args) {
     for (Py_ssize_t k = 0; k < triples; k++) {
         Py_ssize_t *v = values + 3 * k;
         if (dtype == 1)
-            copy_segment_f32((float *)v[0], (const float *)v[1], (size_t)v[2], (float)scale, multiply, nt);
+            copy_segment_f32((float *)v[0], (const float *)v[1], (size_t)v[2], (float)scale, multiply, nt,
+                             check ? &bad : NULL);
         else
-            copy_segment_f64((double *)v[0], (const double *)v[1], (size_t)v[2], scale, multiply, nt);
+            copy_segment_f64((double *)v[0], (const double *)v[1], (size_t)v[2], scale, multiply, nt,
+                             check ? &bad : NULL);
     }
     fence(nt);
     Py_END_ALLOW_THREADS
     PyMem_Free(values);
+    if (check) return PyBool_FromLong(!bad);
     Py_RETURN_NONE;
 }
 
@@ -357,12 +409,13 @@ static PyMethodDef methods[] = {
     {"reduce_into_all", reduce_into_all, METH_VARARGS,
      "reduce_into_all(addresses, numel, dtype, scale, average): sum in rank order, scale, write to all."},
     {"sum_own_chunk", sum_own_chunk, METH_VARARGS,
-     "sum_own_chunk(out_a, out_b, own, addresses, numel, dtype, scale, rank, nontemporal=False): "
-     "the split exchange's own chunk."},
+     "sum_own_chunk(out_a, out_b, own, addresses, numel, dtype, scale, rank, nontemporal=False, check=False): "
+     "the split exchange's own chunk; with check, whether every element of own was finite."},
     {"sum_segments", sum_segments, METH_VARARGS,
      "sum_segments(parts, segments, dtype, nontemporal=False): rank-order sums of pieces of `parts`."},
     {"copy_segments", copy_segments, METH_VARARGS,
-     "copy_segments(segments, dtype, scale, multiply, nontemporal=False): copies, optionally scaled."},
+     "copy_segments(segments, dtype, scale, multiply, nontemporal=False, check=False): copies, optionally "
+     "scaled; with check, whether every source element was finite."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -164,17 +164,19 @@ class PostedExchanges:
         return chunk_bounds(numel, element_size, self.world_size)
 
     def reduce_own_chunk(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, torch.Tensor]],
-                         scale: float, sums: list[tuple[int, torch.Tensor]] = ()) -> int:
+                         scale: float, sums: list[tuple[int, torch.Tensor]] = (), finite: list | None = None) -> int:
         """Split exchange, after every rank's post(tensor) (see posted_ready): each `(start, out)` of
         `pieces` lies in this rank's chunk, and `out` (contiguous) holds this rank's values for
         tensor[start:start + out.numel()]; the sum in rank order of `out * scale` and the other ranks'
         posted copies goes into `out` and into this rank's copy, for the peers to fetch. Each
         `(start, out)` of `sums` (outside every rank's chunk: chunks are being rewritten meanwhile)
-        gets the plain sum, as in gather_sum(). Returns the ticket of fetch_chunks()."""
+        gets the plain sum, as in gather_sum(). Returns the ticket of fetch_chunks(). With a list `finite`,
+        appends whether every element of this rank's `out`s was finite as they were read (a NaN check on the
+        way, at no extra pass)."""
         allocation, offset = self._posted_piece(tensor, "reduce_own_chunk")
-        return self._guarded(self._reduce_own_chunk, allocation, offset, tensor, ticket, pieces, scale, sums)
+        return self._guarded(self._reduce_own_chunk, allocation, offset, tensor, ticket, pieces, scale, sums, finite)
 
-    def _reduce_own_chunk(self, allocation, offset, tensor, ticket, pieces, scale, sums) -> int:
+    def _reduce_own_chunk(self, allocation, offset, tensor, ticket, pieces, scale, sums, finite=None) -> int:
         self._barrier.wait_all(ticket, "exchange", self._spin)
         self._check_same_post(allocation)
         copies = self._copies(allocation, offset, tensor)
@@ -188,8 +190,10 @@ class PostedExchanges:
                                          expected=f"contiguous {tensor.dtype}", fix="Pass a contiguous view."))
             if count:
                 addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
-                sum_own_chunk(out.data_ptr(), addresses[self.rank], out.data_ptr(), addresses, count, code, scale,
-                              self.rank, stream)
+                seen = sum_own_chunk(out.data_ptr(), addresses[self.rank], out.data_ptr(), addresses, count, code,
+                                     scale, self.rank, stream, finite is not None)
+                if finite is not None:
+                    finite.append(seen)
         return self._barrier.arrive()  # this rank's chunk of the result is in its copy
 
     def reduce_scatter(self, tensor: torch.Tensor, ticket: int, start: int, out: torch.Tensor) -> None:

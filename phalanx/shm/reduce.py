@@ -72,11 +72,14 @@ def streams(exchanged: torch.Tensor) -> bool:
     return exchanged.numel() * exchanged.element_size() >= STREAM_MIN_BYTES
 
 
-def copy_pieces(segments: list[int], dtype: torch.dtype, scale: float | None, stream: bool) -> None:
+def copy_pieces(segments: list[int], dtype: torch.dtype, scale: float | None, stream: bool,
+                check: bool = False) -> bool | None:
     """For each (destination address, source address, count) triple, flattened in `segments`: the
     source's `count` elements of `dtype` (times `scale`, unless None) into the destination, in one
-    call. Needs kernel_serves(dtype); every address must be valid for its count."""
-    _copy_segments(segments, KERNEL_DTYPES[dtype], 1.0 if scale is None else scale, scale is not None, stream)
+    call. Needs kernel_serves(dtype); every address must be valid for its count. With `check`, returns
+    whether every source element was finite (found on the way, at no extra pass over memory)."""
+    return _copy_segments(segments, KERNEL_DTYPES[dtype], 1.0 if scale is None else scale, scale is not None, stream,
+                          check)
 
 
 def sum_pieces(parts: tuple[int, ...], segments: list[int], dtype: torch.dtype, stream: bool) -> None:

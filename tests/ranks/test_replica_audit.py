@@ -239,13 +239,50 @@ def _joined_then_more(rank, bf16_hook):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _one_nan_element(rank, transport, element):
+    """One step; rank 1's gradient of '2.weight' (512 x 256) gets a NaN at `element`; the error each rank raises,
+    and how the bucket was exchanged."""
+    if transport == "gloo":
+        os.environ["PHALANX_SHM"] = "0"
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(), torch.nn.Linear(256, 512), torch.nn.Tanh(),
+                                  torch.nn.Linear(512, 2))
+        model = px.DistributedDataParallel(net)
+    finally:
+        os.environ.pop("PHALANX_SHM", None)
+    exchange = model._reducer.exchange
+    how = sorted(set(exchange.modes)) if hasattr(exchange, "modes") else [type(exchange).__name__]
+
+    def poison(grad):
+        grad = grad.clone()
+        grad.view(-1)[element] = float("nan")
+        return grad
+    if rank == 1:
+        net[2].weight.register_hook(poison)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in net.parameters()]
+    try:
+        F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+        optimizer.step()
+        error = None
+    except px.NonFiniteGradientError as caught:
+        error = {"ranks": caught.ranks, "parameter": caught.parameter, "step": caught.step}
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    return {"how": how, "error": error, "unchanged": unchanged}
+
+
 def _two_ranks(rank, tmp):
     out = {"param": _train(rank, 2, os.path.join(tmp, "param"), corrupt="param", audit_every=AUDIT_EVERY)}
     checkpointer = px.Checkpointer(os.path.join(tmp, "param"))
     out["restored"] = checkpointer.restore({"model": _net(), "optimizer": torch.optim.AdamW(_net().parameters())})
     out["restored_step"] = checkpointer.steps
+    del checkpointer  # the runs below start at step 0 again (a restored step holds while its Checkpointer lives)
     out["join"] = _joined_then_more(rank, False)
     out["join_bf16"] = _joined_then_more(rank, True)
+    last = 512 * 256 - 1
+    out["nan"] = {(transport, element): _one_nan_element(rank, transport, element)
+                  for transport in ("shm", "gloo") for element in (0, last)}
     return out
 
 
@@ -280,3 +317,14 @@ def test_join_with_uneven_batches_and_a_comm_hook_leave_the_replicas_agreeing(tw
     the replicas end bitwise equal."""
     for scenario in ("join", "join_bf16"):
         assert all(torch.equal(a, b) for a, b in zip(two[0][scenario], two[1][scenario]))
+
+
+def test_one_nan_element_is_found_on_every_path_of_the_exchange(two):
+    """World size 2: a NaN in one element of rank 1's gradient, in the chunk rank 0 sums and in the one rank 1
+    sums of the split shared-memory exchange (the check rides along its copies), and over Gloo (a sum per
+    bucket): every rank raises naming rank 1 and '2.weight', and no parameter changed."""
+    for r in two:
+        for (transport, element), seen in r["nan"].items():
+            assert seen["how"] == (["split"] if transport == "shm" else ["AllReduceExchange"]), seen
+            assert seen["error"] == {"ranks": [1], "parameter": "2.weight", "step": 1}, (transport, element, seen)
+            assert seen["unchanged"], (transport, element)

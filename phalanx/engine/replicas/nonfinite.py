@@ -40,6 +40,8 @@ class NonFiniteCheck:
         self._tag = 0
         self.pending: tuple | None = None  # (step, micro-batch) of a verdict not read yet
         self.micro_batch = 0  # of the synchronized backward: the forwards with gradients since the last one
+        self._sum = dist.AllreduceOptions()
+        self._sum.reduceOp = dist.ReduceOp.SUM
 
     # -- while the buckets leave (the exchange calls it) -----------------------------------------
 
@@ -54,6 +56,11 @@ class NonFiniteCheck:
             total = flat.sum(dtype=_accumulator(flat.dtype))
         self._finite[bucket.index] = (bucket, torch.isfinite(total))
 
+    def seen(self, bucket, finite: bool) -> None:
+        """The exchange checked (a part of) this rank's gradients of `bucket` itself, on the way (its copy-in)."""
+        known = self._finite.get(bucket.index)
+        self._finite[bucket.index] = (bucket, finite and (known is None or bool(known[1])))
+
     # -- end of backward (the reducer calls it) ---------------------------------------------------
 
     def exchange(self, group, guard, shadow: bool = False) -> None:
@@ -61,16 +68,19 @@ class NonFiniteCheck:
         if self._work is not None:  # a verdict no optimizer step read (two backwards in one step): its flags first
             self._settle()
         flags = self.flags
-        if shadow or not self._finite:
-            flags[0] = 0
+        looked = [f for _, f in self._finite.values() if isinstance(f, torch.Tensor)]
+        if shadow or not self._finite or not all(f for _, f in self._finite.values() if isinstance(f, bool)):
+            flags[0] = 0 if shadow or not self._finite else 1
+        elif looked:  # sums on the device: no read here
+            flags[0].copy_(~torch.stack([f.to(flags.device) for f in looked]).all())
         else:
-            finite = torch.stack([f.to(flags.device) for _, f in self._finite.values()])
-            flags[0].copy_(~finite.all())
+            flags[0] = 0
         self._last, self._finite = self._finite, {}
         self._tag = guard.tag(2 ** 40)
         flags[1] = self._tag
         entry = recorder.begin(recorder.FINITE_FLAGS, -1, flags.numel(), flags.dtype)
-        self._work = (dist.all_reduce(flags, group=group, async_op=True), entry, guard, group)
+        # the group's own call: dist.all_reduce's Python wrappers cost more than this whole check (all_reduce.py)
+        self._work = (group.allreduce([flags], self._sum), entry, guard, group)
         self.pending = None if shadow else (self.step, self.micro_batch)
         if shadow:  # nobody reads a joined rank's verdict
             self._settle()
