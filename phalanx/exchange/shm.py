@@ -21,7 +21,7 @@ from ..bucket.buckets import Bucket
 from ..bucket.step_guard import StepGuard
 from ..diagnose import step_clock
 from ..shm import ShmCommunicator
-from ..shm.reduce import kernel_serves, streams
+from ..shm.reduce import KERNEL_CHECKS, kernel_serves, streams
 from .all_reduce import AllReduceExchange
 from .shm_copy_in import BucketCopyIn, gradient_addresses
 
@@ -129,8 +129,10 @@ class ShmExchange(AllReduceExchange):
         with self.timer("copy_in", bucket.index):
             if copy_in is not None:  # the non-finite check rides along (split: its own chunk when it is summed)
                 finite = copy_in.copy(self.scale, check=self.check is not None)
-                if self.check is not None:
+                if finite is not None:
                     self.check.seen(bucket, finite)
+                elif self.check is not None:  # a kernel built before it could say: a sum of the gradients
+                    self._check_local(bucket, in_buffer=False)
             else:  # a dtype the kernel does not take (a split bucket always has a copy-in)
                 bucket.fill_(self.scale)
                 self._check_local(bucket)
@@ -269,7 +271,7 @@ class ShmExchange(AllReduceExchange):
                 flats[k] = grad.contiguous().view(-1)
                 copy_back.append((grad, flats[k]))
         start = bucket.offsets
-        finite = [] if self.check is not None else None  # this rank's own chunk, checked as it is summed
+        finite = [] if self.check is not None and KERNEL_CHECKS else None  # this rank's own chunk, as it is summed
         self._split_exchange(bucket, ticket, what, 1.0 / self.divisor,
                              [(start[k] + lo, flats[k][lo:hi]) for k, lo, hi in own if k in flats],
                              [(owner, start[k] + lo, flats[k][lo:hi]) for owner, k, lo, hi in fetched if k in flats],

@@ -72,5 +72,6 @@ class BucketCopyIn:
                     if check:
                         finite = finite and bool(torch.isfinite(out.sum()))
         if batch:
-            finite = copy_pieces(batch, dtype, scale, self.stream, check) and finite
+            said = copy_pieces(batch, dtype, scale, self.stream, check)
+            finite = None if said is None else said and finite
         return finite if check else None

@@ -18,6 +18,9 @@ try:
     from ._reduce_kernels import sum_segments as _sum_segments
 except ImportError:  # built without a C compiler: the torch ops below give the same result, slower
     _kernel = sum_own_chunk = _copy_segments = _sum_segments = None
+# Whether the copies can say if what they read was finite (check=True); a kernel built before they could (a
+# checkout not rebuilt) cannot, and its callers then check in another way.
+KERNEL_CHECKS = _copy_segments is not None and "check" in (_copy_segments.__doc__ or "")
 
 # The wire code of each dtype we reduce; it is also compared across ranks before every exchange.
 DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int64: 5,
@@ -77,9 +80,13 @@ def copy_pieces(segments: list[int], dtype: torch.dtype, scale: float | None, st
     """For each (destination address, source address, count) triple, flattened in `segments`: the
     source's `count` elements of `dtype` (times `scale`, unless None) into the destination, in one
     call. Needs kernel_serves(dtype); every address must be valid for its count. With `check`, returns
-    whether every source element was finite (found on the way, at no extra pass over memory)."""
-    return _copy_segments(segments, KERNEL_DTYPES[dtype], 1.0 if scale is None else scale, scale is not None, stream,
-                          check)
+    whether every source element was finite (found on the way, at no extra pass over memory); None where the
+    kernel cannot say (KERNEL_CHECKS)."""
+    code, factor, multiply = KERNEL_DTYPES[dtype], 1.0 if scale is None else scale, scale is not None
+    if check and KERNEL_CHECKS:
+        return _copy_segments(segments, code, factor, multiply, stream, True)
+    _copy_segments(segments, code, factor, multiply, stream)
+    return None
 
 
 def sum_pieces(parts: tuple[int, ...], segments: list[int], dtype: torch.dtype, stream: bool) -> None:
