@@ -1,0 +1,114 @@
+"""The loop of docs/data.md with a tiny model, for counting what live recovery's control plane sends.
+
+    phalanx run --nnodes N --node-rank I --nproc-per-node L --min-world-size M ... \\
+        tests/e2e/jobs/control_plane_job.py RUN_DIR --host I --steps T --window A:B [--pause 0.15]
+
+A global batch of 4 samples per launched rank (one micro-batch each), SGD, a Checkpointer that saves only when asked
+to stop (its stop agreement runs as in any loop), T optimizer steps in one epoch. Launch rank 0 sleeps `--pause`
+seconds at the start of every step, so that the others wait on it in their collectives, as behind a slow peer. Every
+rank appends `step time generation world_size` (time.time(), after checkpointer.step) to RUN_DIR/steps-<launch
+rank>.txt per applied step. Local rank 0 of each host reads its network namespace's TCP counters (/proc/self/net/snmp:
+the whole host's, launcher and store included) at the end of steps A and B and writes them to RUN_DIR/tcp-<host>.json,
+with the segments on its own connections to the store and on its others (`store`, `other`: ss's per-socket counters):
+the window is the same steps on every host, whatever the harness's timing. Every rank writes phalanx's log records
+(INFO and above) to RUN_DIR/log-<launch rank>.txt, each line `time level message`: when a loss was named, and how
+long the regroup took, on the worker's own clock (`--debug`: DEBUG records too, in that file only).
+"""
+
+import argparse
+import json
+import logging
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import phalanx as px
+from phalanx.world.group import live_generation
+
+MICRO_BATCH = 4
+
+
+def tcp_counters() -> dict[str, int]:
+    """This network namespace's TCP counters: {"ActiveOpens": ..., "OutSegs": ..., ...}."""
+    with open("/proc/self/net/snmp") as snmp:
+        names, values = [line.split()[1:] for line in snmp if line.startswith("Tcp:")]
+    return {name: int(value) for name, value in zip(names, values)}
+
+
+def socket_segments() -> dict[str, int]:
+    """Segments both ways on this process's TCP connections (ss's per-socket counters): {"store": on its connections to
+    the store (MASTER_ADDR:MASTER_PORT), "other": on the rest (Gloo's pairs, a watch)}. Connections opened and closed
+    in between are not seen."""
+    shown = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
+    store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    found = {"store": 0, "other": 0}
+    for entry in re.split(r"\n(?=\S)", shown):  # a socket: its line, then its counters' indented line
+        fields = entry.split()
+        if f"pid={os.getpid()}," not in entry or len(fields) < 5:
+            continue
+        segments = sum(int(value) for value in re.findall(r"\bsegs_(?:in|out):(\d+)", entry))
+        peer = re.sub(r"^\[(?:::ffff:)?(.*)\]:", r"\1:", fields[4])  # an IPv4 peer of an IPv6 socket: [::ffff:a.b.c.d]
+        found["store" if peer == store else "other"] += segments
+    return found
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--host", type=int, required=True, help="this host's index (its node rank)")
+    parser.add_argument("--steps", type=int, required=True, help="optimizer steps to run")
+    parser.add_argument("--window", default="5:25", help="A:B, the steps at whose ends the TCP counters are read")
+    parser.add_argument("--pause", type=float, default=0.15, help="seconds launch rank 0 sleeps in each step")
+    parser.add_argument("--debug", action="store_true", help="phalanx's DEBUG records too, in RUN_DIR/log-<rank>.txt")
+    args = parser.parse_args()
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    first, last = (int(part) for part in args.window.split(":"))
+    px.init()
+    rank, counts = px.world.launch_rank(), px.world.local_rank() == 0
+    record = logging.FileHandler(args.run_dir / f"log-{rank}.txt")
+    record.setFormatter(logging.Formatter("%(created).6f %(levelname)s %(message)s"))
+    phalanx_logger = logging.getLogger("phalanx")
+    if args.debug:  # its own lines stay at INFO
+        for handler in phalanx_logger.handlers:
+            handler.setLevel(logging.INFO)
+        phalanx_logger.setLevel(logging.DEBUG)
+    phalanx_logger.addHandler(record)
+    global_batch = MICRO_BATCH * px.world.launch_world_size()
+    generator = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(args.steps * global_batch, 4, generator=generator),
+                                          torch.randn(args.steps * global_batch, 1, generator=generator))
+    torch.manual_seed(0)
+    model = px.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                                           torch.nn.Linear(8, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = px.DataLoader(data, batch_size=MICRO_BATCH, global_batch_size=global_batch,
+                           sampler=px.DistributedSampler(data, seed=0))
+    state = {"model": model, "optimizer": optimizer, "loader": loader}
+    checkpointer = px.Checkpointer(args.run_dir / "checkpoints")  # saves only when asked to stop
+    counters = {}
+    with open(args.run_dir / f"steps-{rank}.txt", "w") as log:
+        loader.set_epoch(0)
+        for done, step in enumerate(loader, start=1):
+            if rank == 0:
+                time.sleep(args.pause)
+            optimizer.zero_grad()
+            for x, y in step.micro_batches(model):
+                step.backward(F.mse_loss(model(x), y))
+            optimizer.step()
+            checkpointer.step(state)
+            if counts and done in (first, last):
+                counters[done] = {**tcp_counters(), **socket_segments()}
+            log.write(f"{done} {time.time():.6f} {live_generation()} {px.world_size()}\n")
+            log.flush()
+    if counts:
+        (args.run_dir / f"tcp-{args.host}.json").write_text(json.dumps(counters))
+    px.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""What live recovery's control plane sends, counted on namespace hosts: shared by tests/e2e/test_control_plane.py
+and benchmarks/control_plane.py.
+
+`run_job` starts tests/e2e/jobs/control_plane_job.py under `phalanx run --nnodes N --node-rank i` on each host (live
+recovery on: `--min-world-size` = the ranks of all hosts but one; off: `--min-world-size 0`) and waits for it; each
+host's TCP counters are read by the job at the ends of two steps (the window), so `figures` turns them into what one
+rank sends per step. What live recovery adds is the difference between a run with it on and one with it off.
+`loss_run` starts the same job, then SIGKILLs the last host whole or sets its link down, and reads when the ranks left
+named the loss, how long they took to regroup, and when their next step came.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from phalanx.testing import free_port
+from tests.conftest import ROOT
+from tests.e2e.test_elastic import job_env, kill_node
+
+JOB = str(ROOT / "tests" / "e2e" / "jobs" / "control_plane_job.py")
+WARMUP = 5  # steps before the window: the groups made, the first connections opened, the agreement's pace found
+HANG_GUARD = 300  # seconds a run may take at most
+
+
+@dataclass
+class Figures:
+    """One run's window, per rank and step: TCP connections opened (ActiveOpens), segments sent (OutSegs), segments the
+    store's host received per step (InSegs of host 0, whose launcher holds the store), the mean step time
+    (`durations`: each step's, launch rank 0's, in the window; none in a difference of two runs), and the segments
+    both ways on one rank's own connections to the store (`rank_store`) and on its other kept connections
+    (`rank_other`: Gloo's, a watch's), from local rank 0 of each host."""
+
+    connections: float
+    segments: float
+    store_host_in: float
+    step_seconds: float
+    rank_store: float = 0.0
+    rank_other: float = 0.0
+    durations: tuple = ()
+
+    def minus(self, other: Figures) -> Figures:
+        return Figures(self.connections - other.connections, self.segments - other.segments,
+                       self.store_host_in - other.store_host_in, self.step_seconds - other.step_seconds,
+                       self.rank_store - other.rank_store, self.rank_other - other.rank_other)
+
+
+class Job:
+    """One `phalanx run` per host, its output kept line by line with the time each line came."""
+
+    def __init__(self, hosts: list[dict], run_dir: Path, per_host: int, live: bool, steps: int, window: tuple,
+                 pause: float, debug: bool = False):
+        self.hosts, self.run_dir, self.per_host = hosts, run_dir, per_host
+        self.ranks = len(hosts) * per_host
+        minimum = self.ranks - per_host if live else 0  # on: any one host may be lost
+        port = free_port()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.lines: list[list[tuple[float, str]]] = [[] for _ in hosts]
+        self.launchers = [subprocess.Popen(
+            ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", str(len(hosts)),
+             "--node-rank", str(i), "--nproc-per-node", str(per_host), "--min-world-size", str(minimum),
+             "--master-addr", hosts[0]["addr"], "--master-port", str(port), "--rdzv-timeout", "60", JOB, str(run_dir),
+             "--host", str(i), "--steps", str(steps), "--window", f"{window[0]}:{window[1]}", "--pause", str(pause),
+             *(["--debug"] if debug else [])],
+            env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for i, host in enumerate(hosts)]
+        self.readers = [threading.Thread(target=self._read, args=(i,), daemon=True) for i in range(len(hosts))]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, i: int) -> None:
+        for line in self.launchers[i].stdout:
+            self.lines[i].append((time.time(), line.rstrip("\n")))
+
+    def output(self, i: int) -> str:
+        return "\n".join(line for _, line in self.lines[i])
+
+    def wait(self, which=None) -> None:
+        """Wait for the launchers `which` (default all) to end; kill every launcher and fail on a hang or an error."""
+        which = range(len(self.launchers)) if which is None else which
+        deadline = time.monotonic() + HANG_GUARD
+        try:
+            for i in which:
+                self.launchers[i].wait(timeout=max(1.0, deadline - time.monotonic()))
+                self.readers[i].join(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"the job did not end within {HANG_GUARD} s:\n{self.outputs()}") from None
+        failed = [i for i in which if self.launchers[i].returncode != 0]
+        if failed:
+            self.stop()
+            raise AssertionError(f"host(s) {failed} ended with an error:\n{self.outputs()}")
+
+    def stop(self) -> None:
+        for launcher in self.launchers:
+            if launcher.poll() is None:
+                kill_node(launcher)
+
+    def outputs(self, tail: int = 1500) -> str:
+        """Each host's exit code and the last `tail` characters of its output."""
+        return "\n".join(f"== host {i} (exit {launcher.returncode}):\n{self.output(i)[-tail:]}"
+                         for i, launcher in enumerate(self.launchers))
+
+    def step_times(self, rank: int) -> list[tuple[int, float, int, int]]:
+        """(step, time, generation, world size) per step launch rank `rank` applied."""
+        path = self.run_dir / f"steps-{rank}.txt"
+        if not path.exists():
+            return []
+        rows = [line.split() for line in path.read_text().splitlines()]
+        return [(int(s), float(t), int(g), int(w)) for s, t, g, w in (row for row in rows if len(row) == 4)]
+
+
+def run_job(hosts: list[dict], run_dir: Path, *, per_host: int = 1, live: bool, window: int = 20,
+            pause: float = 0.15) -> Figures:
+    """One run on `hosts` (steps WARMUP+1 .. WARMUP+window counted) and its figures."""
+    first, last = WARMUP, WARMUP + window
+    job = Job(hosts, run_dir, per_host, live, last + 1, (first, last), pause)
+    try:
+        job.wait()
+    finally:
+        job.stop()
+    return figures(job, first, last)
+
+
+def figures(job: Job, first: int, last: int) -> Figures:
+    """Per rank and step over steps first+1 .. last, from the counters each host read at their ends."""
+    totals: dict[str, int] = {}
+    store_host_in = 0
+    for i in range(len(job.hosts)):
+        read = json.loads((job.run_dir / f"tcp-{i}.json").read_text())
+        for name in ("ActiveOpens", "OutSegs", "store", "other"):
+            totals[name] = totals.get(name, 0) + read[str(last)][name] - read[str(first)][name]
+        if i == 0:
+            store_host_in = read[str(last)]["InSegs"] - read[str(first)]["InSegs"]
+    steps = last - first
+    times = {step: when for step, when, _, _ in job.step_times(0)}
+    hosts, window = len(job.hosts), range(first + 1, last + 1)
+    return Figures(totals["ActiveOpens"] / (job.ranks * steps), totals["OutSegs"] / (job.ranks * steps),
+                   store_host_in / steps, (times[last] - times[first]) / steps, totals["store"] / (hosts * steps),
+                   totals["other"] / (hosts * steps), tuple(times[step] - times[step - 1] for step in window))
+
+
+def added(hosts: list[dict], run_dir: Path, *, per_host: int = 1, window: int = 20,
+          pause: float = 0.15) -> tuple[Figures, Figures]:
+    """Live recovery on, then off, on the same hosts: (on, off)."""
+    on = run_job(hosts, run_dir / "on", per_host=per_host, live=True, window=window, pause=pause)
+    off = run_job(hosts, run_dir / "off", per_host=per_host, live=False, window=window, pause=pause)
+    return on, off
+
+
+# -- a host lost ------------------------------------------------------------------------------------------------------
+
+LOST_LINE = re.compile(r"lost ranks \[([\d, ]+)\].*regrouped in ([\d.]+) s")
+FOUND_LINE = re.compile(r"found rank \d+ gone")  # a watcher's verdict, at DEBUG (the job's --debug)
+SUMMARY_REGROUP = re.compile(r"lost.*kept in-process: .*regrouped in ([\d.]+) s")
+
+
+@dataclass
+class Loss:
+    """A host lost: seconds from the kill (or the cut) to the moment the ranks left named it (`detected`: the first
+    worker line that says a rank was found gone, when there is one (`detected_by` "verdict"), else the line that names
+    the lost ranks less the regroup it reports ("lost line")), the regroup (`regroup`: the agreement and the new
+    groups, as that line says; `regroup_summary`: the launcher's run summary, the models and loaders too), and to the
+    first step every rank left applied in the generation after it (`next_step`)."""
+
+    how: str
+    detected: float | None
+    detected_by: str
+    regroup: float | None
+    regroup_summary: float | None
+    next_step: float | None
+    lost: list[int]
+
+
+def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, after: int = 8, steps: int = 30,
+             pause: float = 0.15) -> Loss:
+    """Live recovery on; once the last host applied `after` steps, SIGKILL its launcher and workers (`how` = "kill")
+    or set its link down ("cut": its processes run on, unreachable; killed at the end). The others finish."""
+    if run_dir.exists():
+        raise ValueError(f"{run_dir} exists: a loss run needs a folder of its own (it reads the steps logged there)")
+    job = Job(hosts, run_dir, per_host, True, steps, (1, 2), pause, debug=True)
+    victim = len(hosts) - 1
+    watched = victim * per_host  # its first launch rank (a fixed --nnodes numbers the nodes' ranks in order)
+    try:
+        deadline = time.monotonic() + HANG_GUARD
+        while len(job.step_times(watched)) < after:
+            if time.monotonic() > deadline or any(launcher.poll() is not None for launcher in job.launchers):
+                job.stop()
+                raise AssertionError(f"host {victim} did not make {after} steps:\n{job.outputs()}")
+            time.sleep(0.005)
+        if how == "cut":
+            struck = time.time()
+            subprocess.run(["ip", "-n", hosts[victim]["ns"], "link", "set", "dev", hosts[victim]["dev"], "down"],
+                           check=True, timeout=30)
+        else:
+            struck = time.time()
+            kill_node(job.launchers[victim])
+        job.wait(range(victim))
+    finally:
+        job.stop()
+    survivors = [rank for rank in range(job.ranks) if rank // per_host != victim]
+    return Loss(how, *_named(job, survivors, struck), _summary_regroup(job.output(0)),
+                _next_step(job, survivors, struck), list(range(victim * per_host, job.ranks)))
+
+
+def _named(job: Job, survivors: list[int], struck: float) -> tuple[float | None, str, float | None]:
+    """(seconds from `struck` to the loss named, how that was read, the regroup's seconds) from the survivors' logs."""
+    verdicts, named, regroup = [], [], None
+    for rank in survivors:
+        path = job.run_dir / f"log-{rank}.txt"
+        for line in path.read_text().splitlines() if path.exists() else ():
+            when, _, message = (line.split(" ", 2) + ["", ""])[:3]
+            try:
+                if float(when) < struck:
+                    continue
+            except ValueError:  # a record's second line
+                continue
+            if FOUND_LINE.search(message):
+                verdicts.append(float(when))
+            lost = LOST_LINE.search(message)
+            if lost:
+                regroup = float(lost.group(2)) if regroup is None else regroup
+                named.append(float(when) - float(lost.group(2)))
+    if verdicts:
+        return min(verdicts) - struck, "verdict", regroup
+    return (min(named) - struck if named else None), "lost line", regroup
+
+
+def _summary_regroup(output: str) -> float | None:
+    found = SUMMARY_REGROUP.search(output)
+    return float(found.group(1)) if found else None
+
+
+def _next_step(job: Job, survivors: list[int], struck: float) -> float | None:
+    """Seconds from `struck` to the first step every rank left applied in a later generation (a step applied just
+    after the kill may be one the lost host had taken its part in)."""
+    firsts = []
+    for rank in survivors:
+        later = [when for _, when, generation, _ in job.step_times(rank) if generation > 0]
+        if not later:
+            return None
+        firsts.append(min(later))
+    return max(firsts) - struck
