@@ -186,8 +186,9 @@ class TestPythonBlocks:
                 if p not in ("self", "unsupported") and info.kind != info.KEYWORD_ONLY]
         torchs = list(inspect.signature(before["DDP"].__init__).parameters)[1:]
         assert ours == torchs[:len(ours)] and ours[-1] == "static_graph", (ours, torchs)
-        # phalanx's own arguments (shard=) are keyword-only: torch's positional order stays intact
-        assert [p for p, info in signature.items() if info.kind == info.KEYWORD_ONLY] == ["shard"]
+        # phalanx's own arguments (shard=, the replica audit's) are keyword-only: torch's positional order stays intact
+        assert [p for p, info in signature.items() if info.kind == info.KEYWORD_ONLY] == [
+            "shard", "audit_every", "audit", "on_nonfinite"]
         for name in ("no_sync", "join", "register_comm_hook", "state_dict", "load_state_dict"):
             assert callable(getattr(after["DDP"], name)), name
 
@@ -217,7 +218,10 @@ class TestPythonBlocks:
         assert resumed == losses, f"the resumed run must end as the uninterrupted one:\n{restarted}\n{uninterrupted}"
         kept = sorted(p.name for p in (failing / "runs/my-job/checkpoints").glob("ckpt-*.pt")
                       if ".part-" not in p.name)  # each rank's part of a checkpoint saved in the background
-        assert kept == ["ckpt-00000004.pt", "ckpt-00000005.pt"], f"keep=2 keeps the last two: {kept}"
+        # keep=2 keeps the last two, and the newest save a replica audit vouched for (docs/audit.md): here the one
+        # restored, which the audit after the restore agreed on
+        assert kept == ["ckpt-00000002.pt", "ckpt-00000004.pt", "ckpt-00000005.pt"], \
+            f"keep=2 keeps the last two and the newest audited one: {kept}"
 
     def test_training_script_runs_alone_under_python(self, tmp_path):
         """World size 1: train.py under plain python, twice (the second run resumes at the end)."""
