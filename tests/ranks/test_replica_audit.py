@@ -328,3 +328,44 @@ def test_one_nan_element_is_found_on_every_path_of_the_exchange(two):
             assert seen["how"] == (["split"] if transport == "shm" else ["AllReduceExchange"]), seen
             assert seen["error"] == {"ranks": [1], "parameter": "2.weight", "step": 1}, (transport, element, seen)
             assert seen["unchanged"], (transport, element)
+
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
+                               reason="needs a CUDA GPU and NCCL")
+
+
+def _on_the_gpu(rank):
+    device = px.device()
+    out = {}
+    for mode in ("raise", "skip"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2)).to(device)
+        model = px.DistributedDataParallel(net, device_ids=[device.index], on_nonfinite=mode, audit_every=2)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator(device=device).manual_seed(0)
+        seen = None
+        for step in range(1, 7):
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(torch.randn(4, 8, device=device, generator=g)), torch.zeros(4, 2, device=device))
+            (loss * float("nan") if step == 3 else loss).backward()
+            torch.cuda.synchronize(device)  # so that a verdict read late is there at the next step, deterministically
+            try:
+                optimizer.step()
+            except px.NonFiniteGradientError as error:
+                seen = (error.ranks, error.step, error.parameter, step)
+                break
+        out[mode] = {"seen": seen, "finite": all(bool(torch.isfinite(p).all()) for p in net.parameters()),
+                     "fingerprints": model._audit._row(model).device.type}
+    return out
+
+
+@needs_gpu
+def test_on_a_gpu_a_nan_is_named_or_skipped_and_the_audit_fingerprints_there():
+    """World size 1 (NCCL); skipped without a GPU. on_nonfinite="raise" reads the verdict once it is on the host,
+    never waiting for the device; the loop here waits for the backward itself, so the verdict of step 3 is there
+    before its optimizer step, which raises; "skip" reads it before the step, waiting: step 3 skipped. The
+    parameters stay finite either way."""
+    [out] = px.spawn(_on_the_gpu, 1, timeout=300, env={"PHALANX_BACKEND": "nccl"})
+    assert out["raise"]["seen"] == ([0], 3, "0.weight", 3) and out["raise"]["finite"]
+    assert out["skip"]["seen"] is None and out["skip"]["finite"]
+    assert out["raise"]["fingerprints"] == "cuda"

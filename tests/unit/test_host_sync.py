@@ -1,8 +1,9 @@
 """No host read in a steady-state DDP step, counted on the CPU: the engine takes the path a GPU takes (its
 tag checks off, as StepGuard.reads_back says for a GPU) while every call that reads a tensor back on the
 host is counted; after the first step (the one-time bucket rebuild) there must be none but the non-finite
-gradient check's verdict, read once per step before the optimizer steps (on_nonfinite="off": none). A world
-of one, in-process; tests/ranks/test_ddp_host_sync.py checks the same on a GPU, where it matters.
+gradient check's verdict: as on a GPU, the step before's, copied to the host on the way and read at the next
+optimizer step, which does not wait (on_nonfinite="off": none). A world of one, in-process;
+tests/ranks/test_ddp_host_sync.py checks the same on a GPU, where it matters.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def test_a_steady_step_reads_nothing_back_on_the_host(world_of_one, monkeypatch,
 
 def test_the_non_finite_check_reads_its_verdict_once_per_step(world_of_one, monkeypatch):
     """World size 1: with the check on (the default), a steady step reads back one thing, the all-reduced flags
-    of whether any rank saw a NaN or Inf, when the optimizer is about to step (engine/replicas/nonfinite.py)."""
+    of whether any rank saw a NaN or Inf in the step before, when the optimizer is about to step
+    (engine/replicas/nonfinite.py: on a GPU those flags are on the host by then)."""
     monkeypatch.setattr(StepGuard, "reads_back", lambda self, device: False)
     model = phalanx.DistributedDataParallel(_net())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -77,7 +77,11 @@ class ReplicaAudit:
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned = False
         self.shard_check: ShardStateCheck | None = None
-        self.check = NonFiniteCheck(on_nonfinite, ddp._control_device) if on_nonfinite != "off" else None
+        # The flags live with the gradients (a GPU's: a copy to a CPU group's device would wait for the backward);
+        # on a GPU, under "raise", they are read once there, at a later optimizer step: no wait for the device.
+        device = ddp._named_params[0][1].device
+        late = on_nonfinite == "raise" and not ddp._guard.reads_back(device)
+        self.check = NonFiniteCheck(on_nonfinite, device, late) if on_nonfinite != "off" else None
         self._names = [name for name, _ in ddp.module.named_parameters() if name not in ddp._ignored]
         self._params = [p for name, p in ddp.module.named_parameters() if name not in ddp._ignored]
         optimizer_hooks.watch(self, self._params)
@@ -91,8 +95,7 @@ class ReplicaAudit:
             self._micro += 1
             return
         if self.check is not None:
-            if self.check.pending is not None:
-                self.check.forget()  # no optimizer stepped since that backward: its step was not applied
+            self.check.forward()  # a verdict of a backward no optimizer step followed is dropped
             self.check.micro_batch = self._micro
         self._micro = 0
         self.steps += 1
@@ -113,7 +116,7 @@ class ReplicaAudit:
 
     def before_optimizer_step(self, optimizer) -> None:
         """An optimizer of this model is about to step: the non-finite verdict of its gradients first."""
-        if self.check is not None and self.check.pending is not None:
+        if self.check is not None and self.check.pending:
             ddp = self._ddp()
             if ddp is not None:
                 self.check.before_step(ddp)

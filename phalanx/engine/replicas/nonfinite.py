@@ -2,20 +2,24 @@
 
 When a bucket leaves this rank (its exchange copied this rank's gradients in, the collective not started),
 the exchange hands its flat gradients here: one sum per bucket (float32, float64 for float64 buckets), kept
-on the device as a finite/not flag, nothing read back. At the end of backward one all-reduce of two numbers
-(how many ranks saw one, and the step tag) tells every rank whether any rank did. The verdict is read when
-an optimizer is about to step the model (so no rank applies a step another refuses): on the CPU the read is
-free; on a GPU it waits for the backward to end (the one host read of a steady step; on_nonfinite="off"
-has none). Then every rank raises NonFiniteGradientError naming the rank, step, micro-batch and first
-parameter, or, with on_nonfinite="skip", drops the step's gradients (set to None: every torch optimizer then
-leaves the parameters and their state alone) and counts a skipped step. An optimizer that never steps (a
-GradScaler that saw the overflow itself skips the step) leaves the verdict unread: it is dropped.
+on the device as a finite/not flag, nothing read back; the shared-memory exchange's copy says it on the way
+instead (`seen`). At the end of backward one all-reduce of two numbers (how many ranks saw one, and the step
+tag) tells every rank whether any rank did. The verdict is read when an optimizer is about to step the model,
+so no rank applies a step another refuses: then every rank raises NonFiniteGradientError naming the rank,
+step, micro-batch and first parameter, or, with on_nonfinite="skip", drops the step's gradients (set to None:
+every torch optimizer then leaves the parameters and their state alone) and counts a skipped step. An
+optimizer that never steps (a GradScaler that saw the overflow itself skips the step) leaves the verdict
+unread: it is dropped. On the CPU the read is free. On a GPU, under "raise", the verdict is copied to the
+host on the way and read at the next optimizer step (`late`), so the host never waits for the device and the
+step that made it was applied; "skip" must read it before the step, and waits for the backward.
 
 What it misses: a sum that overflows float32 (gradients above ~1e34 in total) counts as non-finite; a comm
 hook that makes a finite gradient non-finite (fp16 compression past 65504) is after the check.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,21 +31,43 @@ from ...log import logger
 MODES = ("raise", "skip", "off")
 
 
-class NonFiniteCheck:
-    """The check of one DDP model's gradients (see the module docstring); its reducer and exchange call it."""
+@dataclass
+class _Verdict:
+    """One backward's flags: their all-reduce in flight, what they are about, and (on a GPU) their copy to the host."""
 
-    def __init__(self, mode: str, control_device: torch.device):
-        self.mode = mode
+    step: int
+    micro_batch: int
+    flags: torch.Tensor
+    tag: int
+    work: object
+    entry: int
+    guard: object
+    group: object
+    buckets: dict  # bucket index -> (bucket, finite: a 0-dim bool tensor or a bool)
+    host: torch.Tensor | None = None  # on a GPU, read a step late: the flags copied to pinned memory ...
+    copied: object = None  # ... and the event after that copy
+    applied: bool = False  # an optimizer step of the model began after this backward
+
+
+class NonFiniteCheck:
+    """The check of one DDP model's gradients (see the module docstring); its reducer and exchange call it.
+    `late`: read each verdict at the next optimizer step instead (a GPU under on_nonfinite="raise": no wait)."""
+
+    def __init__(self, mode: str, control_device: torch.device, late: bool = False):
+        self.mode, self.late = mode, late
         self.step = 0  # the number of the step the coming gradients are for (the audit's count)
-        self.flags = torch.zeros(2, dtype=torch.int64, device=control_device)  # [ranks that saw one, step tags]
-        self._finite: dict[int, tuple] = {}  # bucket index -> (bucket, 0-dim bool: finite), this backward
-        self._last: dict[int, tuple] = {}  # the same, of the backward whose verdict is pending
-        self._work = None  # the flags' all-reduce in flight
-        self._tag = 0
-        self.pending: tuple | None = None  # (step, micro-batch) of a verdict not read yet
         self.micro_batch = 0  # of the synchronized backward: the forwards with gradients since the last one
+        self._device = control_device
+        self._flags = torch.zeros(2, dtype=torch.int64, device=control_device)  # [ranks that saw one, step tags]
+        self._finite: dict[int, tuple] = {}  # bucket index -> (bucket, finite), this backward
+        self._verdicts: list[_Verdict] = []  # not read yet, oldest first
+        self._order = None  # the bucket indices of the last late exchange, and them on the device
         self._sum = dist.AllreduceOptions()
         self._sum.reduceOp = dist.ReduceOp.SUM
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._verdicts)
 
     # -- while the buckets leave (the exchange calls it) -----------------------------------------
 
@@ -65,9 +91,14 @@ class NonFiniteCheck:
 
     def exchange(self, group, guard, shadow: bool = False) -> None:
         """Collective: start the all-reduce of the flags (a rank out of data under join() adds zeros)."""
-        if self._work is not None:  # a verdict no optimizer step read (two backwards in one step): its flags first
-            self._settle()
-        flags = self.flags
+        if not self.late:
+            for verdict in self._verdicts:  # a backward no optimizer step read (two in one step): its flags first
+                self._settle(verdict)
+            self._verdicts = []
+        if self.late and self._flags.is_cuda and not shadow:
+            self._exchange_late(group, guard)
+            return
+        flags = torch.zeros_like(self._flags) if self.late else self._flags  # late: each in flight a while
         looked = [f for _, f in self._finite.values() if isinstance(f, torch.Tensor)]
         if shadow or not self._finite or not all(f for _, f in self._finite.values() if isinstance(f, bool)):
             flags[0] = 0 if shadow or not self._finite else 1
@@ -75,44 +106,112 @@ class NonFiniteCheck:
             flags[0].copy_(~torch.stack([f.to(flags.device) for f in looked]).all())
         else:
             flags[0] = 0
-        self._last, self._finite = self._finite, {}
-        self._tag = guard.tag(2 ** 40)
-        flags[1] = self._tag
+        tag = guard.tag(2 ** 40)
+        flags[1] = tag
         entry = recorder.begin(recorder.FINITE_FLAGS, -1, flags.numel(), flags.dtype)
         # the group's own call: dist.all_reduce's Python wrappers cost more than this whole check (all_reduce.py)
-        self._work = (group.allreduce([flags], self._sum), entry, guard, group)
-        self.pending = None if shadow else (self.step, self.micro_batch)
+        verdict = _Verdict(self.step, self.micro_batch, flags, tag, group.allreduce([flags], self._sum), entry, guard,
+                           group, self._finite)
+        self._finite = {}
         if shadow:  # nobody reads a joined rank's verdict
-            self._settle()
+            self._settle(verdict)
+            return
+        self._verdicts.append(verdict)
 
-    def forget(self) -> None:
-        """A verdict nobody read (no optimizer stepped since): the step was not applied, so it is dropped."""
-        if self._work is not None:
-            self._settle()
-        self.pending = None
+    def _exchange_late(self, group, guard) -> None:
+        """On a GPU under "raise": the flags say who saw one and where ([ranks, Σ rank + 1, Σ first bucket + 1,
+        tags]: exact when one rank did), beside this rank's own, and go to the host behind the backward: a later
+        optimizer step reads them once they are there, never waiting for the device, and raises on its own."""
+        device = self._flags.device
+        order = sorted(self._finite)
+        flags, mine = torch.zeros(4, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
+        tag = guard.tag(2 ** 40)
+        flags[3] = tag
+        if order:
+            bad = ~torch.stack([torch.as_tensor(self._finite[k][1], device=device) for k in order])
+            if self._order is None or self._order[0] != order:  # a copy to the GPU from a list waits for it: once
+                self._order = (order, torch.tensor(order, dtype=torch.int64, device=device))
+            first = self._order[1].gather(0, bad.int().argmax().reshape(1))[0]  # a tensor index would be read
+            mine[0], mine[1] = bad.any(), first
+            flags[0], flags[1], flags[2] = mine[0], mine[0] * (group.rank() + 1), mine[0] * (first + 1)
+        entry = recorder.begin(recorder.FINITE_FLAGS, -1, flags.numel(), flags.dtype)
+        verdict = _Verdict(self.step, self.micro_batch, flags, tag, group.allreduce([flags], self._sum), entry, guard,
+                           group, self._finite)
+        self._finite = {}
+        verdict.work.wait()  # NCCL: the current stream waits for the all-reduce, the host does not
+        verdict.host = torch.empty(6, dtype=torch.int64, pin_memory=True)
+        verdict.host[:4].copy_(flags, non_blocking=True)
+        verdict.host[4:].copy_(mine, non_blocking=True)
+        verdict.copied = torch.cuda.Event()
+        verdict.copied.record()
+        self._verdicts.append(verdict)
 
-    def _settle(self) -> list[int]:
-        work, entry, guard, _ = self._work
-        self._work = None
-        guard.wait_work(work, "the all-reduce of the non-finite gradient flags")
-        recorder.done(entry)
-        seen, tags = self.flags.tolist()
-        guard.check_sum(tags, self._tag, "the non-finite gradient flags")
-        return [seen, tags]
+    def forward(self) -> None:
+        """A synchronized forward: a verdict whose step no optimizer began was not applied (GradScaler saw the
+        overflow and skipped it, say): it is dropped."""
+        kept = []
+        for verdict in self._verdicts:
+            if verdict.applied:
+                kept.append(verdict)
+            elif verdict.host is None:
+                self._settle(verdict)
+        self._verdicts = kept
+
+    def _settle(self, verdict: _Verdict) -> int:
+        """Wait for `verdict`'s flags and check their tag; returns how many ranks saw a NaN or Inf."""
+        verdict.guard.wait_work(verdict.work, "the all-reduce of the non-finite gradient flags")
+        seen, tags = verdict.flags.tolist()
+        recorder.done(verdict.entry)
+        verdict.guard.check_sum(tags, verdict.tag, "the non-finite gradient flags")
+        return seen
 
     # -- before an optimizer steps the model (optimizer_hooks.py) ---------------------------------
 
     def before_step(self, ddp) -> None:
-        """Read the verdict; on a non-finite gradient raise on every rank, or drop the step's gradients."""
-        if self.pending is None or self._work is None:
+        """Read the verdicts due (this backward's; late: the ones before it); on a non-finite gradient raise on
+        every rank, or drop the step's gradients."""
+        for verdict in self._verdicts:
+            verdict.applied = True
+        if self._verdicts and self._verdicts[0].host is not None:
+            self._read_late(ddp)
             return
-        group = self._work[3]
-        seen, _ = self._settle()
-        step, micro_batch = self.pending
-        self.pending = None
-        if not seen:
-            return
-        found = self._gather(ddp, group)
+        due = [v for v in self._verdicts if not self.late or v.step < self.step]
+        self._verdicts = [v for v in self._verdicts if v not in due]
+        for verdict in due:
+            if self._settle(verdict):
+                self._act(ddp, verdict)
+
+    def _read_late(self, ddp) -> None:
+        """The GPU's verdicts already on the host, oldest first (none is waited for); on a NaN or Inf, raise here,
+        on this rank (every rank raises when it reads the same flags: no collective)."""
+        while self._verdicts and self._verdicts[0].copied.query():
+            verdict = self._verdicts.pop(0)
+            recorder.done(verdict.entry)
+            seen, rank_sum, bucket_sum, tags, mine, first = verdict.host.tolist()
+            verdict.guard.check_sum(tags, verdict.tag, "the non-finite gradient flags")
+            if not seen:
+                continue
+            order = {id(p): (i, name) for i, (name, p) in enumerate(ddp._named_params)}
+            bucket = verdict.buckets[first][0] if mine else None  # error path: the device may be read now
+            found = sorted(order[id(p)] for p in (bucket.params if bucket is not None else ())
+                           if p.grad is not None and not bool(torch.isfinite(_values(p.grad)).all()))
+            parameter = found[0][1] if found else None
+            who = f"rank {rank_sum - 1} (bucket {bucket_sum - 1})" if seen == 1 else f"{seen} ranks"
+            here = f"this rank's first: parameter {parameter!r}" if parameter else "not this rank"
+            raise NonFiniteGradientError(explain(
+                f"step {verdict.step} had a non-finite gradient on {who}: {here}", rank=dist.get_rank(),
+                seen="NaN or Inf in a rank's own gradients, before they were averaged",
+                expected="finite gradients on every rank",
+                fix=f"On a GPU the check reads its verdict once the device has it, without waiting: step "
+                    f"{verdict.step} was applied (the parameters may hold NaN or Inf now): restore the last "
+                    "checkpoint. on_nonfinite='skip' stops such a step before it is applied (it waits for the "
+                    "backward); on_nonfinite='off' does not check."),
+                ranks=[rank_sum - 1] if seen == 1 else [], step=verdict.step, micro_batch=verdict.micro_batch,
+                parameter=parameter)
+
+    def _act(self, ddp, verdict: _Verdict) -> None:
+        step, micro_batch, group = verdict.step, verdict.micro_batch, verdict.group
+        found = self._gather(ddp, verdict)
         culprits = [f for f in found if f is not None]
         rank, parameter, bucket = culprits[0] if culprits else (None, None, None)
         micro = (f"micro-batch {micro_batch} (the gradients summed over micro-batches 0-{micro_batch} of the step)"
@@ -127,27 +226,28 @@ class NonFiniteCheck:
                 logger.warning("step %d skipped on every rank: rank(s) %s had a non-finite gradient (first %s, %s)",
                                step, ranks, where, micro)
             return
+        applied = (f"This rank read its verdict at the next optimizer step: step {step} was applied. "
+                   if self.late else "No rank applied this step. ")
         raise NonFiniteGradientError(explain(
             f"step {step} has a non-finite gradient on rank(s) {ranks or '?'}: first {where}, {micro}",
             rank=dist.get_rank(), seen="NaN or Inf in that rank's own gradients, before they were averaged",
-            expected="finite gradients on every rank", fix="No rank applied this step. Look at that rank's batch of "
-            "that micro-batch (its loss, its inputs); pass on_nonfinite='skip' to DistributedDataParallel to skip "
-            "such steps on every rank and go on, or on_nonfinite='off' to not check."),
+            expected="finite gradients on every rank", fix=applied + "Look at that rank's batch of that micro-batch "
+            "(its loss, its inputs); pass on_nonfinite='skip' to DistributedDataParallel to skip such steps on every "
+            "rank and go on, or on_nonfinite='off' to not check."),
             ranks=ranks, step=step, micro_batch=micro_batch, parameter=parameter)
 
-    def _gather(self, ddp, group) -> list:
+    def _gather(self, ddp, verdict: _Verdict) -> list:
         """Error path: every rank's (rank, its first parameter in the model's order whose gradient holds a NaN or
         an Inf, the first bucket that did) or None, gathered."""
         mine = None
-        bad = [bucket for _, (bucket, finite) in sorted(self._last.items()) if not bool(finite)]
+        bad = [bucket for _, (bucket, finite) in sorted(verdict.buckets.items()) if not bool(finite)]
         if bad:  # the averages hold this rank's NaN or Inf where its gradients did (a sum keeps them)
             order = {id(p): (i, name) for i, (name, p) in enumerate(ddp._named_params)}
             found = sorted(order[id(p)] for bucket in bad for p in bucket.params
                            if p.grad is not None and not bool(torch.isfinite(_values(p.grad)).all()))
-            mine = (dist.get_rank(group), found[0][1] if found else None, bad[0].index)
-        self._last = {}
-        everyone = [None] * group.size()
-        dist.all_gather_object(everyone, mine, group=group)
+            mine = (dist.get_rank(verdict.group), found[0][1] if found else None, bad[0].index)
+        everyone = [None] * verdict.group.size()
+        dist.all_gather_object(everyone, mine, group=verdict.group)
         return everyone
 
 
