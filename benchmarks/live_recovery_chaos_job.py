@@ -21,11 +21,18 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.world.group import live_generation
-from tests.helpers.global_batch_cases import GLOBAL_BATCH, MICRO_BATCH, SEED, Indexed, make_model, make_optimizer
+from tests.helpers.global_batch_cases import (
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    SEED,
+    Indexed,
+    make_model,
+    make_optimizer,
+    micro_batches_ids,
+)
 
 
 def hidden_width(shard: str) -> int:
@@ -63,13 +70,7 @@ def main():
             for step in loader:
                 time.sleep(args.pause)
                 optimizer.zero_grad()
-                ids, attempt = [], 0
-                for index, x, y in step.micro_batches(model):
-                    if step.attempt != attempt:  # the step started over on the ranks left: so do its ids
-                        ids, attempt = [], step.attempt
-                    step.backward(F.mse_loss(model(x), y))
-                    if step.weight:
-                        ids += index.tolist()
+                ids = micro_batches_ids(step, model)
                 optimizer.step()
                 if not step.undone:
                     log.write(json.dumps([state["epoch"], step.index, ids, time.time(), incarnation,

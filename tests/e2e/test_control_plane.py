@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.control_plane import added
-from tests.helpers.namespaces import NamespaceUnavailable, bridged_hosts
+from tests.helpers.namespaces import bridged_hosts_or_skip
 
 GROWTH = 1.5  # at most this much more per rank and step at 6 hosts than at 2
 FLOOR = {"connections": 0.1, "segments": 1.0}  # per rank and step: below these, a figure is noise
@@ -26,11 +26,8 @@ FLOOR = {"connections": 0.1, "segments": 1.0}  # per rank and step: below these,
 @pytest.fixture
 def six_hosts():
     """Six network namespaces on a bridge: [{"ns", "dev", "addr", ...}] for hosts 0..5."""
-    try:
-        with bridged_hosts("pcp", 221, 6) as hosts:
-            yield hosts
-    except NamespaceUnavailable as exc:
-        pytest.skip(f"multi-host test skipped: {exc}")
+    with bridged_hosts_or_skip("pcp", 221, 6) as hosts:
+        yield hosts
 
 
 @pytest.mark.waiting(seconds=50)

@@ -28,7 +28,7 @@ from tests.conftest import ROOT, run_command
 from tests.e2e.test_elastic import HANG_GUARD, job_env, kill_node, wait_until
 from tests.helpers.global_batch_cases import reference_run
 from tests.helpers.live_recovery_cases import applied_ids, next_step_after
-from tests.helpers.namespaces import NamespaceUnavailable, bridged_hosts
+from tests.helpers.namespaces import bridged_hosts_or_skip
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "live_recovery_job.py")
 
@@ -65,11 +65,8 @@ def test_a_lost_worker_costs_the_step_in_flight_and_the_run_ends_as_if_it_had_no
 @pytest.fixture
 def three_hosts():
     """Three network namespaces on a bridge: [{"ns", "addr", ...}] for hosts 0, 1, 2."""
-    try:  # NamespaceUnavailable without iproute2 too, saying how to install it
-        with bridged_hosts("phl", 215, 3) as hosts:
-            yield hosts
-    except NamespaceUnavailable as exc:
-        pytest.skip(f"multi-host test skipped: {exc}")
+    with bridged_hosts_or_skip("phl", 215, 3) as hosts:
+        yield hosts
 
 
 def _three_launchers(run_dir: Path, hosts: list[dict], pause: float, fixed: bool = False,

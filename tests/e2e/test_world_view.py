@@ -30,7 +30,7 @@ from phalanx.world.stop import STOP_EXIT_CODE
 from tests.conftest import ROOT
 from tests.e2e.test_elastic import HANG_GUARD, job_env, kill_node, wait_until
 from tests.helpers.global_batch_cases import reference_run
-from tests.helpers.namespaces import NamespaceUnavailable, bridged_hosts
+from tests.helpers.namespaces import bridged_hosts_or_skip
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "world_view_job.py")
 EPOCHS = 14  # 4 steps each: 56 steps of 0.2 s, with room for the loss, the join and the stop before the end
@@ -40,11 +40,8 @@ HIDDEN = 64
 @pytest.fixture
 def three_hosts():
     """Three network namespaces on a bridge: [{"ns", "addr", ...}] for hosts 0, 1, 2."""
-    try:
-        with bridged_hosts("pwv", 217, 3) as hosts:
-            yield hosts
-    except NamespaceUnavailable as exc:
-        pytest.skip(f"multi-host test skipped: {exc}")
+    with bridged_hosts_or_skip("pwv", 217, 3) as hosts:
+        yield hosts
 
 
 def _launch(run_dir: Path, hosts: list, host: int, port: int) -> subprocess.Popen:

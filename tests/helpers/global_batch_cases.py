@@ -71,6 +71,19 @@ def parameters(model):
     return [p.detach().clone() for p in module.parameters()]
 
 
+def micro_batches_ids(step, model) -> list[int]:
+    """Run `step`'s micro-batches through `model` (an MSE loss, step.backward); the sample ids that weighed in, on
+    this rank. Under live recovery the loop can start over on the ranks left (`step.attempt`): so do the ids."""
+    ids, attempt = [], 0
+    for index, x, y in step.micro_batches(model):
+        if step.attempt != attempt:
+            ids, attempt = [], step.attempt
+        step.backward(F.mse_loss(model(x), y))
+        if step.weight:
+            ids += index.tolist()
+    return ids
+
+
 def train_epochs(loader, model, optimizer, log, *, start_epoch=0, epochs=EPOCHS, after_step=None):
     """The loop of docs/data.md. `log[(epoch, step)]` gets this rank's sample ids that weighed in the step;
     `after_step(state)` runs last in every step (a Checkpointer's step) and may return True to stop the run."""

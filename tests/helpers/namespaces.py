@@ -98,6 +98,18 @@ def bridged_hosts(prefix: str, octet: int, count: int) -> Iterator[list[dict]]:
 
 
 @contextmanager
+def bridged_hosts_or_skip(prefix: str, octet: int, count: int) -> Iterator[list[dict]]:
+    """bridged_hosts() for a test's fixture: the test skips, saying why, where namespaces cannot be made."""
+    import pytest
+
+    try:
+        with bridged_hosts(prefix, octet, count) as hosts:
+            yield hosts
+    except NamespaceUnavailable as exc:
+        pytest.skip(f"multi-host test skipped: {exc}")
+
+
+@contextmanager
 def etc_files(namespace: str, files: dict[str, str]) -> Iterator[Path]:
     """Yield /etc/netns/<namespace>/, holding `files` ({name: text}: what /etc/<name> reads inside the namespace);
     removed on the way out, with /etc/netns too if this made it and nothing else is in it by then. Other tests

@@ -21,11 +21,18 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import phalanx as px
 from phalanx.world import group, joining
-from tests.helpers.global_batch_cases import GLOBAL_BATCH, MICRO_BATCH, SEED, Indexed, make_model, make_optimizer
+from tests.helpers.global_batch_cases import (
+    GLOBAL_BATCH,
+    MICRO_BATCH,
+    SEED,
+    Indexed,
+    make_model,
+    make_optimizer,
+    micro_batches_ids,
+)
 
 HIDDEN = 64  # wide enough that every rank owns elements of the model at shard="optimizer"
 
@@ -101,13 +108,7 @@ def main():
                 wait_for_a_joiner(args.hosts)
             time.sleep(args.pause)
             optimizer.zero_grad()
-            ids, attempt = [], 0
-            for index, x, y in step.micro_batches(model):
-                if step.attempt != attempt:  # the loop started over on the ranks left: so do the ids
-                    ids, attempt = [], step.attempt
-                step.backward(F.mse_loss(model(x), y))
-                if step.weight:
-                    ids += index.tolist()
+            ids = micro_batches_ids(step, model)
             optimizer.step()
             if step.undone:  # rolled back after a loss: the loader hands this step out again
                 continue
