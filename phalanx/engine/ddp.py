@@ -35,7 +35,6 @@ from ..sharding.grad_norm import clip_sharded_grad_norm_
 from ..sharding.shard_waits import install_gather_waits
 from ..sharding.sharded_optimizer import ShardedOptimizer
 from ..sharding.stray_optimizers import guard_level
-from ..world import generation
 from ..world.group import collective_device, live_group
 from ..world.topology import HostGroups, host_topology
 from .comm_hook_checks import check_comm_hook
@@ -87,12 +86,10 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, shard: str = "none", audit_every: int | None = None,
-                 audit: str = "heal", on_nonfinite: str | None = None, **unsupported):
+                 audit: str = "heal", on_nonfinite: str = "raise", **unsupported):
         super().__init__()
         Joinable.__init__(self)
         check_ready_to_wrap(unsupported)
-        if on_nonfinite is None:  # "raise"; off by default where a loss found in its collective is not yet rolled back
-            on_nonfinite = "off" if shard in ("optimizer", "gradients") and generation.live_recovery() else "raise"
         audit_every = check_settings(audit_every, audit, on_nonfinite, dist.get_rank())
         self._audit_settings = (audit_every, audit, on_nonfinite)  # the replica audit (replicas/audit.py)
         self._audit = None

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ...diagnose import progress, recorder, step_clock
 from ...errors import NonFiniteGradientError, explain
 from ...log import logger
+from ...world import generation
 
 MODES = ("raise", "skip", "off")
 
@@ -47,6 +48,7 @@ class _Verdict:
     host: torch.Tensor | None = None  # on a GPU, read a step late: the flags copied to pinned memory ...
     copied: object = None  # ... and the event after that copy
     applied: bool = False  # an optimizer step of the model began after this backward
+    seen: int | None = None  # once settled: how many ranks saw a NaN or Inf
 
 
 class NonFiniteCheck:
@@ -117,6 +119,11 @@ class NonFiniteCheck:
             self._settle(verdict)
             return
         self._verdicts.append(verdict)
+        if generation.live_recovery() and not self.late:
+            # Settled within the backward, before the step's commit (data/global_step.py): a rank lost during
+            # this all-reduce is then a loss in the exchange, which the ranks left redo together; found later,
+            # in an optimizer's pre-hook, some would have applied a step the others could not.
+            self._settle(verdict)
 
     def _exchange_late(self, group, guard) -> None:
         """On a GPU under "raise": the flags say who saw one and where ([ranks, Σ rank + 1, Σ first bucket + 1,
@@ -158,12 +165,14 @@ class NonFiniteCheck:
         self._verdicts = kept
 
     def _settle(self, verdict: _Verdict) -> int:
-        """Wait for `verdict`'s flags and check their tag; returns how many ranks saw a NaN or Inf."""
-        verdict.guard.wait_work(verdict.work, "the all-reduce of the non-finite gradient flags")
-        seen, tags = verdict.flags.tolist()
-        recorder.done(verdict.entry)
-        verdict.guard.check_sum(tags, verdict.tag, "the non-finite gradient flags")
-        return seen
+        """Wait for `verdict`'s flags and check their tag (once); returns how many ranks saw a NaN or Inf."""
+        if verdict.seen is None:
+            verdict.guard.wait_work(verdict.work, "the all-reduce of the non-finite gradient flags")
+            seen, tags = verdict.flags.tolist()
+            recorder.done(verdict.entry)
+            verdict.guard.check_sum(tags, verdict.tag, "the non-finite gradient flags")
+            verdict.seen = seen
+        return verdict.seen
 
     # -- before an optimizer steps the model (optimizer_hooks.py) ---------------------------------
 
