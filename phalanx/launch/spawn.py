@@ -35,7 +35,7 @@ START_METHODS = ("spawn", "forkserver")
 _SERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "phalanx", "phalanx.eager"]
 _WHOLE_ENVIRONMENT = "_PHALANX_WHOLE_ENVIRONMENT"
 _FORKED = "_PHALANX_FORKED_RANK"  # a rank forked from a process that had imported torch: freeze its heap
-_server_preload_env: list = []  # [LD_PRELOAD the fork server started with], once it has started
+_server_preload_env: list = []  # [(LD_PRELOAD the fork server started with, whether we started it)], once started
 
 
 class _CallersStreams:
@@ -165,21 +165,30 @@ def spawn(fn, nprocs: int, args: tuple = (), *, timeout: float | None = None, en
 
 def _context(start_method: str, preload: str):
     """The multiprocessing context to start ranks with, called with LD_PRELOAD as the ranks should have it
-    (`preload`). The fork server keeps the allocator it started with, for as long as it runs: another is
-    spawned. A command that a warm launcher forked (phalanx/warm.py) is already what the server would be:
-    its ranks fork from it, and no server imports torch again (~7 s of CPU)."""
+    (`preload`). The fork server keeps the allocator it started with, for as long as it runs: ours is stopped
+    and started again with another (once, ~7 s of CPU: spawned ranks would each pay it, every call, from then
+    on); one that other code of the process started is left alone, and the ranks are spawned. A command that a
+    warm launcher forked (phalanx/warm.py) is already what the server would be: its ranks fork from it, and no
+    server imports torch again."""
     if start_method == "forkserver":
         if _a_warm_command_that_can_fork(preload):
             return mp.get_context("fork")
-        server_preload = os.environ.get("LD_PRELOAD")  # what the server starts with: this process's, right now
+        server_preload = os.environ.get("LD_PRELOAD") or ""  # what the server starts with: this process's, now
         if not _server_preload_env:
             running = _running_server()
             if running is not None:  # started by other code of this process (torch's test suites): it has its own
-                _server_preload_env.append(running)
+                _server_preload_env.append((running, False))
             else:
                 mp.set_forkserver_preload(_SERVER_PRELOAD)
-                _server_preload_env.append(server_preload)  # the server starts with the first rank, in _preloaded
-        if (_server_preload_env[0] or "") == (server_preload or ""):
+                _server_preload_env.append((server_preload, True))  # it starts with the first rank, in _preloaded
+        started_with, ours = _server_preload_env[0]
+        if (started_with or "") == server_preload:
+            return mp.get_context("forkserver")
+        if ours:
+            from multiprocessing import forkserver
+
+            forkserver._forkserver._stop()
+            _server_preload_env[0] = (server_preload, True)
             return mp.get_context("forkserver")
     return mp.get_context("spawn")
 

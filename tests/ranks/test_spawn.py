@@ -69,7 +69,7 @@ def test_forked_ranks_get_the_callers_environment_at_the_call(monkeypatch):
     assert len(parents) == 1 and os.getpid() not in parents  # forked by one server, not by this process
 
 
-def test_a_rank_that_needs_another_allocator_than_the_fork_servers_is_spawned(monkeypatch):
+def test_a_rank_that_needs_another_allocator_than_the_fork_servers_runs_on_it(monkeypatch):
     """World size 1 (spawn(start_method="forkserver")) with PHALANX_ALLOCATOR=system, after a call that may have
     started the server with tcmalloc: the rank runs on the system's malloc all the same."""
     phalanx.spawn(_what_the_rank_sees, 1, env=ENV, timeout=120, start_method="forkserver")
@@ -173,3 +173,16 @@ def test_a_fork_server_started_by_other_code_is_used_only_with_the_ranks_allocat
     assert spawn_module._context("forkserver", other).get_start_method() == "spawn"
     monkeypatch.setenv("LD_PRELOAD", at_start) if at_start else monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert spawn_module._context("forkserver", at_start).get_start_method() == "forkserver"
+
+
+def test_our_fork_server_is_started_again_for_another_allocator_rather_than_spawning_every_rank(monkeypatch):
+    """The server phalanx started with one LD_PRELOAD, then a call needs another: the server is stopped and started
+    again with it (seen in CI: after tests/ranks/test_allocator.py, every later call of a pytest worker spawned its
+    ranks, ~5x the CPU of each test)."""
+    from phalanx.launch import spawn as spawn_module
+
+    monkeypatch.setattr(spawn_module, "_server_preload_env", [("/elsewhere/libother.so", True)])
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert spawn_module._context("forkserver", "").get_start_method() == "forkserver"
+    assert spawn_module._server_preload_env == [("", True)]
+    assert phalanx.spawn(_sum_of_ranks, 2, args=(0,), start_method="forkserver", env=ENV) == [(0, 1), (1, 1)]
