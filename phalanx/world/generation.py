@@ -15,9 +15,13 @@ Four store protocols, all under `generation/<g>/` in phalanx's namespace of the 
 - commit: after each step's exchange, every rank adds 1 to the step's counter; the step is applied only if
   the counter reaches the world size. A rank whose exchange failed, or that found a peer gone while waiting,
   gives the step up by setting the counter negative, with a compare-and-set from the value it read: once full the
-  counter cannot be given up, once given up it cannot fill, so every rank reads the same outcome. Healthy, that is
-  one store round trip per rank and step (the last rank to add knows at once; the others read until it adds). The
-  counters are reused every COMMIT_SLOTS steps (they add up); one given up ends the generation, never reused.
+  counter cannot be given up, once given up it cannot fill, so every rank reads the same outcome. The last rank to
+  add knows at once and sets the step's `done` key; the others block on that key in the store (no polling) and read
+  the counter once woken. Whatever can end a step wakes them too: a rank that gives it up sets the key, a watcher
+  that finds a member gone sets the keys of the steps in flight, and a rank's own watch sets its key when a peer on
+  its host ends or the membership timeout passes (watch.py). Healthy, that is three store round trips per rank and
+  step (an add, the wait, a read; the last rank: an add, a set, a delete), whatever the world. The counters are reused
+  every COMMIT_SLOTS steps (they add up); one given up ends the generation, never reused.
 - agreement: after a loss every survivor says it is alive; once each member has either said so or is
   known gone (or the membership timeout passed), the first proposal stored is the next generation.
 - joined: at a step the members agreed on (the checkpointer's stop agreement counted ranks waiting to join,
@@ -30,7 +34,6 @@ joiners included, whose own default group is not the others'.
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import os
 import queue
 import sys
@@ -62,12 +65,10 @@ MEMBERSHIP_MARGIN = 30.0
 AWAITED_SAY_EVERY = 10.0  # seconds between the lines naming the members the survivors still wait for
 AGREE_READ_EVERY = 0.5  # seconds between a survivor's reads of who is alive, when another one decides
 ORPHAN_AFTER = 0.5  # seconds into the agreement after which the deciding survivor probes the members it still misses
-LIVENESS_EVERY = 0.05  # seconds between looks at whether an awaited peer still runs
 WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
 REGROUP_CONNECT_SECONDS = 30.0  # the ranks left making a new generation's process groups wait this long for each other
 WAIT_THREADS = 16  # threads that wait on collectives whose own waits cannot be bounded (waited_aside)
 COMMIT_SLOTS = 4  # the per-step commit's counters, reused: step n's is slot n % 4's (a member is at most 1 step ahead)
-EAGER_READS = 4  # reads of a commit's counter before the first pause
 GIVEN_UP = -(1 << 40)  # what a commit counter is set to when its step is given up: later adds leave it negative
 
 
@@ -125,7 +126,8 @@ class Generation:
         """This rank's watch in the generation (watch.py): one peer on another host, the pids of its own host, the
         verdicts the others spread. Set up (in a thread) once this rank said who it is."""
         if "watch" not in self._watching:
-            self._watching["watch"] = GenerationWatch(self._key, self.members, dist.get_rank(), store)
+            self._watching["watch"] = GenerationWatch(self._key, self.members, dist.get_rank(), store,
+                                                      self.in_flight)
         return self._watching["watch"]
 
     def gone(self, store) -> set[int]:
@@ -144,33 +146,38 @@ class Generation:
         `number` of this generation, False if the step failed somewhere and is to be redone."""
         counter, full = self._counter(number)
         count = store.add(counter, 1)
-        return count == full or (count > 0 and self._await_outcome(store, number))
+        if count == full:
+            store.set(self._done(number), "1")  # wakes the others
+            if number > 0:  # every member added to this step: each is past the wait of the one before
+                store.delete_key(self._done(number - 1))
+            return True
+        return count > 0 and self._await_outcome(store, number)
 
     def _counter(self, number: int) -> tuple[str, int]:
         """Step `number`'s counter and the value that commits it: the slot's counter adds up, every step it served
         had all members in it."""
         return self._key("commit", number % COMMIT_SLOTS), self.world_size * (number // COMMIT_SLOTS + 1)
 
+    def _done(self, number: int) -> str:
+        """The key that ends the others' wait for step `number`'s outcome (set by the last member to add, or by
+        whoever gives the step up)."""
+        return self._key("done", number)
+
     def _await_outcome(self, store, number: int) -> bool:
-        # The ranks come from the same exchange, so the last one is usually a fraction of a millisecond away: a
-        # few reads back to back (a sleeping thread is slow to wake on a busy host), then pauses that grow, which
-        # bound the reads a large world sends the store. (The store's timed wait logs a warning at each timeout:
-        # polling stays quiet.) A read is an add of 0: one round trip, where TCPStore's get is two (wait, then get).
+        # One blocking wait, which the store answers when the key is set: a large world sends it no reads. The
+        # watch (watch.py) sets the key from a thread of its own if this rank finds a peer gone or waits too long.
         counter, full = self._counter(number)
-        started = time.monotonic()
-        deadline, look, pause = started + membership_timeout(), started + LIVENESS_EVERY, 0.0
-        for reads in itertools.count(1):
-            count = store.add(counter, 0)
-            if count == full or count < 0:
-                return count == full
-            now = time.monotonic()
-            if now >= look:
-                look = now + LIVENESS_EVERY
-                if self.watch(store).troubled() or now > deadline:
-                    return self.fail_commit(store, number)
-            if reads > EAGER_READS:
-                time.sleep(pause)
-                pause = min(max(1.5 * pause, 2e-5), 2e-4 if now - started < 0.02 else 5e-3)
+        with self.watch(store).awaiting(self._done(number), membership_timeout()):
+            store.wait([self._done(number)])
+        count = store.add(counter, 0)
+        if count == full or count < 0:
+            return count == full
+        return self.fail_commit(store, number)
+
+    def in_flight(self) -> list[str]:
+        """The done keys of the steps a member may be waiting on now (a member is at most one step ahead of another):
+        what a watcher that found a member gone sets, so that no wait for a commit outlives the generation."""
+        return [self._done(n) for n in range(max(0, _commits - 1), _commits + 2)]
 
     def fail_commit(self, store, number: int) -> bool:
         """Give step `number` up: this rank cannot apply it (its exchange failed), or a peer is gone while this
@@ -180,6 +187,8 @@ class Generation:
         count = store.add(counter, 0)
         while 0 <= count < full:  # others may add meanwhile: then try again from what they made it
             count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
+        if count != full:
+            store.set(self._done(number), "0")  # the others' waits for the outcome end now
         self.watch(store).say_trouble()  # the others' waits on their peers end at their next look
         return count == full
 

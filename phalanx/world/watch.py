@@ -6,7 +6,11 @@ host is what liveness.identity() says: a boot, a pid namespace and a network). T
 rank with local index i (modulo its size) of the next host's block, the last host's the first's: a ring, each rank
 watched by one other, over one kept-open connection (liveness.KeptWatch). The peers on its own host it checks by pid.
 What a rank finds it spreads through the store: the generation's `gone` key (ranks appended) and its `trouble` counter,
-which a failed commit counts too, so that a rank waiting on its peers reads one counter per look, whatever the world.
+which a failed commit counts too, so that a rank waiting on its peers reads one counter per look, whatever the world;
+and it sets the `done` keys of the steps in flight, on which the others block waiting for a commit's outcome
+(generation.py). While this rank blocks so (`awaiting`), a thread of its watch sets its key should a peer on its host
+end or the wait outlast the membership timeout. The watch's threads write through a store connection of their own:
+the rank's own may be held by that blocking wait.
 
 Setting a watch up reads the identities of this rank's host block and of one other host's, in a thread: O(ranks per
 host) store reads per rank and generation. A peer whose watcher is lost too (two hosts lost together) is found by the
@@ -17,19 +21,28 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
 
 from ..log import logger
 from .liveness import KeptWatch, PeerWatch, identity_host, same_host_gone
 
 TROUBLE, GONE = "trouble", "gone"
 WHO_WAIT = 30.0  # seconds the set-up waits for a member to say who it is (one lost before it could is found otherwise)
+LOOK_EVERY = 0.05  # seconds between a blocked rank's looks at the pids of its host and at its deadline
 
 
 class GenerationWatch:
     """This rank's watch in one generation (see the module docstring). `key(*parts)` names the generation's keys."""
 
-    def __init__(self, key, members: tuple[int, ...], me: int, store):
+    def __init__(self, key, members: tuple[int, ...], me: int, store, in_flight=lambda: []):
         self.key, self.members, self.me, self.store = key, members, me, store
+        self.in_flight = in_flight  # () -> the done keys of the steps the members may be waiting on
+        self._side: object | None = None  # the store connection of the watch's threads (side_store)
+        self._awaited: tuple[str, float] | None = None  # (key, deadline) this rank blocks on
+        self._awake = threading.Event()
+        self._waker: threading.Thread | None = None
         self.who: dict[int, str] = {}  # member -> identity, as read
         self.block: tuple[int, ...] = ()  # the members on this rank's host (itself included)
         self.watched: int | None = None
@@ -76,8 +89,42 @@ class GenerationWatch:
         """A step was given up here: the others' waits end at their next look."""
         self.store.add(self.key(TROUBLE), 1)
 
+    @contextmanager
+    def awaiting(self, key: str, seconds: float):
+        """While the caller blocks on store key `key`: set it should this rank find a member gone (the pids of its
+        host, its kept watch) or `seconds` pass, so that the wait ends and the caller reads why."""
+        with self._lock:
+            self._awaited = (key, time.monotonic() + seconds)
+            if self._waker is None:
+                self._waker = threading.Thread(target=self._wake_when_due, name="phalanx-commit-wake", daemon=True)
+                self._waker.start()
+        self._awake.set()
+        try:
+            yield
+        finally:
+            self._awaited = None
+
+    def _wake_when_due(self) -> None:
+        while not self._closed.is_set():
+            awaited = self._awaited
+            if awaited is None:
+                self._awake.wait()
+                self._awake.clear()
+                continue
+            try:
+                if self.found() or time.monotonic() > awaited[1]:
+                    self._side_store().set(awaited[0], "0")
+                    if self._awaited is awaited:
+                        self._awaited = None
+                    continue
+            except Exception as exc:  # the store gone with the run: the launcher ends it
+                logger.debug("the commit's wait could not be woken: %s", exc)
+                return
+            time.sleep(LOOK_EVERY)
+
     def close(self) -> None:
         self._closed.set()
+        self._awake.set()
         with self._lock:
             if self._kept is not None:
                 self._kept.close()
@@ -86,16 +133,16 @@ class GenerationWatch:
 
     def _identity(self, member: int, wait: bool = True) -> str | None:
         if member not in self.who:
-            key = self.key("who", member)
-            if not self.store.check([key]):
+            key, store = self.key("who", member), self._side_store()
+            if not store.check([key]):
                 if not wait:
                     return None
                 deadline = time.monotonic() + WHO_WAIT
-                while not self.store.check([key]):
+                while not store.check([key]):
                     if self._closed.is_set() or time.monotonic() > deadline:
                         return None
                     time.sleep(0.02)
-            self.who[member] = self.store.get(key).decode()
+            self.who[member] = store.get(key).decode()
         return self.who[member]
 
     def _host_of(self, member: int) -> str | None:
@@ -130,10 +177,20 @@ class GenerationWatch:
         self._said.add(member)
         logger.debug("rank %d found rank %d gone (%s)", self.me, member, why)
         try:
-            self.store.append(self.key(GONE), f"{member},")
-            self.store.add(self.key(TROUBLE), 1)
+            store = self._side_store()
+            store.append(self.key(GONE), f"{member},")
+            store.add(self.key(TROUBLE), 1)
+            for key in self.in_flight():  # the members blocked on a commit read the news now
+                store.set(key, "0")
         except Exception:  # the store's host is gone: the launcher ends the run
             pass
+
+    def _side_store(self):
+        """The watch threads' own connection to the store (side_store), made once."""
+        with self._lock:
+            if self._side is None:
+                self._side = side_store(self.store)
+            return self._side
 
 
 def ring_place(members: tuple[int, ...], me: int, host_of) -> tuple[tuple[int, ...], int | None, tuple[int, ...]]:
@@ -164,3 +221,12 @@ def ring_place(members: tuple[int, ...], me: int, host_of) -> tuple[tuple[int, .
     start = (members.index(after[-1]) + 1) % count
     following = run(start, 1, host_of(members[start]))
     return tuple(block), following[block.index(me) % len(following)], tuple(sorted(following))
+
+
+def side_store(store):
+    """A connection of its own to the server of `store` (a TCPStore, maybe under prefixes): a TCPStore client serves
+    one call at a time, and a blocking wait holds it. A store in this process (a HashStore) is `store` itself."""
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    return store.clone() if isinstance(base, dist.TCPStore) else store
