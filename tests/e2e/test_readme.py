@@ -1,9 +1,10 @@
 """README.md works as written: its commands run, its code runs, its links lead somewhere.
 
-Every ```python block is run by a test below that checks what the README says it does, in a
+Every ```python block of the README is run by a test below that checks what the README says it does, in a
 temporary folder, under `phalanx run --nproc-per-node 2` (world size 2, CPU only) or plain
 `python` (a world of one). A block is named by its first line (`# train.py`); a block that cannot
-run alone is marked `<!-- readme-test: skip (why) -->` on the line before it.
+run alone is marked `<!-- readme-test: skip (why) -->` on the line before it. A whole script that moved
+from the README into a page of docs/ (`# torch_ddp_shm.py`, in docs/shm.md) is run here the same way.
 
 The README is checked here as a whole: the tests that only read it (its opening, its blocks, its
 commands' flags, its links) run in this process, next to those that run what it says.
@@ -32,8 +33,9 @@ PHALANX = [str(CONSOLE_SCRIPT)] if CONSOLE_SCRIPT.exists() else [sys.executable,
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SKIP_MARK = re.compile(r"<!--\s*readme-test:\s*skip\s*\((.+)\)\s*-->")
 
-# The python blocks run by the tests of this file, by name: a new block needs a test (or a skip mark).
-RUN_BY_TESTS = {"train.py", "torch_ddp_shm.py"}
+# The python blocks run by the tests of this file, by name, and the page that shows each: a new block of the
+# README needs a test (or a skip mark).
+RUN_BY_TESTS = {"train.py": README, "torch_ddp_shm.py": ROOT / "docs/shm.md"}
 
 # rank 1 raises right after its second checkpoint, on the first attempt only: a worker dying mid-run.
 FAIL_ONCE_SITECUSTOMIZE = '''
@@ -56,9 +58,9 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
 
 # -- reading the README ------------------------------------------------------------------------------
 
-def code_blocks(lang: str | None = None) -> list[dict]:
-    """Fenced blocks of README.md: {lang, code, skip (the reason or None), line}."""
-    blocks, lines = [], README.read_text().splitlines()
+def code_blocks(lang: str | None = None, page: Path = README) -> list[dict]:
+    """Fenced blocks of README.md (or another page): {lang, code, skip (the reason or None), line}."""
+    blocks, lines = [], page.read_text().splitlines()
     i = 0
     while i < len(lines):
         fence = re.match(r"^```(\w*)\s*$", lines[i])
@@ -80,8 +82,10 @@ def code_blocks(lang: str | None = None) -> list[dict]:
 
 
 def python_block(name: str) -> str:
-    found = [b["code"] for b in code_blocks("python") if b["code"].startswith(f"# {name}\n")]
-    assert len(found) == 1, f"README.md should hold one python block starting with '# {name}', found {len(found)}"
+    page = RUN_BY_TESTS[name]
+    found = [b["code"] for b in code_blocks("python", page) if b["code"].startswith(f"# {name}\n")]
+    assert len(found) == 1, \
+        f"{page.relative_to(ROOT)} should hold one python block starting with '# {name}', found {len(found)}"
     return found[0]
 
 
@@ -158,13 +162,16 @@ class TestPythonBlocks:
                 continue
             first = block["code"].splitlines()[0]
             name = first[2:] if first.startswith("# ") else None
-            assert name in RUN_BY_TESTS, (
+            assert RUN_BY_TESTS.get(name) == README, (
                 f"README.md line {block['line']}: a python block that no test runs (first line {first!r}); "
                 f"name it '# file.py' and run it in tests/e2e/test_readme.py, or mark it "
                 f"<!-- readme-test: skip (why) --> if it cannot run alone")
             names.add(name)
-        assert names == RUN_BY_TESTS, \
-            f"tests/e2e/test_readme.py runs blocks the README no longer has: {RUN_BY_TESTS - names}"
+        in_readme = {name for name, page in RUN_BY_TESTS.items() if page == README}
+        assert names == in_readme, \
+            f"tests/e2e/test_readme.py runs blocks the README no longer has: {in_readme - names}"
+        for name in RUN_BY_TESTS.keys() - in_readme:
+            python_block(name)  # the page that shows it holds it once
 
     def test_the_one_import_switch(self):
         import torch
