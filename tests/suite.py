@@ -70,7 +70,7 @@ def phases(quick: bool, cores: int) -> list[list[Stage]]:
     # waiting: three at a time, each test dealt on its own (a file whose tests share a
     # module fixture keeps them together with pytest.mark.xdist_group). Six side by side failed 9 of 28 when
     # every worker started as a fresh interpreter (3 s stall timeouts fired while a rank still imported
-    # torch); workers now start as forks in milliseconds (launch/warm_start.py), launchers as forks of a
+    # torch); workers now start as forks in milliseconds (launch/forkserver/), launchers as forks of a
     # warm launcher (tests/conftest.py), and a rank in its start-up that uses the CPU is not stalled. Four at
     # a time stretched the planted straggler (26.9 ms for 20 +- 30 %) and a fresh start in a namespace.
     return [[Stage("compute", "not waiting and not latency", cores + 2, "loadfile", ["tests"]),

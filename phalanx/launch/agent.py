@@ -28,11 +28,12 @@ from ..world.meeting.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
 from ..world.stop import STOP_EXIT_CODE
 from .diagnosis import RunDiagnosis
 from .failures import describe_failure, root_cause, sweep_process_groups
+from .forkserver.elastic_handler import workers_from
+from .forkserver.server import WorkerServer
 from .goodput import RunSummary
 from .live_status import LiveStatus
 from .regroup import KeptSurvivors, Regroup
 from .stop import StopRequest
-from .warm_start import WorkerServer, workers_from
 
 # LocalElasticAgent._shutdown takes a `timeout` in torch 2.13 and not in 2.11 (whose agent closes its
 # workers with a default of 30 s): the installed torch is asked once, so that both work.
@@ -59,7 +60,7 @@ class Agent(LocalElasticAgent):
                  regroup: Regroup | None = None, live: LiveStatus | None = None,
                  server: WorkerServer | None = None, survivors: KeptSurvivors | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.server = server  # the node's fork server (warm_start.py), or None: each worker a fresh interpreter
+        self.server = server  # the node's fork server (forkserver/), or None: each worker a fresh interpreter
         self.live = live  # the status line on a terminal (live_status.py), or None
         self.group_pids: set[int] = set()
         self.diagnosis, self.stop, self.summary, self.regroup = diagnosis, stop, summary, regroup

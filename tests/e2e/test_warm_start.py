@@ -1,4 +1,4 @@
-"""Workers forked from the fork server of `phalanx run` (launch/warm_start.py): the process each one gets is
+"""Workers forked from the fork server of `phalanx run` (launch/forkserver/): the process each one gets is
 the one a fresh interpreter would have been, and `--start-method spawn` still gives fresh ones.
 
 World size 1 and 2 on one node; the server is driven directly, as the launcher drives it, and through
@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-from phalanx.launch.warm_start import WORKER_ENTRY, ForkedWorker, WorkerServer, _forked_handler
+from phalanx.launch.forkserver.elastic_handler import _forked_handler
+from phalanx.launch.forkserver.server import WORKER_ENTRY, ForkedWorker, WorkerServer
 from tests.e2e.test_launch import clean_env, phalanx_run
 
 REPORT = textwrap.dedent("""

@@ -7,6 +7,7 @@ import pytest
 
 from phalanx import cli
 from phalanx.launch import run as launch
+from phalanx.world.group import usable_cores
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +43,7 @@ class TestRunFlags:
     def test_auto_is_gpus_else_cores_at_most_eight(self):
         import torch
 
-        expected = torch.cuda.device_count() if torch.cuda.is_available() else min(launch.usable_cores(), 8)
+        expected = torch.cuda.device_count() if torch.cuda.is_available() else min(usable_cores(), 8)
         assert parse("--nproc-per-node", "auto", "x.py")[1][0] == expected
 
     def test_nnodes_range(self):

@@ -65,7 +65,7 @@ ALLOWED = {
     "warm": {"errors", "allocator", "launch", "diagnose"},  # `phalanx warm`: forks the command it is handed (cli.py)
     "metrics": {"data"},  # phalanx.metrics is phalanx.data.metrics, under its old name
     # `phalanx --version` reads phalanx.__version__; commands are found by name, except `run`, whose launcher
-    # is prepared before torch is imported (launch/warm_start.py)
+    # is prepared before torch is imported (launch/forkserver/prepare.py)
     "cli": {"errors", "__init__", "launch"},
     "__main__": {"cli"},
     "eager": {"__init__"},  # the fork server's preload: what the first public name loads (launch/spawn.py)
