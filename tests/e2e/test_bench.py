@@ -131,9 +131,9 @@ def test_bench_memory_counts_bytes_rss_and_step_times(tmp_path):
 
 
 def test_gpu_bench_smoke_runs_every_section_on_the_cpu(tmp_path):
-    """World size 1: benchmarks/gpu_bench.py --smoke, the GPU benchmark's logic at toy sizes on the CPU: every
+    """World size 1: benchmarks/gpu/gpu_bench.py --smoke, the GPU benchmark's logic at toy sizes on the CPU: every
     section gives its figures, the goals are evaluated, the JSON and the markdown table are written."""
-    script = ROOT / "benchmarks" / "gpu_bench.py"
+    script = ROOT / "benchmarks" / "gpu" / "gpu_bench.py"
     done = run_python([script, "--smoke", "--out", tmp_path], cwd=ROOT, timeout=600,
                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": checkout_on_pythonpath()})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -154,9 +154,9 @@ def test_gpu_bench_smoke_runs_every_section_on_the_cpu(tmp_path):
 
 
 def test_gpu_small_profile_smoke_gives_every_reading_on_the_cpu(tmp_path):
-    """World size 1: benchmarks/gpu_small_profile.py --smoke (the small-batch diagnosis of issue 36 at toy sizes
+    """World size 1: benchmarks/gpu/gpu_small_profile.py --smoke (the small-batch diagnosis of issue 36 at toy sizes
     on the CPU): per variant the thread CPU, process CPU and wall time per step, and the profiler's counts."""
-    script = ROOT / "benchmarks" / "gpu_small_profile.py"
+    script = ROOT / "benchmarks" / "gpu" / "gpu_small_profile.py"
     done = run_python([script, "--smoke", "--rounds", "2", "--steps", "1", "--out", tmp_path], cwd=ROOT, timeout=300,
                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": checkout_on_pythonpath()})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -156,7 +156,7 @@ class TestUnequalHosts:
 
 
 class TestBench:
-    """World size 4: benchmarks/xhost_bench.py, 2 namespaces x 2 ranks on a shaped bridge, one short block."""
+    """World size 4: benchmarks/hosts/xhost_bench.py, 2 namespaces x 2 ranks on a shaped bridge, one short block."""
 
     def test_bench_counts_the_bytes_each_exchange_should_move(self, tmp_path):
         """World size 4: per host and step, hierarchical moves 2(N-1)/N * S and flat 2(P-1)/P * S (within 5 %).
@@ -169,7 +169,7 @@ class TestBench:
         # The environment the bench gives its launchers, with a warm launcher named for it: they are forked.
         env = with_warm_launcher({**{k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")},
                                   "PYTHONPATH": str(ROOT)})
-        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "xhost_bench.py"), "--hosts", "2",
+        result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "hosts" / "xhost_bench.py"), "--hosts", "2",
                                  "--models", "gpt", "--variants", "flat,hier,compute", "--blocks", "1", "--steps", "2",
                                  "--link", "100mbit", "--json", str(out)], capture_output=True, text=True,
                                 timeout=HANG_GUARD, cwd=ROOT, env=env)

@@ -1,5 +1,5 @@
 """What live recovery's control plane sends, counted on namespace hosts: shared by tests/e2e/test_control_plane.py
-and benchmarks/control_plane.py.
+and benchmarks/control_plane/control_plane.py.
 
 `run_job` starts tests/e2e/jobs/control_plane_job.py under `phalanx run --nnodes N --node-rank i` on each host (live
 recovery on: `--min-world-size` = the ranks of all hosts but one; off: `--min-world-size 0`) and waits for it; each

@@ -50,7 +50,8 @@ MOMENTS = ("forward", "exchange", "optimizer")
 
 
 def _die(directory: str) -> None:
-    with open(os.path.join(directory, "died-at"), "w") as note:  # when, for benchmarks/live_recovery_timing.py
+    # when, for benchmarks/live_recovery/live_recovery_timing.py
+    with open(os.path.join(directory, "died-at"), "w") as note:
         note.write(repr(time.time()))
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -49,7 +49,7 @@ class SystemPackage:
 
 # Network namespaces, veth pairs and bridges: the multi-node tests (tests/helpers/namespaces.py), the SLURM cluster.
 IPROUTE2 = SystemPackage("iproute2", ("iproute2",), commands=("ip",))
-# Shaped links: the cross-host bench's test (tests/e2e/test_xhost.py, benchmarks/xhost_net.py).
+# Shaped links: the cross-host bench's test (tests/e2e/test_xhost.py, benchmarks/hosts/xhost_net.py).
 TC = SystemPackage("tc (iproute2)", ("iproute2",), commands=("tc",))
 # The SLURM cluster (tests/helpers/slurm_cluster.py): Debian's daemons, its client commands, and munge.
 SLURM = SystemPackage("SLURM", ("slurmctld", "slurmd", "slurm-client", "munge"),

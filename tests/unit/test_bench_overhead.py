@@ -1,5 +1,5 @@
 """`phalanx bench --overhead` in this process: its flags, its estimator, its profile and report (world of one,
-in-process). benchmarks/gpu_bench.py's --smoke run is in tests/e2e/test_bench.py."""
+in-process). benchmarks/gpu/gpu_bench.py's --smoke run is in tests/e2e/test_bench.py."""
 
 from __future__ import annotations
 

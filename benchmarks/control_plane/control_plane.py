@@ -1,0 +1,157 @@
+"""What live recovery's control plane costs per rank and step, and how fast it notices a host lost, on namespace hosts.
+
+    sudo PYTHONPATH=. python benchmarks/control_plane/control_plane.py [--hosts 2 4 8 16] [--per-host 1] [--steps 20]
+        [--pause 0.15] [--rounds 1] [--kill] [--cut] [--loss-rounds 1] [--json FILE] [--label TEXT]
+
+N network namespaces on a bridge (root needed), `phalanx run --nnodes N --node-rank i --nproc-per-node L` on each,
+tests/e2e/jobs/control_plane_job.py: the loop of docs/data.md with a tiny model, launch rank 0 sleeping `--pause` s
+a step (the others wait on it in their collectives, where a waiting rank looks for a lost peer). Each host's kernel
+TCP counters (its namespace's /proc/net/snmp: workers, launcher and the store on host 0 alike) are read by the job at
+the ends of step 5 and step 5 + `--steps`. Each N runs with live recovery on (`--min-world-size` = the ranks of all
+hosts but one) and off (`--min-world-size 0`), `--rounds` times each, alternating (medians); the table says, per rank
+and step, the TCP connections opened (ActiveOpens) and segments sent (OutSegs) with it on and off and what it adds,
+the segments host 0 (the store's) received per step, and the mean step time on / off.
+
+`--kill` / `--cut`: at each N, live recovery on, the last host's launcher and workers are SIGKILLed (tests/e2e/
+test_elastic.py kill_node), or its link is set down (its processes run on, unreachable), after its 8th step. The table
+says when the ranks left named the loss (a watcher's "found rank R gone" record when phalanx logs one, at DEBUG;
+else the "lost ranks [...] ... regrouped in X s" line less X), their regroup (that line's X; and the run summary's,
+models and loaders included), and their next step, all from the moment of the kill or the cut, against the issue's
+bounds at N = 16: a process gone named within 1 s, a host cut off within the heartbeat window + 1 s (5 s), the
+regroup done within 2 s of that. `--json FILE`: the figures appended to FILE (a JSON list), for
+benchmarks/control_plane/control_plane_model.py to compare against; besides the table's, each run's step times and
+the segments per step on one rank's own connection to the store (`rank_store`, both ways) and on its other kept
+connections (`rank_other`: Gloo's pairs, a kept watch), from ss's per-socket counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from phalanx.world.liveness import SILENT_WINDOW
+from tests.helpers.control_plane import Figures, loss_run, run_job
+from tests.helpers.namespaces import bridged_hosts
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUNDS = {"kill": 1.0, "cut": SILENT_WINDOW + 1.0}  # seconds to name the loss, at N = 16
+REGROUP_BOUND = 2.0  # seconds from the loss named to the regroup done
+
+
+def _median(runs: list[Figures]) -> Figures:
+    return Figures(*(statistics.median(getattr(run, name) for run in runs)
+                     for name in ("connections", "segments", "store_host_in", "step_seconds", "rank_store",
+                                  "rank_other")))
+
+
+def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, work: Path) -> dict:
+    runs: dict[bool, list[Figures]] = {True: [], False: []}
+    started = time.monotonic()
+    with bridged_hosts("pcb", 222, count) as hosts:
+        for round_number in range(rounds):
+            for live in ((True, False) if round_number % 2 == 0 else (False, True)):
+                runs[live].append(run_job(hosts, work / f"{count}x{per_host}-{round_number}-{live}",
+                                          per_host=per_host, live=live, window=steps, pause=pause))
+    on, off = _median(runs[True]), _median(runs[False])
+    return {"hosts": count, "per_host": per_host, "steps": steps, "pause": pause, "rounds": rounds,
+            "on": asdict(on), "off": asdict(off), "added": asdict(on.minus(off)),
+            "durations": {"on": [d for run in runs[True] for d in run.durations],
+                          "off": [d for run in runs[False] for d in run.durations]},
+            "seconds": time.monotonic() - started}
+
+
+def lose(count: int, per_host: int, how: str, pause: float, work: Path, round_number: int) -> dict:
+    started = time.monotonic()
+    with bridged_hosts("pcb", 222, count) as hosts:
+        loss = loss_run(hosts, work / f"{how}-{count}x{per_host}-{round_number}", how, per_host=per_host, pause=pause)
+    return {"hosts": count, "per_host": per_host, "pause": pause, **asdict(loss), "seconds": time.monotonic() - started}
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def steady_table(rows: list[dict]) -> str:
+    lines = ["| hosts x ranks | connections opened: on / off / added | segments sent: on / off / added | "
+             "store host's segments received per step: added | step time on / off (s) |",
+             "| --- | --- | --- | --- | --- |"]
+    for row in rows:
+        on, off, add = row["on"], row["off"], row["added"]
+        lines.append(f"| {row['hosts']} x {row['per_host']} | {on['connections']:.2f} / {off['connections']:.2f} / "
+                     f"**{add['connections']:.2f}** | {on['segments']:.1f} / {off['segments']:.1f} / "
+                     f"**{add['segments']:.1f}** | {add['store_host_in']:.1f} | {on['step_seconds']:.3f} / "
+                     f"{off['step_seconds']:.3f} |")
+    return "\n".join(lines)
+
+
+def loss_table(rows: list[dict]) -> str:
+    lines = ["| hosts x ranks | lost | named after (s) | read from | regroup (s) | regroup, models and loaders "
+             "too (s) | next step after (s) | bounds at N = 16: named, regroup |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        what = "SIGKILL, launcher and workers" if row["how"] == "kill" else "link down"
+        lines.append(f"| {row['hosts']} x {row['per_host']} | {what} | {_f(row['detected'])} | {row['detected_by']} | "
+                     f"{_f(row['regroup'], 3)} | {_f(row['regroup_summary'], 3)} | {_f(row['next_step'])} | "
+                     f"<= {BOUNDS[row['how']]:g} s, <= {REGROUP_BOUND:g} s |")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return found.stdout.strip() or "unknown"
+
+
+def main() -> None:
+    # A SIGTERM (a stopped benchmark) unwinds like Ctrl-C, so that the hosts' namespaces and bridge come down.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8, 16], help="host counts (default 2 4 8 16)")
+    parser.add_argument("--per-host", type=int, default=1, help="ranks per host (default 1)")
+    parser.add_argument("--steps", type=int, default=20, help="steady steps counted, after 5 (default 20)")
+    parser.add_argument("--pause", type=float, default=0.15, help="seconds launch rank 0 sleeps a step (default 0.15)")
+    parser.add_argument("--rounds", type=int, default=1, help="on/off pairs per host count; medians (default 1)")
+    parser.add_argument("--kill", action="store_true", help="SIGKILL the last host whole, instead of the counts")
+    parser.add_argument("--cut", action="store_true", help="set the last host's link down, instead of the counts")
+    parser.add_argument("--loss-rounds", type=int, default=1, help="losses of each kind per host count (default 1)")
+    parser.add_argument("--json", type=Path, help="append the figures to this file (a JSON list)")
+    parser.add_argument("--label", help="what code ran, for the table and the JSON (default: git's HEAD)")
+    args = parser.parse_args()
+    if min(args.hosts) < 2:
+        parser.error("--hosts: at least 2 (live recovery goes on without one host)")
+    steady, losses = [], []
+    with tempfile.TemporaryDirectory() as directory:
+        work = Path(directory)
+        for count in args.hosts:
+            if args.kill or args.cut:
+                for how in [h for h, asked in (("kill", args.kill), ("cut", args.cut)) if asked]:
+                    for round_number in range(args.loss_rounds):
+                        losses.append(lose(count, args.per_host, how, args.pause, work, round_number))
+                        print(json.dumps(losses[-1]), flush=True)
+            else:
+                steady.append(measure(count, args.per_host, args.steps, args.pause, args.rounds, work))
+                print(json.dumps(steady[-1]), flush=True)
+    commit = args.label or _commit()
+    print(f"\nphalanx {commit}, {args.per_host} rank(s) per host, launch rank 0 sleeping {args.pause} s a step")
+    if steady:
+        print(f"per rank and step, over {args.steps} steady steps (live recovery on: --min-world-size = the ranks of "
+              f"all hosts but one; off: 0):\n")
+        print(steady_table(steady))
+    if losses:
+        print("\nthe last host lost after its 8th step (live recovery on), seconds from the kill or the cut:\n")
+        print(loss_table(losses))
+    if args.json:
+        kept = json.loads(args.json.read_text()) if args.json.exists() else []
+        kept += [{"kind": "steady", "commit": commit, **row} for row in steady]
+        kept += [{"kind": "loss", "commit": commit, **row} for row in losses]
+        args.json.write_text(json.dumps(kept, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""A scale model of live recovery's control plane, from unit costs measured here, to thousands of ranks: per rank and
+step (store operations, connections, segments), the store's load, the time to name a loss, the regroup.
+
+    sudo PYTHONPATH=. python benchmarks/control_plane/control_plane_model.py [--units FILE | --unit-hosts 2 4 8 16]
+        [--measured benchmarks/results/control_plane_before.json] [--per-host 8] [--pause 0.15] [--step 0.17]
+
+The unit costs come from benchmarks/control_plane/control_plane_units.py (namespace hosts; `--units FILE` reads a
+saved set): a store operation's round trip `rtt` and the store's CPU per operation `s` (its service time: one thread
+serves every operation in turn), TCP segments per operation (`seg_op` back to back, plus `seg_ack` for the delayed
+ACK that closes a burst of them), a connection probe (`t_p`, `q` segments), an idle kept connection's keepalive
+segments per second (`keep`), the commit's reads per rank `r` (rounds among N <= 16 clients, each after a small Gloo
+all-reduce), a Gloo group among N (`G(N)`). With `--measured` (benchmarks/control_plane/control_plane.py's --json),
+`r` is read from the namespace runs instead: a rank's own store connection's segments per step, less the rest of the
+formula below (the runs' ranks come to the commit further apart than the rounds' clients: more reads); the extrapolation
+takes the largest run's. phalanx's own constants: a waiting rank looks every WATCH = 0.1 s, the heartbeat
+window WINDOW = 4 s, a silent probe waits PROBE_TIMEOUT = 0.1 s, the kept watch's keepalives KEEP_IDLE = 1 s,
+KEEP_INTERVAL = 1 s, KEEP_COUNT = 4, the agreement polls every POLL = 0.01 s.
+
+P ranks, L per host; launch rank 0 leads every step by w seconds (`--pause`: the benchmark's slow rank), a step takes
+T; f = (P - 1) / P of the ranks wait on it. A look takes X; a waiting rank looks c = max{k : k WATCH + (k - 1) X <= w}
+times a step. One host (P = L) has no commit and no store operation per step: the shared-memory exchange ends alike
+on every rank, and a peer is checked by its pid.
+
+Per rank and step, healthy:
+  today   X = (P - L) t_p + rtt (the look reads the commit counter, then probes every member on another host in turn)
+          store ops  O = 1 + r + f c             (the commit's add and reads; one read per look)
+          connections K = f c (P - L)
+          segments   S = seg_op O + seg_ack (1 + f c) + q K
+  new     X = rtt (one read of the generation's trouble counter; the watch is the kernel's)
+          O = u (1 + r) + f c, u = 1 (a commit per rank) or 1/L (one per host, its ranks agreeing in shared memory)
+          K = 0
+          S = seg_op O + seg_ack (u + f c) + keep T   (one kept watch per rank: a keepalive and its ACK a second)
+  the store: P O operations per step, busy P O s / T of the time.
+
+Named (worst case, from the loss to the first rank that names it; then to every waiting rank knowing it):
+  today, process gone   WATCH + X                   (a look's scan reaches its beacon, refused; a Gloo peer that
+                                                     sees the reset gives the step up: the others see it at a look)
+  today, host cut off   WINDOW + WATCH + X + L PROBE_TIMEOUT   (silent probes, each waiting out its timeout)
+  new, process gone     2 rtt                       (its watcher's connection ends at once; the verdict: 2 store ops)
+  new, host cut off     KEEP_IDLE + KEEP_COUNT KEEP_INTERVAL + 2 rtt   (4 unanswered keepalives; 4 s at best)
+  new: every waiting rank knows it WATCH + rtt later (its next look); today each rank finds it by its own look.
+Regroup (from the loss named to the ranks left training on new groups):
+  R = A + 2 G(P) + F
+  A, today  WATCH + P rtt + P^2 s + (P - L) t_p     (the survivors enter within a look of each other; each polls
+                                                     every member's key, P of them at once at the store, and probes;
+                                                     a host cut off: + L PROBE_TIMEOUT, its ranks' silent probes)
+  A, new    WATCH + POLL + 2 rtt + P s              (assumed: one counter of the ranks alive and the `gone` key)
+  G(P)      g0 + g1 (P - 1) + k_g P (P - 1) s       (a Gloo group: each rank reads the P - 1 others' addresses from
+                                                     the store, k_g ops each, and connects to them; k_g from the
+                                                     segments on the store's connections, g0 and g1 fitted at N <= 16
+                                                     to the rest: with more clients than cores, g1 is this machine's)
+  F         the models and loaders rebuilt (measured: the run summary's regroup less the workers' line's)
+Where the namespace runs overlap (N <= 16 ranks), the model is evaluated with their own wait per step (w = each
+step's time less the step's own work, the step time with live recovery off less the pause) and compared. The runs
+name a loss by rank 0's line, and rank 0 (the slow rank) looks only once it waits, after its pause: the model's
+figure there is pause + the worst case above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+WATCH, WINDOW, PROBE_TIMEOUT, POLL = 0.1, 4.0, 0.1, 0.01
+KEEP_IDLE, KEEP_INTERVAL, KEEP_COUNT = 1.0, 1.0, 4
+F_DEFAULT = 0.15  # seconds for the models and loaders, when no loss run was measured
+
+
+class Units:
+    """The measured unit costs, and what is fitted from them."""
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+        self.rtt, self.seg_op = raw["store_rtt"], raw["segs_per_op_b2b"]
+        self.seg_ack = max(0.0, raw["segs_per_op"] - raw["segs_per_op_b2b"])
+        self.t_p, self.q = raw["probe"]["seconds"], raw["probe"]["segs"]
+        self.keep = raw["keepalive_segs_per_s"]
+        self.s = statistics.median(raw["store_cpu_per_op"].values())
+        commits = {int(n): v for n, v in raw["commit"].items()}
+        self.reads = {n: v["reads"] for n, v in commits.items()}
+        groups = {int(n): v for n, v in raw["group"].items()}
+        largest = max(groups)
+        # store operations per rank and peer in a group's making (2 segments an op, back to back)
+        self.k_g = groups[largest]["store_segs"] / 2 / (largest * (largest - 1))
+        xs = [n - 1 for n in groups]
+        ys = [v["seconds"] - self.k_g * n * (n - 1) * self.s for n, v in groups.items()]  # less the store's part
+        mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
+        spread = sum((x - mean_x) ** 2 for x in xs)
+        self.g1 = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0)
+        self.g0 = max(0.0, mean_y - self.g1 * mean_x)
+
+    def r(self, ranks: int) -> float:
+        """The commit's reads per rank: as measured at the nearest count (beyond the largest: as there)."""
+        nearest = min(self.reads, key=lambda n: (abs(n - ranks), -n))
+        return self.reads[nearest]
+
+    def reads_in_runs(self, row: dict, waits) -> float:
+        """The commit's reads per rank that a namespace run shows: its store connection's segments per step (both
+        ways) less the looks' reads, less the ACKs closing the bursts, over 2 a read, less the add."""
+        ranks = row["hosts"] * row["per_host"]
+        f = (ranks - 1) / ranks
+        c = statistics.mean(looks(w, (ranks - row["per_host"]) * self.t_p + self.rtt) for w in waits)
+        ops = (row["on"]["rank_store"] - self.seg_ack * (1 + f * c)) / self.seg_op
+        return max(0.0, ops - 1 - f * c)
+
+    def group(self, ranks: int) -> float:
+        return self.g0 + self.g1 * (ranks - 1) + self.k_g * ranks * (ranks - 1) * self.s
+
+
+def looks(wait: float, look: float) -> int:
+    """How many times a rank waiting `wait` seconds looks, each look taking `look` seconds."""
+    count = 0
+    while (count + 1) * WATCH + count * look <= wait:
+        count += 1
+    return count
+
+
+def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: float, r=None) -> dict:
+    """Store ops, connections and segments per rank and step; `waits`: the slow rank's lead in each step; `r`: the
+    commit's reads per rank (default: the rounds' at that count)."""
+    f = (ranks - 1) / ranks
+    others = ranks - per_host  # members on other hosts
+    r = units.r(ranks) if r is None else r
+    if not others:  # one host: the shared-memory exchange ends alike on every rank (no commit), peers seen by pid
+        return {"ops": 0.0, "connections": 0.0, "segments": 0.0, "store_ops": 0.0, "store_busy": 0.0, "looks": 0.0}
+    if design == "today":
+        look = others * units.t_p + units.rtt
+        c = statistics.mean(looks(w, look) for w in waits)
+        ops = 1 + r + f * c
+        conns = f * c * others
+        segs = units.seg_op * ops + units.seg_ack * (1 + f * c) + units.q * conns
+    else:
+        u = 1.0 if design == "new" else 1.0 / per_host
+        c = statistics.mean(looks(w, units.rtt) for w in waits)
+        ops = u * (1 + r) + f * c
+        conns = 0.0
+        segs = units.seg_op * ops + units.seg_ack * (u + f * c) + (units.keep * step if others else 0.0)
+    return {"ops": ops, "connections": conns, "segments": segs, "store_ops": ranks * ops,
+            "store_busy": ranks * ops * units.s / step, "looks": c}
+
+
+def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tuple[float, float] | None:
+    """Seconds from the loss to the first rank that names it and to every waiting rank knowing it (worst case);
+    None: a host alone cannot be cut off."""
+    others = ranks - per_host
+    if how == "cut" and not others:
+        return None
+    if design == "today":  # each rank finds it itself, at a look
+        first = WATCH + others * units.t_p + units.rtt + (WINDOW + per_host * PROBE_TIMEOUT if how == "cut" else 0.0)
+        return first, first
+    if not others:  # one host: its ranks check each other's pids at their looks
+        return WATCH, WATCH
+    first = 2 * units.rtt + (KEEP_IDLE + KEEP_COUNT * KEEP_INTERVAL if how == "cut" else 0.0)
+    return first, first + WATCH + units.rtt
+
+
+def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill") -> float:
+    others = ranks - per_host
+    if design == "today":
+        agree = WATCH + ranks * units.rtt + ranks * ranks * units.s + others * units.t_p
+        if how == "cut":  # its poll probes the silent host's ranks, each waiting out the probe's timeout
+            agree += per_host * PROBE_TIMEOUT
+    else:
+        agree = WATCH + POLL + 2 * units.rtt + ranks * units.s
+    return agree + 2 * units.group(ranks) + followers
+
+
+DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, a commit per host"}
+
+
+def scale_table(units: Units, per_host: int, pause: float, step: float, followers: float, r=None) -> str:
+    lines = ["| ranks (hosts x ranks) | design | store ops / rank / step | connections / rank / step | "
+             "segments / rank / step | the store: ops / step (busy) | process gone: named / all know (s) | host cut "
+             "off: named / all know (s) | regroup, a process gone (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for ranks in (8, 64, 512, 4096):
+        hosts = max(1, ranks // per_host)
+        for design, label in DESIGNS.items():
+            got = per_step(units, design, ranks, per_host, [pause], step, r)
+            kill, cut = (named(units, design, ranks, per_host, how) for how in ("kill", "cut"))
+            lines.append(
+                f"| {ranks} ({hosts} x {per_host}) | {label} | {got['ops']:.2f} | {got['connections']:.2f} | "
+                f"{got['segments']:.1f} | {got['store_ops']:.0f} ({100 * got['store_busy']:.0f} %) | "
+                f"{kill[0]:.3f} / {kill[1]:.2f} | {'-' if cut is None else f'{cut[0]:.2f} / {cut[1]:.2f}'} | "
+                f"{_seconds(regroup(units, design, ranks, per_host, followers))} |")
+    return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f}" if value < 100 else f"{value:.0f}"
+
+
+def _agreement(model: float, measured: float) -> str:
+    if abs(measured) < 1e-9:
+        return "-"
+    return f"{100 * (model / measured - 1):+.0f} %"
+
+
+def _waits(row: dict) -> list[float]:
+    """The slow rank's lead in each step of a run: the step's time less the step's own work (with live recovery off,
+    the step time less the pause)."""
+    own_work = row["off"]["step_seconds"] - row["pause"]
+    return [d - own_work for d in row["durations"]["on"]] or [row["pause"]]
+
+
+def overlap_table(units: Units, measured: list[dict], followers: float) -> str:
+    lines = ["| hosts x ranks | connections added: measured / model (agreement) | a rank's store segments: measured / "
+             "model with the rounds' reads | the commit's reads per rank: rounds / runs | segments added: measured / "
+             "model with the runs' reads (agreement) | looks per waiting rank and step |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in (r for r in measured if r["kind"] == "steady" and "rank_store" in r["on"]):
+        ranks, per_host = row["hosts"] * row["per_host"], row["per_host"]
+        waits, step = _waits(row), row["on"]["step_seconds"]
+        rounds = per_step(units, "today", ranks, per_host, waits, step)
+        r_runs = units.reads_in_runs(row, waits)
+        got = per_step(units, "today", ranks, per_host, waits, step, r_runs)
+        store_model = units.seg_op * rounds["ops"] + units.seg_ack * (1 + (ranks - 1) / ranks * rounds["looks"])
+        add = row["added"]
+        lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
+                     f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
+                     f"{store_model:.1f} | {units.r(ranks):.1f} / {r_runs:.1f} | {add['segments']:.1f} / "
+                     f"{got['segments']:.1f} ({_agreement(got['segments'], add['segments'])}) | {got['looks']:.2f} |")
+    losses: dict[tuple, list[dict]] = {}
+    for row in measured:
+        if row["kind"] == "loss" and row.get("detected") is not None:
+            losses.setdefault((row["hosts"], row["per_host"], row["how"]), []).append(row)
+    if losses:
+        lines += ["", "| hosts x ranks | lost | runs | named by rank 0: measured / model, worst (agreement) | regroup "
+                  "with models and loaders: measured / model (agreement) |", "| --- | --- | --- | --- | --- |"]
+        for (hosts, per_host, how), rows in losses.items():
+            ranks = hosts * per_host
+            detected = statistics.median(r["detected"] for r in rows)
+            measured_regroup = statistics.median(r.get("regroup_summary") or r["regroup"] for r in rows)
+            # the runs read it from rank 0's line, and rank 0 (the slow rank) waits, and so looks, only after its pause
+            model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
+            model_regroup = regroup(units, "today", ranks, per_host, followers, how)
+            lines.append(f"| {hosts} x {per_host} | {how} | {len(rows)} | {detected:.2f} / {model_named:.2f} "
+                         f"({_agreement(model_named, detected)}) | {measured_regroup:.3f} / {model_regroup:.3f} "
+                         f"({_agreement(model_regroup, measured_regroup)}) |")
+    return "\n".join(lines)
+
+
+def followers_seconds(measured: list[dict]) -> float:
+    """The models' and loaders' part of a regroup, from the loss runs (the summary's regroup less the line's)."""
+    parts = [r["regroup_summary"] - r["regroup"] for r in measured
+             if r["kind"] == "loss" and r.get("regroup_summary") is not None and r.get("regroup") is not None]
+    return statistics.median(parts) if parts else F_DEFAULT
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--units", type=Path, help="unit costs saved by control_plane_units.py (else measured now)")
+    parser.add_argument("--unit-hosts", type=int, nargs="+", default=[2, 4, 8, 16],
+                        help="client counts to measure the units at (default 2 4 8 16)")
+    parser.add_argument("--measured", type=Path,
+                        help="benchmarks/control_plane/control_plane.py's --json, to compare at N <= 16")
+    parser.add_argument("--per-host", type=int, default=8, help="ranks per host in the extrapolation (default 8)")
+    parser.add_argument("--pause", type=float, default=0.15, help="the slow rank's lead per step (default 0.15 s)")
+    parser.add_argument("--step", type=float, default=0.17, help="the step time (default 0.17 s)")
+    args = parser.parse_args()
+    if args.units:
+        raw = json.loads(args.units.read_text())
+    else:
+        from benchmarks.control_plane.control_plane_units import measure
+
+        raw = measure(args.unit_hosts)
+        print(json.dumps(raw))
+    units = Units(raw)
+    measured = json.loads(args.measured.read_text()) if args.measured else []
+    followers = followers_seconds(measured)
+    runs = [r for r in measured if r["kind"] == "steady" and "rank_store" in r["on"]]
+    largest = max(runs, key=lambda r: (r["hosts"] * r["per_host"], -r["per_host"]), default=None)
+    r_scale = units.reads_in_runs(largest, _waits(largest)) if largest else None
+    print(f"units: store op {1e6 * units.rtt:.0f} us round trip, {1e6 * units.s:.1f} us of the store's CPU, "
+          f"{units.seg_op:.1f} + {units.seg_ack:.1f} segments; probe {1e6 * units.t_p:.0f} us, {units.q:.1f} "
+          f"segments; keepalive {units.keep:.1f} segments/s; commit reads per rank "
+          f"{', '.join(f'{n}: {v:.1f}' for n, v in sorted(units.reads.items()))}; Gloo group "
+          f"{1e3 * units.g0:.1f} ms + {1e3 * units.g1:.2f} ms per peer + {units.k_g:.2f} store ops per rank and "
+          f"peer; models and loaders {followers:.3f} s\n")
+    reads = (f"the commit's reads per rank as the run at {largest['hosts']} x {largest['per_host']} shows them "
+             f"({r_scale:.1f})" if largest else "the commit's reads per rank as the rounds show them")
+    print(f"extrapolated: {args.per_host} ranks per host, the slow rank {args.pause} s ahead, steps of {args.step} s, "
+          f"{reads}\n")
+    print(scale_table(units, args.per_host, args.pause, args.step, followers, r_scale))
+    if measured:
+        print("\nthe model (today's design) against the namespace runs, what live recovery adds per rank and step:\n")
+        print(overlap_table(units, measured, followers))
+
+
+if __name__ == "__main__":
+    main()

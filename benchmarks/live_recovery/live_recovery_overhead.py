@@ -1,0 +1,140 @@
+"""What live recovery costs a healthy training step: the per-step commit and the watched waits, an A/B.
+
+    PYTHONPATH=. python benchmarks/live_recovery/live_recovery_overhead.py [deep wide gpt ...] [--blocks N] [--steps N]
+        [--transport shm|gloo] [--shard gradients|optimizer]
+
+Two CPU ranks (1 thread each) train phalanx DDP on `phalanx bench`'s models, over the shared-memory exchange
+or Gloo's (`--transport`). Blocks of steps alternate between live recovery on (PHALANX_MIN_WORLD_SIZE=1: every
+wait on a collective watches for a step given up, and each step commits through the store after its exchange
+where a global-batch step does: not over shared memory, whose exchange ends alike on every rank) and off, so the
+machine's drift hits both alike. Prints the median step time of the slowest rank per setting and their ratio;
+and, since on a shared machine that ratio moves by more than the cost measured, the commit's own cost: its
+wall time per step on the main thread (store round trips, which a busy machine stretches too) and its CPU time,
+against the step time. Those include the wait for the other rank to finish its exchange, which a step pays
+without the commit too (at its next collective); so also the commit's own delay to the step, on its critical
+path: per step, from the moment the last rank enters the commit to the moment the last one leaves it (both
+ranks read the same monotonic clock).
+
+With `--shard`, the model is sharded (AdamW; two ShardedOptimizers over the same model, one made with live recovery
+on, whose steps also snapshot this rank's chunk, refresh its copy on the other rank and commit a second time:
+sharding/shard_copies.py); the copies' own time (the snapshot and the refresh) is printed besides, with the
+memory they hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import phalanx
+from phalanx.testing import run_ranks
+from phalanx.tools.bench import run_block
+from phalanx.tools.bench_models import MODELS, make_batches
+from phalanx.world import generation
+
+
+def _rank(rank: int, names: list[str], blocks: int, steps: int, shard: str) -> dict:
+    return {name: _measure(name, rank, blocks, steps, shard) for name in names}
+
+
+def _timed(record: list, method):
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            record.append(time.perf_counter() - started)
+    return timed
+
+
+def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
+    bench_model = MODELS[name]
+    torch.manual_seed(0)
+    model = phalanx.DistributedDataParallel(bench_model.build(), shard=shard)
+    copies_wall: list[float] = []
+    copies_bytes = 0
+    if shard == "none":
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        live_optimizer = optimizer
+    else:
+        os.environ[generation.MIN_WORLD_ENV] = "1"
+        live_optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+        os.environ.pop(generation.MIN_WORLD_ENV, None)
+        optimizer = model.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+        copies = live_optimizer._copies
+        copies.before_step = _timed(copies_wall, copies.before_step)  # the snapshot
+        copies._start_refresh = _timed(copies_wall, copies._start_refresh)  # packing, the transfers started
+        copies._finish_refresh = _timed(copies_wall, copies._finish_refresh)  # their end, after the all-gather's
+    batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
+    generation.announce()
+    generation.say_mode(True, "a benchmark's loop")  # as a global-batch loader says it: the copies are made
+    wall: list[float] = []
+    cpu: list[float] = []
+    spans: list[tuple[float, float]] = []  # each commit's entry and exit, on the machine's monotonic clock
+    live_step = live_optimizer.step
+
+    def commit_then_step(*args, **kwargs):
+        started, started_cpu = time.monotonic(), time.thread_time()
+        if not model._steps_settle_alike() and not generation.commit_step():  # as a global-batch step does
+            raise RuntimeError("a healthy step did not commit")
+        spans.append((started, time.monotonic()))
+        wall.append(spans[-1][1] - started)
+        cpu.append(time.thread_time() - started_cpu)
+        return live_step(*args, **kwargs)
+
+    times = {"on": [], "off": []}
+    for block in range(2 * blocks):
+        setting = ("on", "off")[block % 2]
+        if setting == "on":
+            os.environ[generation.MIN_WORLD_ENV] = "1"
+            live_optimizer.step = commit_then_step
+            times[setting] += run_block(model, live_optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+        else:
+            os.environ.pop(generation.MIN_WORLD_ENV, None)
+            times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+    os.environ.pop(generation.MIN_WORLD_ENV, None)
+    live_optimizer.step = live_step
+    if shard != "none":
+        held = [t for packed in live_optimizer._copies.copies.values() for t in packed.tensors()]
+        copies_bytes = sum(t.numel() * t.element_size() for t in held)
+    return {**{s: statistics.median(v) for s, v in times.items()}, "commit_ms": 1e3 * statistics.median(wall),
+            "commit_cpu_ms": 1e3 * statistics.median(cpu), "spans": spans,
+            "copies_ms": 1e3 * sum(copies_wall) / len(wall) if copies_wall else 0.0,  # per step, on average
+            "copies_mb": copies_bytes / 1e6,
+            "model_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["deep", "wide", "gpt"])
+    parser.add_argument("--blocks", type=int, default=10, help="blocks per setting (default 10)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per block (default 20)")
+    parser.add_argument("--transport", choices=("shm", "gloo"), default="shm",
+                        help="the exchange: shared memory (phalanx's default on one host: its steps end alike on "
+                             "every rank, no commit) or Gloo's all-reduce (PHALANX_SHM=0: a commit per step)")
+    parser.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
+                        help="shard the model (AdamW): the shard copies' cost besides the commits")
+    args = parser.parse_args()
+    env = {"PHALANX_SHM": "1" if args.transport == "shm" else "0"}
+    ranks = run_ranks(_rank, 2, (args.models, args.blocks, args.steps, args.shard), timeout=3600, env=env)
+    results = ranks[0]
+    for name, r in results.items():
+        steps = zip(*(rank[name]["spans"] for rank in ranks))  # the same commits, in order, on every rank
+        delay = statistics.median(max(end for _, end in step) - max(start for start, _ in step) for step in steps)
+        print(f"{name:<6} {args.transport:<4} step: on {r['on']:8.2f} ms   off {r['off']:8.2f} ms   "
+              f"on/off {r['on'] / r['off']:.4f};   commit per step: {r['commit_ms']:.3f} ms wall "
+              f"({100 * r['commit_ms'] / r['off']:.2f} % of a step), {r['commit_cpu_ms']:.3f} ms CPU "
+              f"({100 * r['commit_cpu_ms'] / r['off']:.2f} %); its delay to the step: {1e3 * delay:.3f} ms "
+              f"({100e3 * delay / r['off']:.2f} %)")
+        if args.shard != "none":
+            print(f"{'':<6} shard={args.shard}: copies {r['copies_ms']:.3f} ms per step "
+                  f"({100 * r['copies_ms'] / r['off']:.2f} % of a step), holding {r['copies_mb']:.1f} MB per rank "
+                  f"(the model: {r['model_mb']:.1f} MB)")
+
+
+if __name__ == "__main__":
+    main()
