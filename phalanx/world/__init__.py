@@ -3,7 +3,8 @@ the launchers' meetings, an srun step's nodes), the network interface between ho
 group, the generations of live recovery, the step the run is at (step_count.py), and the stop requests that reach
 the process (stop.py).
 
-`group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports.
+`group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports (their parts: process/);
+`generation.py`, live recovery's generations (their parts: generations/).
 
 May import: diagnose, allocator, errors, log.
 """

@@ -20,10 +20,10 @@ import threading
 import time
 
 from ..diagnose.stacks import stat_fields
-from . import group as world
 from .interface import address_toward
 from .meeting.membership import KEEP_ALIVE_INTERVAL, KEEP_ALIVE_MISSES
 from .meeting.store import LOOPBACK
+from .process.identity import launch_spec
 
 PROBE_EVERY = 0.1  # seconds between probes of one peer on another host
 PROBE_TIMEOUT = 0.1  # seconds a probe waits for a connection (silence counts only after SILENT_WINDOW)
@@ -72,7 +72,7 @@ _beacon: socket.socket | None = None
 def _beacon_address() -> str:
     global _beacon
     if _beacon is None:
-        spec = world._spec
+        spec = launch_spec()
         host = (address_toward(spec.master_addr) if spec is not None and spec.master_addr else None) or LOOPBACK
         beacon = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         beacon.bind((host, 0))

@@ -34,7 +34,7 @@ _owner = 0  # the pid that installed the handlers: a forked child (a DataLoader 
 _previous: dict = {}
 _teardown = None  # () -> bool: the launcher is tearing the group down (a failure elsewhere): die at once
 _group = None  # Gloo group of stop_requested(agree=True) in a world phalanx did not make
-# group.py's: (how many ranks train now, their control group) once init() ran, else None. After a loss (live
+# process/live.py's: (how many ranks train now, their control group) once init() ran, else None. After a loss (live
 # recovery) the agreement is among the ranks left, never on torch's default group.
 ranks_that_train = None
 

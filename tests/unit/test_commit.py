@@ -1,6 +1,6 @@
-"""The per-step commit of live recovery (world/generation.py): the members of a generation, as threads on one store,
-apply a step only all together; a step given up (an exchange that failed, a peer gone) is applied by none of them,
-unless every member had said ready first, and then by all of them."""
+"""The per-step commit of live recovery (world/generations/commit.py): the members of a generation, as threads on one
+store, apply a step only all together; a step given up (an exchange that failed, a peer gone) is applied by none of
+them, unless every member had said ready first, and then by all of them."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A bounded wait on a collective (world/generation.py timed_wait): a wait that runs out is "not yet", also when the
-collective completes between the wait giving up and the check; a collective that failed raises its own error."""
+"""A bounded wait on a collective (world/generations/waits.py timed_wait): a wait that runs out is "not yet", also when
+the collective completes between the wait giving up and the check; a collective that failed raises its own error."""
 
 from __future__ import annotations
 

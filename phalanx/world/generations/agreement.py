@@ -1,0 +1,89 @@
+"""The survivors' agreement on the next generation, after a loss.
+
+Every survivor says it is alive; once each member has either said so or is known gone (or the membership timeout
+passed), the first proposal stored is the next generation. The survivors then meet on its process groups, with their
+old ranks in their old order (current.meet).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from ...errors import MembershipError, explain
+from ...log import logger
+from .. import group as world
+from .current import Generation, current, meet
+from .settings import (
+    AGREE_READ_EVERY,
+    AWAITED_SAY_EVERY,
+    MEMBERSHIP_TIMEOUT_ENV,
+    MIN_WORLD_ENV,
+    ORPHAN_AFTER,
+    membership_timeout,
+    min_world_size,
+)
+
+
+def agree_on_survivors(generation: Generation, store) -> tuple[int, ...]:
+    """Collective over the survivors of `generation`: the members that go on, the same tuple on each of them. Each
+    appends its rank to one list; the first of them decides once every member is on it or known gone (its watcher said
+    so, or after ORPHAN_AFTER its own probe: a member whose watcher is lost too), or the membership timeout passed. The
+    others look for the decision, and read the list only now and then (the first of them may be lost too)."""
+    me = dist.get_rank()
+    decision, listed = generation._key("next"), generation._key("alive")
+    store.append(listed, f"{me},")
+    watch, timeout = generation.watch(store), membership_timeout()
+    started = time.monotonic()
+    deadline, say_at, read_at = started + timeout, started + AWAITED_SAY_EVERY, started
+    while not store.check([decision]):
+        now = time.monotonic()
+        if now >= read_at:
+            alive = {int(rank) for rank in store.get(listed).decode().split(",") if rank}
+            deciding = me == min(alive)
+            read_at = now + (0.0 if deciding else AGREE_READ_EVERY)
+        if deciding:
+            gone = watch.gone()
+            if now - started > ORPHAN_AFTER:
+                gone |= watch.probe(set(generation.members) - alive - gone)
+            settled = alive | gone
+            if settled >= set(generation.members) or now > deadline:
+                store.compare_set(decision, "", ",".join(map(str, sorted(alive))))
+                break
+            if now > say_at:
+                say_at += AWAITED_SAY_EVERY
+                logger.warning("generation %d: waiting for rank(s) %s, alive but not yet regrouping (a slow "
+                               "step?), up to %.0f s (%s); then the others go on without them", generation.number + 1,
+                               sorted(set(generation.members) - settled), timeout, MEMBERSHIP_TIMEOUT_ENV)
+        time.sleep(0.005 if deciding else 0.02)
+    return tuple(int(r) for r in store.get(decision).decode().split(","))
+
+
+def next_generation(cause: BaseException) -> Generation:
+    """Collective over the survivors of the current generation: agree on who is left, meet on a new process
+    group, and make it the current generation. Raises MembershipError when this rank was counted lost or
+    fewer ranks are left than the minimum world size."""
+    store, old = world.store(), current()
+    started = time.monotonic()
+    members = agree_on_survivors(old, store)
+    me, minimum = dist.get_rank(), min_world_size() or 1
+    lost = sorted(set(old.members) - set(members))
+    if me not in members:
+        raise MembershipError(explain(
+            f"the other ranks went on without this one after generation {old.number}", rank=me,
+            seen=f"survivors {list(members)}", expected=f"rank {me} among them",
+            fix=f"The others counted it lost: cut off from them for the heartbeat window, or too slow to say it "
+                f"was alive ({MEMBERSHIP_TIMEOUT_ENV}={membership_timeout():g} s). This rank ends; its launcher "
+                f"starts it again to join (under --max-restarts, or --nnodes MIN:MAX).")) from cause
+    if len(members) < minimum:
+        raise MembershipError(explain(
+            f"too few ranks are left to go on after losing ranks {lost}", rank=me,
+            seen=f"{len(members)} left: {list(members)}", expected=f"at least {MIN_WORLD_ENV}={minimum}",
+            fix="The run falls back to a restart from its newest checkpoint.")) from cause
+    meet(old.number + 1, members, "the ranks left", abandoned=True)
+    survivors = current()
+    if survivors.rank == 0:
+        logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s", lost,
+                       type(cause).__name__, len(members), survivors.number, time.monotonic() - started)
+    return survivors

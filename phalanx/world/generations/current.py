@@ -1,0 +1,181 @@
+"""The generation this process trains in, and the meeting on the next one.
+
+Generation 0 is the world `init()` made. A `Generation` is its number, its members (global ranks, in order) and the
+process group they share; its keys are under `generation/<g>/` in phalanx's namespace of the store, where each rank
+says who it is (liveness.py: host, pid, start time, beacon), so that a peer can tell it is gone: at once on the same
+host or when its beacon refuses, after the heartbeat window when its host is silent.
+
+Each generation's process groups are made by name from its members (joining.make_group), by every member alike,
+joiners included, whose own default group is not the others'. What every member counts in a generation (its steps
+committed, its admissions) starts at 0 in each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ...errors import MembershipError, explain
+from .. import group as world
+from .. import joining
+from ..liveness import identity
+from ..watch import GenerationWatch
+from . import release
+from .commit import StepCommit
+from .settings import REGROUP_CONNECT_SECONDS, live_recovery, membership_timeout
+
+
+@dataclass(frozen=True)
+class Generation(StepCommit):
+    """One generation: its number, its members (global ranks, in order) and the process group they share."""
+
+    number: int
+    members: tuple[int, ...]
+    group: object  # a ProcessGroup; dist.group.WORLD for generation 0
+    _watching: dict = field(default_factory=dict, compare=False, repr=False)  # "watch": this rank's (watch.py)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the generation's group."""
+        return self.members.index(dist.get_rank())
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def _key(self, *parts) -> str:
+        return "/".join(("generation", str(self.number), *map(str, parts)))
+
+    # -- who is gone --------------------------------------------------------------------------------
+
+    def watch(self, store) -> GenerationWatch:
+        """This rank's watch in the generation (watch.py): one peer on another host, the pids of its own host, the
+        verdicts the others spread. Set up (in a thread) once this rank said who it is."""
+        if "watch" not in self._watching:
+            self._watching["watch"] = GenerationWatch(self._key, self.members, dist.get_rank(), store,
+                                                      self.in_flight)
+        return self._watching["watch"]
+
+    def gone(self, store) -> set[int]:
+        """Members known gone (watch.py): a process on this host that no longer runs; on another host, one whose
+        watcher's kept connection ended, or found it silent for the heartbeat window."""
+        return self.watch(store).gone()
+
+    def close_watch(self) -> None:
+        if "watch" in self._watching:
+            self._watching["watch"].close()
+
+    def in_flight(self) -> list[str]:
+        """The done keys of the steps a member may be waiting on now (a member is at most one step ahead of another):
+        what a watcher that found a member gone sets, so that no wait for a commit outlives the generation."""
+        return [self._done(n) for n in range(max(0, _commits - 1), _commits + 2)]
+
+
+_current: Generation | None = None
+_commits = 0  # steps committed (or failed) in the current generation: every member counts the same
+_admissions = 0  # admit_joiners() calls in the current generation: every member counts the same
+
+
+def current() -> Generation:
+    """The generation this process trains in (generation 0, the whole world, until a loss)."""
+    global _current
+    if _current is None:
+        _current = Generation(0, tuple(range(world.launch_world_size())), dist.group.WORLD)
+    return _current
+
+
+def commit_step() -> bool:
+    """Collective over the current generation, after a step's exchange: True when every member may apply the
+    step, False when it failed somewhere (a peer lost): then the step is redone at the next generation."""
+    global _commits
+    number, _commits = _commits, _commits + 1
+    return current().commit(world.store(), number)
+
+
+def fail_step() -> None:
+    """This rank's exchange of the step failed: no member applies it (see commit_step)."""
+    global _commits
+    number, _commits = _commits, _commits + 1
+    current().fail_commit(world.store(), number)
+
+
+def next_admission() -> int:
+    """The number of this admit_joiners() call in the current generation (admissions.py), counted."""
+    global _admissions
+    number, _admissions = _admissions, _admissions + 1
+    return number
+
+
+def announce() -> None:
+    """Say which process this rank is, for the survivors of a loss to tell at once that it is gone."""
+    generation = current()
+    world.store().set(generation._key("who", dist.get_rank()), identity())
+    generation.watch(world.store())
+
+
+def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = False) -> None:
+    """Collective over `members`: make generation `number`'s process groups (by name: joiners take part, whose
+    default group is not the others', joining.py) and make it the current generation. The groups before are
+    released after the regroup (release.py). `abandoned`: after a loss (a collective on them may still
+    wait on the lost rank: shutdown() then leaves the groups not yet freed to the process's exit)."""
+    global _current, _commits, _admissions
+    # The groups are made with a short timeout (every member agreed moments ago, so all are making them now), then
+    # given the membership timeout for their collectives: a member lost while they are made (a second loss within
+    # the regroup) would otherwise hold the others in Gloo's connection set-up, which cannot be watched, for that long.
+    connect = timedelta(seconds=min(membership_timeout(), REGROUP_CONNECT_SECONDS))
+    name = f"phalanx/{world.attempt()}/generation{number}"
+    try:
+        group = joining.make_group(members, f"{name}/main", connect)
+        control = joining.make_group(members, f"{name}/control", connect, backend="gloo")
+    except RuntimeError as exc:
+        raise MembershipError(explain(
+            f"{who} could not make generation {number}'s process group", rank=dist.get_rank(),
+            seen=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (members {list(members)})",
+            expected=f"every member connected within {connect.total_seconds():g} s",
+            fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
+                "checkpoint.")) from exc
+    for made in (group, control):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), made)
+    before = current()  # generation 0 registered its end-of-run reset
+    release.set_aside((before.group, world.control_group()), abandoned)
+    before.close_watch()
+    _current, _commits, _admissions = Generation(number, tuple(members), group), 0, 0
+    world.set_live(_current.number, _current.members, group, control, abandoned)
+    world.store().set(_current._key("who", dist.get_rank()), identity())
+    _current.watch(world.store())
+
+
+def start_solo() -> None:
+    """A joiner, before it is taken in: a generation of its own (its model and loader are built as in a world of
+    one), on groups of its own."""
+    global _current
+    me = dist.get_rank()
+    timeout = timedelta(seconds=REGROUP_CONNECT_SECONDS)
+    group = joining.make_group([me], f"phalanx/{world.attempt()}/join{me}/main", timeout)
+    control = joining.make_group([me], f"phalanx/{world.attempt()}/join{me}/control", timeout, backend="gloo")
+    current()
+    _current = Generation(joining.SOLO, (me,), group)
+    world.set_live(joining.SOLO, (me,), group, control)
+
+
+def lost_since(members) -> set[int]:
+    """Which of `members` (the ranks of this generation or of an earlier one) are lost: no longer among the ranks
+    that train, or known gone. Empty without live recovery."""
+    if not live_recovery():
+        return set()
+    return (set(members) - set(current().members)) | lost_among(members)
+
+
+def lost_among(ranks) -> set[int]:
+    """Which of `ranks` are known gone, with live recovery on (world.barrier asks)."""
+    return current().gone(world.store()) & set(ranks) if live_recovery() else set()
+
+
+def forget() -> None:
+    """At shutdown, after the last collectives: the next init() starts at generation 0 again."""
+    global _current, _commits
+    if _current is not None:
+        _current.close_watch()
+    _current, _commits = None, 0
