@@ -27,9 +27,11 @@ Per rank and step, healthy:
           connections K = f c (P - L)
           segments   S = seg_op O + seg_ack (1 + f c) + q K
   new     X = rtt (one read of the generation's trouble counter; the watch is the kernel's)
-          O = u (1 + r) + f c, u = 1 (a commit per rank) or 1/L (one per host, its ranks agreeing in shared memory)
+          O = u (1 + 2) + f c, u = 1 (a commit per rank) or 1/L (one per host, its ranks agreeing in shared memory):
+          the commit's add, then one wait the store answers once the last rank adds, then one read of the counter
           K = 0
-          S = seg_op O + seg_ack (u + f c) + keep T   (one kept watch per rank: a keepalive and its ACK a second)
+          S = seg_op O + seg_ack (u + f c) + 2 T / TICK   (one kept watch per rank: it sends a byte every TICK =
+          0.25 s and acknowledges the byte of the rank that watches it)
   the store: P O operations per step, busy P O s / T of the time.
 
 Named (worst case, from the loss to the first rank that names it; then to every waiting rank knowing it):
@@ -65,6 +67,8 @@ from pathlib import Path
 
 WATCH, WINDOW, PROBE_TIMEOUT, POLL = 0.1, 4.0, 0.1, 0.01
 KEEP_IDLE, KEEP_INTERVAL, KEEP_COUNT = 1.0, 1.0, 4
+TICK = 0.25  # seconds between a kept watch's bytes (world/liveness.py)
+WAITED_COMMIT = 2.0  # the new commit's store operations after its add: one blocking wait, one read of the counter
 F_DEFAULT = 0.15  # seconds for the models and loaders, when no loss run was measured
 
 
@@ -134,9 +138,9 @@ def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: 
     else:
         u = 1.0 if design == "new" else 1.0 / per_host
         c = statistics.mean(looks(w, units.rtt) for w in waits)
-        ops = u * (1 + r) + f * c
+        ops = u * (1 + WAITED_COMMIT) + f * c
         conns = 0.0
-        segs = units.seg_op * ops + units.seg_ack * (u + f * c) + (units.keep * step if others else 0.0)
+        segs = units.seg_op * ops + units.seg_ack * (u + f * c) + 2 * step / TICK
     return {"ops": ops, "connections": conns, "segments": segs, "store_ops": ranks * ops,
             "store_busy": ranks * ops * units.s / step, "looks": c}
 
@@ -167,7 +171,7 @@ def regroup(units: Units, design: str, ranks: int, per_host: int, followers: flo
     return agree + 2 * units.group(ranks) + followers
 
 
-DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, a commit per host"}
+DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, a commit per host"}  # --design
 
 
 def scale_table(units: Units, per_host: int, pause: float, step: float, followers: float, r=None) -> str:
@@ -205,19 +209,36 @@ def _waits(row: dict) -> list[float]:
     return [d - own_work for d in row["durations"]["on"]] or [row["pause"]]
 
 
-def overlap_table(units: Units, measured: list[dict], followers: float) -> str:
+def overlap_table(units: Units, measured: list[dict], followers: float, design: str = "today") -> str:
+    """The model against the namespace runs of `design` ("today": the commit's reads fitted from each run; "new":
+    nothing fitted)."""
     lines = ["| hosts x ranks | connections added: measured / model (agreement) | a rank's store segments: measured / "
              "model with the rounds' reads | the commit's reads per rank: rounds / runs | segments added: measured / "
              "model with the runs' reads (agreement) | looks per waiting rank and step |",
              "| --- | --- | --- | --- | --- | --- |"]
+    if design != "today":
+        lines = ["| hosts x ranks | connections added: measured / model (agreement) | a rank's store segments: "
+                 "measured / model (agreement) | segments added: measured / model (agreement) | looks per waiting "
+                 "rank and step |",
+                 "| --- | --- | --- | --- | --- |"]
     for row in (r for r in measured if r["kind"] == "steady" and "rank_store" in r["on"]):
         ranks, per_host = row["hosts"] * row["per_host"], row["per_host"]
         waits, step = _waits(row), row["on"]["step_seconds"]
+        add = row["added"]
+        if design != "today":
+            got = per_step(units, design, ranks, per_host, waits, step)
+            u = 1.0 if design == "new" else 1.0 / per_host
+            store_model = units.seg_op * got["ops"] + units.seg_ack * (u + (ranks - 1) / ranks * got["looks"])
+            lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
+                         f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
+                         f"{store_model:.1f} ({_agreement(store_model, row['on']['rank_store'])}) | "
+                         f"{add['segments']:.1f} / {got['segments']:.1f} "
+                         f"({_agreement(got['segments'], add['segments'])}) | {got['looks']:.2f} |")
+            continue
         rounds = per_step(units, "today", ranks, per_host, waits, step)
         r_runs = units.reads_in_runs(row, waits)
         got = per_step(units, "today", ranks, per_host, waits, step, r_runs)
         store_model = units.seg_op * rounds["ops"] + units.seg_ack * (1 + (ranks - 1) / ranks * rounds["looks"])
-        add = row["added"]
         lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
                      f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
                      f"{store_model:.1f} | {units.r(ranks):.1f} / {r_runs:.1f} | {add['segments']:.1f} / "
@@ -227,15 +248,18 @@ def overlap_table(units: Units, measured: list[dict], followers: float) -> str:
         if row["kind"] == "loss" and row.get("detected") is not None:
             losses.setdefault((row["hosts"], row["per_host"], row["how"]), []).append(row)
     if losses:
-        lines += ["", "| hosts x ranks | lost | runs | named by rank 0: measured / model, worst (agreement) | regroup "
+        lines += ["", "| hosts x ranks | lost | runs | named: measured / model, worst (agreement) | regroup "
                   "with models and loaders: measured / model (agreement) |", "| --- | --- | --- | --- | --- |"]
         for (hosts, per_host, how), rows in losses.items():
             ranks = hosts * per_host
             detected = statistics.median(r["detected"] for r in rows)
             measured_regroup = statistics.median(r.get("regroup_summary") or r["regroup"] for r in rows)
-            # the runs read it from rank 0's line, and rank 0 (the slow rank) waits, and so looks, only after its pause
-            model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
-            model_regroup = regroup(units, "today", ranks, per_host, followers, how)
+            if design == "today":
+                # the runs read it from rank 0's line, and rank 0 (the slow rank) looks only after its pause
+                model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
+            else:  # the runs read the watcher's verdict, the first rank to name it
+                model_named = named(units, design, ranks, per_host, how)[0]
+            model_regroup = regroup(units, design, ranks, per_host, followers, how)
             lines.append(f"| {hosts} x {per_host} | {how} | {len(rows)} | {detected:.2f} / {model_named:.2f} "
                          f"({_agreement(model_named, detected)}) | {measured_regroup:.3f} / {model_regroup:.3f} "
                          f"({_agreement(model_regroup, measured_regroup)}) |")
@@ -259,6 +283,9 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=8, help="ranks per host in the extrapolation (default 8)")
     parser.add_argument("--pause", type=float, default=0.15, help="the slow rank's lead per step (default 0.15 s)")
     parser.add_argument("--step", type=float, default=0.17, help="the step time (default 0.17 s)")
+    parser.add_argument("--design", choices=["today", "new"], default="today",
+                        help="the design the --measured runs ran: 'today' (the commit polled, a probe per peer) or "
+                             "'new' (the kept watch, the commit waited for)")
     args = parser.parse_args()
     if args.units:
         raw = json.loads(args.units.read_text())
@@ -285,8 +312,9 @@ def main() -> None:
           f"{reads}\n")
     print(scale_table(units, args.per_host, args.pause, args.step, followers, r_scale))
     if measured:
-        print("\nthe model (today's design) against the namespace runs, what live recovery adds per rank and step:\n")
-        print(overlap_table(units, measured, followers))
+        print(f"\nthe model ({DESIGNS[args.design]}) against the namespace runs, what live recovery adds per rank "
+              "and step:\n")
+        print(overlap_table(units, measured, followers, args.design))
 
 
 if __name__ == "__main__":
