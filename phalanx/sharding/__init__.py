@@ -4,7 +4,7 @@
 "gradients"), on the views `optimizer_view.py` shares with the FSDP2 level's optimizer;
 `grad_norm.py` is `clip_grad_norm_` over sharded gradients; `shard_waits.py` the forward hooks that
 wait for each layer's all-gather; `full_state.py` whole tensors out of FSDP2's shards and back;
-`shard_copies.py` keeps a copy of each rank's optimizer shard on another rank, for live recovery.
+`shard_copies/` keeps a copy of each rank's optimizer shard on another rank, for live recovery.
 For the FSDP2 level: `meta_init.py` materializes a model built on the meta device one module at a
 time, `param_retarget.py` moves an optimizer built over the original parameters onto the shards, and
 `stray_optimizers.py` refuses a step of an optimizer that would update tensors the model no longer

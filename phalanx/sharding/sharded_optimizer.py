@@ -100,7 +100,7 @@ class ShardedOptimizer(OptimizerView):
     def step(self, closure=None, grad_scaler=None):
         """The step of this rank's chunks, then the parameters' all-gather. Under live recovery a loss before
         every rank finished the step (and refreshed its shard's copy) rolls it back on the ranks left, which
-        regroup and redo it: the loader hands it out again (shard_copies.py)."""
+        regroup and redo it: the loader hands it out again (shard_copies/)."""
         copies = self._copies_now()
         if copies is None:
             loss = super().step(closure, grad_scaler)

@@ -1,4 +1,4 @@
-"""Who keeps whose optimizer shard, and how a chunk's state is described (sharding/shard_copies.py)."""
+"""Who keeps whose optimizer shard, and how a chunk's state is described (sharding/shard_copies/)."""
 
 import pytest
 import torch
