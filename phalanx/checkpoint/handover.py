@@ -10,6 +10,9 @@ entries with their tensors left empty, their shapes, the step count) comes from 
 with torch.save and loaded with weights_only=True like a checkpoint file. A sharded optimizer's state is on no
 rank whole: its entry holds the param groups and the layout only (ShardedOptimizer.handover_state_dict), and the
 regroup that takes the joiners in cuts the state for them.
+Both ends of it are here: `take_in_joiners` on the ranks that train (Checkpointer.step(), at a step their stop
+agreement counted joiners at) and `join_the_run` in a joiner's Checkpointer.restore(), each regrouping onto
+the larger generation around send() and receive().
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..diagnose import progress
 from ..errors import CheckpointError, explain
-from ..world import generation
+from ..log import logger
+from ..world import generation, step_count
 from ..world import group as world
 from . import random_state, restoring
 from .entries import check_plain, kind_of, unwrap
@@ -163,6 +168,50 @@ def receive(state: dict, members: tuple[int, ...], joiners: tuple[int, ...]) -> 
     restoring.apply(None, {"entries": entries, "parts": []}, state, "the state handed over by the ranks that train")
     random_state.reseed_derived(layout["random_states"], dist.get_rank(), world.device())
     return int(layout["steps"]), total, time.monotonic() - started
+
+
+def take_in_joiners(state: dict, steps: int, agreement) -> None:
+    """Ranks wait to join (world/joining.py) and every rank agreed on this step (step `steps`, by `agreement`, the
+    StopAgreement): take them in, hand them the state over the network, and go on in the larger generation."""
+    started, before = time.monotonic(), world.live_members()
+    joiners = generation.admit_joiners()
+    if not joiners:
+        agreement.resume()
+        return
+    members = world.live_members()
+    try:
+        healed = send(state, steps, members, joiners)
+        generation.regroup_followers(world.live_generation(), members, [], started, joined=joiners,
+                                     healed=healed)
+    except RuntimeError as lost:  # a joiner lost while it was taken in (PeerDiedError is one)
+        if not generation.is_loss(lost):
+            raise
+        generation.recover(lost)  # the ranks left go on without it from the next step (it says so)
+        return
+    if world.is_main():
+        logger.warning("rank(s) %s joined: %d ranks go on in generation %d (world size %d -> %d), taken in at step "
+                       "%d in %.2f s, %.1f MB of state handed over in %.2f s", list(joiners), len(members),
+                       world.live_generation(), len(before), len(members), steps,
+                       time.monotonic() - started, healed[0] / 1e6, healed[1])
+
+
+def join_the_run(checkpointer, state: dict) -> bool:
+    """A joiner's restore() of `checkpointer`: wait until the ranks that train take it in, then load the state they
+    hand over (no disk read), and regroup its model and loader onto the run's generation."""
+    started = time.monotonic()
+    joined, joiners = generation.join_run()
+    members = joined.members
+    checkpointer.steps, size, seconds = receive(state, members, joiners)
+    progress.step(checkpointer.steps)
+    generation.regroup_followers(joined.number, members, [], started, joined=joiners, healed=(size, seconds))
+    step_count.say_restored(checkpointer.steps, checkpointer)
+    for value in state.values():  # a global-batch loader whose pass has not begun: dealt over the run's ranks
+        if getattr(value, "plan", None) is not None and not getattr(value, "_follows_generations", True):
+            value.regroup(joined.rank, joined.world_size)
+    logger.info("rank %d joined the run at step %d (generation %d, %d ranks): %.1f MB of state received in "
+                "%.2f s, %.2f s after it was ready", dist.get_rank(), checkpointer.steps, joined.number, len(members),
+                size / 1e6, seconds, time.monotonic() - started)
+    return True
 
 
 def _received(work) -> None:

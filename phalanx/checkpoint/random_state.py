@@ -21,6 +21,11 @@ from ..world import group as world
 ENTRY = "entry/"  # the prefix of an entry's own per-rank random state: "entry/<name>/<key>"
 
 
+def own_device() -> torch.device:
+    """This rank's device (whose CUDA generator is its own): the world's, or the CPU before init()."""
+    return world.device() if world.is_initialized() else torch.device("cpu")
+
+
 def capture(device: torch.device | None = None, state: dict | None = None) -> dict[str, torch.Tensor]:
     """This process's generator states; CUDA only for `device` (a rank never touches another's GPU). With the
     checkpoint's `state`, also the random state of its entries that keep one per rank (`rank_random_state()`: a
