@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     """`phalanx run`: the launcher gets the workers' allocator and forks the workers' server from itself, both
-    before it starts a thread (launch/warm_start.py), then launches. In a worker forked from that server, this
+    before it starts a thread (launch/forkserver/prepare.py), then launches. In a worker forked from that server, this
     never returns: the worker's script runs and the process ends as `python script.py` would
     (worker_entry.run_forked)."""
     from .launch import warm_start

@@ -25,7 +25,7 @@ the checks are printed:
 - RSS: each worker that lived over 3 minutes, from its 60th second to its last sample;
 - nothing left behind: processes of the run, shared-memory segments, namespaces and links, the run's temporary files.
 With `--shard`, the model is sharded at that level (its optimizer shards kept in copies on the next host's ranks:
-a lost rank's shard comes back from its keeper, sharding/shard_copies.py).
+a lost rank's shard comes back from its keeper, sharding/shard_copies/).
 """
 
 from __future__ import annotations

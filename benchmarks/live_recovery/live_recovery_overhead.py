@@ -17,7 +17,7 @@ ranks read the same monotonic clock).
 
 With `--shard`, the model is sharded (AdamW; two ShardedOptimizers over the same model, one made with live recovery
 on, whose steps also snapshot this rank's chunk, refresh its copy on the other rank and commit a second time:
-sharding/shard_copies.py); the copies' own time (the snapshot and the refresh) is printed besides, with the
+sharding/shard_copies/); the copies' own time (the snapshot and the refresh) is printed besides, with the
 memory they hold.
 """
 

@@ -10,7 +10,7 @@ and drops the gradients of the step in flight, which the survivors redo. The par
 Sharded levels keep a part of the state on each rank. With shard="optimizer" or "gradients" the model
 regroups like an unsharded one (its exchange cut again for the new world) and its ShardedOptimizer puts the
 optimizer state back together from the ranks left and the copies they keep of their peers' shards
-(sharding/shard_copies.py). shard="parameters" (FSDP2) refuses: the run falls back to its checkpoint.
+(sharding/shard_copies/). shard="parameters" (FSDP2) refuses: the run falls back to its checkpoint.
 """
 
 from __future__ import annotations

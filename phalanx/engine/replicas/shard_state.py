@@ -2,7 +2,7 @@
 
 At the sharded levels each rank alone holds the optimizer state of its chunk: no other rank computes it, so
 no majority can vouch for it. Under live recovery each rank sends its chunk state to its keeper after every
-step (sharding/shard_copies.py): that copy is the replicated view. Two checks use it:
+step (sharding/shard_copies/): that copy is the replicated view. Two checks use it:
 - every step, before the optimizer reads it, this rank's state must still be what it packed and sent at the
   end of the last step (nothing may change it in between): a difference is a change no step made (a flipped
   bit, a stray write). It is put back from the packed copy at once (audit="heal": the step then runs on the

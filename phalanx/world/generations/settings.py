@@ -19,7 +19,7 @@ MEMBERSHIP_TIMEOUT_ENV = "PHALANX_MEMBERSHIP_TIMEOUT"
 # waiting on a lost peer is abandoned at once (a process gone) or after the heartbeat window (a host silent);
 # a rank alive but slow is waited for by the step's collectives up to PHALANX_DDP_STALL_TIMEOUT; the survivors'
 # agreement waits that long and MEMBERSHIP_MARGIN more for a member that is alive but has not said so; the
-# launcher's stall watch (`phalanx run`, launch/run.py) waits MEMBERSHIP_MARGIN beyond that.
+# launcher's stall watch (`phalanx run`, launch/command/flags.py) waits MEMBERSHIP_MARGIN beyond that.
 MEMBERSHIP_MARGIN = 30.0
 AWAITED_SAY_EVERY = 10.0  # seconds between the lines naming the members the survivors still wait for
 AGREE_READ_EVERY = 0.5  # seconds between a survivor's reads of who is alive, when another one decides
