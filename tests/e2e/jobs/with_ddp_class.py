@@ -35,6 +35,14 @@ def say(line: str) -> None:
     os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
+_reports: list = []  # the count of models built, said once: at close_world(), else at exit
+
+
+def _report() -> None:
+    while _reports:
+        _reports.pop()()
+
+
 def install(which: str, drop_device_ids: bool) -> None:
     """Bind `which` class to torch's name (and the shim), and count the models it builds."""
     if which == "phalanx":
@@ -48,15 +56,18 @@ def install(which: str, drop_device_ids: bool) -> None:
         built.append(type(self))
         init(self, *args, **kwargs)
     cls.__init__ = counting_init
-    atexit.register(lambda: say(f"with_ddp_class: rank {os.environ.get('RANK')} built {len(built)} "
+    _reports.append(lambda: say(f"with_ddp_class: rank {os.environ.get('RANK')} built {len(built)} "
                                 f"{cls.__module__}.{cls.__name__}"))
+    atexit.register(_report)
     if drop_device_ids:
         shimmed = cpu_drops_device_ids(cls)
         torch.nn.parallel.DistributedDataParallel = torch.nn.parallel.distributed.DistributedDataParallel = shimmed
 
 
 def close_world() -> None:
-    """Both ranks done, the process group destroyed: a group left to the interpreter's exit can abort there."""
+    """Both ranks done, the process group destroyed: a group left to the interpreter's exit can abort there. The
+    count is said first: a rank that exits with an error has the launcher stop the others, maybe before their exit."""
+    _report()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
