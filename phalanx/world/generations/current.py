@@ -122,10 +122,8 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     wait on the lost rank: shutdown() then leaves the groups not yet freed to the process's exit)."""
     global _current, _commits, _admissions
     # The groups are made with a short timeout (every member agreed moments ago, so all are making them now), then
-    # given the membership timeout for their collectives. A Gloo group connects each pair at its first exchange
-    # (joining.lazy_gloo), inside a collective whose wait is watched; a group of another backend connects as it is
-    # made, which cannot be watched: a member lost meanwhile (a second loss within the regroup) holds the others only
-    # that short while.
+    # given the membership timeout for their collectives: a member lost while they are made (a second loss within
+    # the regroup) would otherwise hold the others in Gloo's connection set-up, which cannot be watched, for that long.
     connect = timedelta(seconds=min(membership_timeout(), REGROUP_CONNECT_SECONDS))
     name = f"phalanx/{world.attempt()}/generation{number}"
     try:
