@@ -20,7 +20,6 @@ The store protocol, in phalanx's namespace of the run's store:
 
 from __future__ import annotations
 
-import contextlib
 import os
 from datetime import timedelta
 
@@ -136,39 +135,26 @@ def make_group(members, name: str, timeout: timedelta, backend: str | None = Non
     """A process group of `members` (global ranks, ascending), made by its name: every member calls it with the
     same name, whatever groups each process made before (dist.new_group names a group by how many the process
     made, which differs in a joiner), and whatever the size of each one's default group. Registered with torch
-    like dist.new_group's groups, so that every collective and rank query takes it.
-
-    A Gloo group connects each pair of members when the pair first exchanges (`lazy_gloo`): made eagerly, each
-    member would read every other's address from the store and connect to it, O(members) per rank and
-    O(members^2) at the store in every regroup, where a ring all-reduce uses two peers per rank."""
+    like dist.new_group's groups, so that every collective and rank query takes it."""
     members = list(members)
     default = c10d._get_default_group()
     default_backend, default_store = c10d._world.pg_map[default]
-    with lazy_gloo():
-        group, _ = c10d._new_process_group_helper(len(members), members.index(dist.get_rank()), members,
-                                                  backend or default_backend, default_store, name, timeout=timeout)
+    group, _ = c10d._new_process_group_helper(len(members), members.index(dist.get_rank()), members,
+                                              backend or default_backend, default_store, name, timeout=timeout)
     c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}
     return group
-
-
-@contextlib.contextmanager
-def lazy_gloo():
-    """Gloo groups made meanwhile connect a pair of ranks at its first exchange (TORCH_GLOO_LAZY_INIT, which Gloo
-    reads as a group is made); other backends ignore it."""
-    previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["TORCH_GLOO_LAZY_INIT"]
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = previous
 
 
 def init_unconnected(backend: str, store, rank: int, world_size: int, timeout: timedelta) -> None:
     """A joiner's default process group: rank `rank` of a world it never talks to (Gloo, not connected until used,
     which it never is), so that its global rank is `rank` in every group it makes with the others."""
-    with lazy_gloo():
+    previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    finally:
+        if previous is None:
+            del os.environ["TORCH_GLOO_LAZY_INIT"]
+        else:
+            os.environ["TORCH_GLOO_LAZY_INIT"] = previous
     set_pending(True)
