@@ -51,6 +51,12 @@ def kind_of(name: str, value) -> str:
     return "value"
 
 
+def state_dict_of(value, kind: str) -> dict:
+    """The state a checkpoint holds of an entry of kind "model" (the module inside any DDP wrapper, so that its
+    keys are plain) or "object"."""
+    return unwrap(value).state_dict() if kind == "model" else value.state_dict()
+
+
 def check_plain(value, where: str) -> None:
     """Raise CheckpointValueError unless `value` is made of tensors and plain Python values only."""
     kind = type(value)

@@ -16,7 +16,7 @@ from pathlib import Path
 from ...world import group as world
 from .. import atomic_files, random_state, restoring, shard_files, spreading
 from ..background import staging
-from ..entries import check_plain, kind_of, unwrap
+from ..entries import check_plain, kind_of, state_dict_of, unwrap
 from .decisions import agree_on_writes, next_sequence
 
 
@@ -45,7 +45,7 @@ def save(checkpointer, state: dict) -> Path:
         if name in split:
             saved = split[name][0]
         elif name in replicated:  # every rank writes a share of it
-            whole = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
+            whole = state_dict_of(value, kinds[name])
             saved, part[name] = spreading.spread(whole, replicated[name], loads, size, rank)
         elif rank != 0:
             continue
@@ -54,7 +54,7 @@ def save(checkpointer, state: dict) -> Path:
         elif name in gathered:
             saved = gathered[name]
         else:
-            saved = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
+            saved = state_dict_of(value, kinds[name])
         if rank == 0:
             if kinds[name] != "value":
                 check_plain(saved, f"state[{name!r}].state_dict()")

@@ -17,7 +17,7 @@ from ...log import logger
 from ...world import group as world
 from .. import atomic_files, random_state, restoring, shard_files
 from ..background import commit
-from ..entries import check_plain, kind_of, unwrap
+from ..entries import check_plain, kind_of, state_dict_of, unwrap
 from .decisions import FAILED, LOAD, barrier, from_rank0, next_sequence
 
 
@@ -78,7 +78,7 @@ def _write(checkpointer, state: dict, kinds: dict, states: list, gathered: dict,
         elif name in gathered:
             saved = gathered[name]
         else:
-            saved = unwrap(value).state_dict() if kinds[name] == "model" else value.state_dict()
+            saved = state_dict_of(value, kinds[name])
             check_plain(saved, f"state[{name!r}].state_dict()")
         entries[name] = {"kind": kinds[name], "state": saved, "sharded": name in split}
     payload = {"format": restoring.FORMAT, "sequence": sequence, "world_size": world.group_size(),
