@@ -65,7 +65,8 @@ def _rendezvous_handler(args, config: LaunchConfig, node_rank: int):
         return StaticRendezvous(addr, port, node_rank, config.max_nodes, config.run_id, timeout)
     # An elastic range: the node that owns the master address hosts the store; torch's dynamic rendezvous on it.
     port = args.master_port if args.master_port is not None else DEFAULT_MULTI_NODE_PORT
-    return ElasticRendezvous(args.master_addr, port, config.run_id, config.min_nodes, config.max_nodes, timeout)
+    return ElasticRendezvous(args.master_addr, port, config.run_id, config.min_nodes, config.max_nodes, timeout,
+                             args.rdzv_last_call)
 
 
 def _worker_command(args) -> tuple[str, tuple]:

@@ -282,6 +282,21 @@ def test_the_stores_host_lost_is_named_within_seconds():
                 rendezvous.shutdown()
 
 
+@pytest.mark.parametrize("last_call", [0.5, 3.0])
+def test_a_round_with_min_nodes_waits_the_last_call_for_more(last_call):
+    """--nnodes 1:2 with one node (this process, hosting the store): its first round closes --rdzv-last-call
+    seconds after it came in, not before (torch would wait 30 s)."""
+    rendezvous = ElasticRendezvous("127.0.0.1", free_port(), "last-call", 1, 2, timedelta(seconds=20), last_call)
+    try:
+        began = time.monotonic()
+        info = rendezvous.next_rendezvous()
+        took = time.monotonic() - began
+        assert (info.rank, info.world_size) == (0, 1)
+        assert last_call <= took < last_call + 2.5, f"the round closed {took:.2f} s in, --rdzv-last-call {last_call}"
+    finally:
+        rendezvous.shutdown()
+
+
 def test_a_node_waiting_to_join_when_the_run_ends_learns_it_ended():
     """The store's node (another process, elastic 1:2) ends its run while this node waits to join the next round:
     it keeps the store up until this node has looked at the rendezvous again, so this node reads the run ended

@@ -77,7 +77,10 @@ def _three_launchers(run_dir: Path, hosts: list[dict], pause: float, fixed: bool
     port = free_port()
 
     def nodes(i: int) -> list[str]:
-        return ["--nnodes", "3", "--node-rank", str(i), "--min-world-size", "2"] if fixed else ["--nnodes", "2:3"]
+        # --rdzv-last-call 30: the three start together, and a host slow to start under a loaded machine is not
+        # left to join the run in progress (the round closes at once when all three are in).
+        return (["--nnodes", "3", "--node-rank", str(i), "--min-world-size", "2"] if fixed
+                else ["--nnodes", "2:3", "--rdzv-last-call", "30"])
 
     return [subprocess.Popen(
         ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", *nodes(i), "--nproc-per-node", "1",
@@ -200,8 +203,8 @@ def test_a_host_that_comes_back_joins_the_workers_in_progress_without_a_restart(
         return subprocess.Popen(
             ["ip", "netns", "exec", three_hosts[i]["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "2:3",
              "--nproc-per-node", "1", "--master-addr", three_hosts[0]["addr"], "--master-port", str(port),
-             "--rdzv-timeout", "60", *job, "--host", str(i)], env=job_env(), cwd=ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+             "--rdzv-timeout", "60", "--rdzv-last-call", "30", *job, "--host", str(i)], env=job_env(), cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     launchers = [launcher(i) for i in range(3)]
     try:

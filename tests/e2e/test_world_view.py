@@ -48,7 +48,7 @@ def _launch(run_dir: Path, hosts: list, host: int, port: int) -> subprocess.Pope
     return subprocess.Popen(
         ["ip", "netns", "exec", hosts[host]["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "2:3",
          "--nproc-per-node", "1", "--master-addr", hosts[0]["addr"], "--master-port", str(port), "--rdzv-timeout",
-         "60", JOB, str(run_dir), "--host", str(host), "--epochs", str(EPOCHS)],
+         "60", "--rdzv-last-call", "30", JOB, str(run_dir), "--host", str(host), "--epochs", str(EPOCHS)],
         env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

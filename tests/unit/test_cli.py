@@ -87,6 +87,7 @@ class TestRunFlags:
         (["--nproc-per-node", "2", "--min-world-size", "3"], "--min-world-size", "3"),
         (["--nproc-per-node", "2", "--min-world-size", "-1"], "--min-world-size", "-1"),
         (["--master-port", "70000"], "--master-port", "70000"),
+        (["--rdzv-last-call", "0"], "--rdzv-last-call", "0"),
         (["--nproc-per-node", "2", "missing.py"], "script does not exist", "'missing.py'"),
     ])
     def test_bad_flag_names_flag_and_value(self, argv, named, seen):
@@ -103,7 +104,7 @@ class TestRunFlags:
     def test_help_explains_every_flag(self):
         text = launch.build_parser().format_help()
         for flag in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port",
-                     "--max-restarts", "--log-dir", "--monitor-interval", "-m"):
+                     "--max-restarts", "--log-dir", "--monitor-interval", "--rdzv-last-call", "-m"):
             assert flag in text
 
 

@@ -17,6 +17,7 @@ from ...diagnose.watch import DEFAULT_STALL_TIMEOUT, ON_STALL, stall_timeout
 from ...errors import explain
 from ...world.generation import MEMBERSHIP_MARGIN, MEMBERSHIP_TIMEOUT_ENV, membership_timeout
 from ...world.group import usable_cores
+from ...world.meeting.membership import LAST_CALL_SECONDS
 from ...world.meeting.slurm import launcher_nodes
 from ...world.meeting.store import LOOPBACK
 from ...world.stop import STOP_EXIT_CODE
@@ -63,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds between checks of the workers' health. Default 0.1")
     add("--rdzv-timeout", "--rdzv_timeout", dest="rdzv_timeout", type=float, default=600.0, metavar="S",
         help="seconds the nodes wait for each other before giving up. Default 600")
+    add("--rdzv-last-call", "--rdzv_last_call", dest="rdzv_last_call", type=float, default=LAST_CALL_SECONDS,
+        metavar="S", help=f"--nnodes MIN:MAX: once MIN nodes are in, the first round waits S seconds more for "
+                          f"others (none once MAX are in); later nodes join the run in progress. "
+                          f"Default {LAST_CALL_SECONDS:g}")
     add("--stall-timeout", "--stall_timeout", dest="stall_timeout", default=None, metavar="S",
         help=f"report a hang when no rank made progress for S seconds (which rank is stuck, where, in which "
              f"collective); 0 = off. Default: $PHALANX_STALL_TIMEOUT, else {DEFAULT_STALL_TIMEOUT:g} (with live "
@@ -165,6 +170,9 @@ def check_args(args: argparse.Namespace) -> tuple[int, int, int]:
         raise ValueError(explain("--straggler-every is negative", seen=args.straggler_every, expected=">= 0"))
     if args.grace_period < 0:
         raise ValueError(explain("--grace-period is negative", seen=args.grace_period, expected="seconds >= 0"))
+    if args.rdzv_last_call <= 0:  # torch's rendezvous refuses 0 too
+        raise ValueError(explain("--rdzv-last-call must be positive", seen=args.rdzv_last_call,
+                                 expected="seconds > 0, e.g. 2"))
     if args.monitor_interval <= 0:
         raise ValueError(explain("--monitor-interval must be positive", seen=args.monitor_interval,
                                  expected="seconds > 0, e.g. 0.1"))

@@ -3,7 +3,7 @@
 The node that owns the master address hosts the store (it can bind it; host names decide nothing), the
 others dial it; torch's DynamicRendezvousHandler keeps the rounds on it (C10dRendezvousBackend). Each
 launcher sends a heartbeat every KEEP_ALIVE_INTERVAL; a node silent for KEEP_ALIVE_MISSES of them is lost,
-and a round with MIN nodes closes LAST_CALL after the MIN-th arrived (at once with MAX). torch's errors
+and a round with MIN nodes closes --rdzv-last-call after the MIN-th arrived (at once with MAX). torch's errors
 (a C++ trace for a lost store) come out as typed ones. A node waiting for a round says so every PROGRESS_EVERY
 seconds (waiting.py); one that leaves before its workers ran leaves the rendezvous open for the others.
 """
@@ -42,7 +42,7 @@ from .waiting import Ticker, elastic_line, say, store_line
 # Measured on 2 namespaces: a lost node is named ~4 s after its death, the smaller round closes 2 s later.
 KEEP_ALIVE_INTERVAL = 1  # seconds between a launcher's heartbeats (torch: 5)
 KEEP_ALIVE_MISSES = 4  # heartbeats missed before a node counts as lost (torch: 3, so 15 s)
-LAST_CALL = timedelta(seconds=2)  # wait for more nodes once MIN are in (torch: 30 s)
+LAST_CALL_SECONDS = 2.0  # wait for more nodes once MIN are in (torch: 30 s); --rdzv-last-call
 STATE_TIMEOUT = timedelta(seconds=10)  # a read of the rounds' state that takes longer: the store is unreachable
 # The store's node, at the end, waits this long for the nodes waiting to join to see the rendezvous closed: each looks
 # at the state every second (torch's join loop), and would take a store gone for its host lost (exit code 1).
@@ -125,7 +125,7 @@ class ElasticRendezvous(RendezvousHandler):
     """
 
     def __init__(self, master_addr: str, master_port: int, run_id: str, min_nodes: int, max_nodes: int,
-                 timeout: timedelta):
+                 timeout: timedelta, last_call: float = LAST_CALL_SECONDS):
         self.master_addr, self.run_id, self.timeout = master_addr, run_id, timeout
         self.store, self.hosting = host_or_join(
             master_addr, master_port, timeout=timeout, timeout_setting="--rdzv-timeout",
@@ -146,7 +146,7 @@ class ElasticRendezvous(RendezvousHandler):
             self._state_store = state_store
             backend = C10dRendezvousBackend(state_store, run_id)
             settings = RendezvousSettings(
-                run_id, min_nodes, max_nodes, RendezvousTimeout(join=timeout, last_call=LAST_CALL),
+                run_id, min_nodes, max_nodes, RendezvousTimeout(join=timeout, last_call=timedelta(seconds=last_call)),
                 keep_alive_interval=timedelta(seconds=KEEP_ALIVE_INTERVAL), keep_alive_max_attempt=KEEP_ALIVE_MISSES)
             # cache_duration=0: every look at the state reads the store (torch's handler serves a 1 s old copy,
             # which hides a store that is gone).
