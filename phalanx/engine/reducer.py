@@ -204,7 +204,8 @@ class Reducer:
             self.exchange.deliver(bucket, used)
             recorder.done(self._entries.pop(bucket.index, -1))
         if self.check is not None:  # whether any rank saw a NaN or Inf: after the deliveries, as a comm hook
-            self.check.exchange(self.group, self.guard)  # (PowerSGD) issues collectives until its future ends
+            # (PowerSGD) issues collectives until its future ends; none when every bucket's tag said it
+            self.check.exchange(self.group, self.guard, buckets=len(buckets))
         if not self.rebuilt:
             self._rebuild()
         self._reset()

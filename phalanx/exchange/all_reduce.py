@@ -34,7 +34,7 @@ class AllReduceExchange(BucketExchange):
         with self.timer("copy_in", bucket.index):
             bucket.fill_(self.scale)
         self._check_local(bucket)
-        bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
+        self._fill_tag(bucket)
         self._handles[bucket.index] = self._start(bucket.storage)
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
@@ -82,5 +82,5 @@ class AllReduceExchange(BucketExchange):
             return self.guard.wait(handle, what)[0]  # a sparse sum is a new tensor, not written in place
         self._wait(handle, what)
         if self.guard.reads_back(bucket.storage.device):
-            self.guard.check_tag_sum(bucket.tag_slot.item(), bucket.storage.dtype, what)
+            self._check_tag(bucket, bucket.tag_slot.item(), what)
         return None

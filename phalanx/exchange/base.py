@@ -29,6 +29,15 @@ class GradientCheck(Protocol):
         """The exchange looked itself, on the way (its copy-in): whether this rank's gradients of `bucket`, or
         a part of them, were all finite (parts: every one must be)."""
 
+    def folds(self, guard: StepGuard, device: torch.device) -> bool:
+        """Whether a bucket's summed step tag may carry the verdict (see BucketExchange._fill_tag)."""
+
+    def finite_here(self, bucket: Bucket) -> bool:
+        """Whether this rank's gradients of `bucket` were all finite (after `local` or `seen`)."""
+
+    def folded(self, bucket: Bucket, nonfinite: bool) -> None:
+        """Every rank's verdict on `bucket`, read from its summed tag: whether any rank's gradients were not finite."""
+
 
 class BucketExchange(ABC):
     """How a bucket of gradients becomes its average across ranks, delivered into each `param.grad`.
@@ -118,6 +127,27 @@ class BucketExchange(ABC):
         in its buffer (`in_buffer`), or in `.grad` (a sparse bucket, or a copy-in that leaves some out)."""
         if self.check is not None:
             self.check.local(bucket, bucket.buffer if in_buffer and not bucket.sparse else None)
+
+    def _fill_tag(self, bucket: Bucket) -> None:
+        """This step's tag into `bucket`'s last slot. Under the non-finite check, a rank whose gradients of the
+        bucket hold a NaN or an Inf writes NaN there instead: the slot's sum over the ranks is then NaN on every
+        rank, and the check needs no collective of its own (replicas/nonfinite.py). Only exchanges whose every
+        rank reads the summed slot fold so (not the reduce-scatter, whose tag lands on one rank)."""
+        bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
+        check = self.check
+        if check is not None and check.folds(self.guard, bucket.storage.device) and not check.finite_here(bucket):
+            bucket.tag_slot.fill_(float("nan"))
+
+    def _check_tag(self, bucket: Bucket, seen: float, what: str) -> None:
+        """The summed tag of `bucket` (filled by _fill_tag): NaN says a rank's gradients were not finite, to the
+        check (the tags are then not compared); else it must hold every rank's tag."""
+        check = self.check
+        if check is not None and check.folds(self.guard, bucket.storage.device):
+            nonfinite = seen != seen
+            check.folded(bucket, nonfinite)
+            if nonfinite:
+                return
+        self.guard.check_tag_sum(seen, bucket.storage.dtype, what)
 
     def settle(self, buckets: list[Bucket]) -> None:
         """Before this exchange is replaced: return once no peer can still read this rank's buckets."""

@@ -177,7 +177,7 @@ class HierarchicalExchange(AllReduceExchange):
         with self.timer("copy_in", bucket.index):
             bucket.fill_(self.scale)
         self._check_local(bucket)
-        bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
+        self._fill_tag(bucket)
         self._host_reduce(bucket, f"the gradient exchange of bucket {bucket.index}")
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
@@ -187,7 +187,7 @@ class HierarchicalExchange(AllReduceExchange):
         what = f"the gradient exchange of bucket {bucket.index}"
         self._host_gather(bucket, what)
         if self.guard.enabled:
-            self.guard.check_tag_sum(bucket.tag_slot.item(), bucket.storage.dtype, what)
+            self._check_tag(bucket, bucket.tag_slot.item(), what)
         self._write_back(bucket, used, None)
 
     def discard(self, bucket: Bucket) -> None:

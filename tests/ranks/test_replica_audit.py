@@ -272,6 +272,22 @@ def _one_nan_element(rank, transport, element):
     return {"how": how, "error": error, "unchanged": unchanged}
 
 
+def _verdict_by_collective(rank, transport) -> bool:
+    """One healthy backward: whether the check's verdict needed an all-reduce of its own (the split shared-memory
+    exchange), or came with the buckets' summed tags (Gloo's all-reduce: none)."""
+    if transport == "gloo":
+        os.environ["PHALANX_SHM"] = "0"
+    try:
+        torch.manual_seed(0)
+        model = px.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Tanh(),
+                                                               torch.nn.Linear(256, 512), torch.nn.Linear(512, 2)))
+    finally:
+        os.environ.pop("PHALANX_SHM", None)
+    F.mse_loss(model(torch.randn(4, 8)), torch.zeros(4, 2)).backward()
+    verdict = model._audit.check._verdicts[-1]
+    return verdict.work is not None
+
+
 def _two_ranks(rank, tmp):
     out = {"param": _train(rank, 2, os.path.join(tmp, "param"), corrupt="param", audit_every=AUDIT_EVERY)}
     checkpointer = px.Checkpointer(os.path.join(tmp, "param"))
@@ -283,6 +299,7 @@ def _two_ranks(rank, tmp):
     last = 512 * 256 - 1
     out["nan"] = {(transport, element): _one_nan_element(rank, transport, element)
                   for transport in ("shm", "gloo") for element in (0, last)}
+    out["by_collective"] = {transport: _verdict_by_collective(rank, transport) for transport in ("shm", "gloo")}
     return out
 
 
@@ -328,6 +345,13 @@ def test_one_nan_element_is_found_on_every_path_of_the_exchange(two):
             assert seen["how"] == (["split"] if transport == "shm" else ["AllReduceExchange"]), seen
             assert seen["error"] == {"ranks": [1], "parameter": "2.weight", "step": 1}, (transport, element, seen)
             assert seen["unchanged"], (transport, element)
+
+
+def test_over_gloo_the_verdict_rides_in_the_buckets_tags(two):
+    """Over Gloo's all-reduce every rank reads each bucket's summed step tag, where a rank that saw a NaN wrote
+    NaN: the check issues no collective of its own (the split shared-memory exchange still needs one)."""
+    for r in two:
+        assert r["by_collective"] == {"shm": True, "gloo": False}, r["by_collective"]
 
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),

@@ -1,17 +1,19 @@
 """A NaN or Inf gradient, named on the rank that made it, before the exchange spreads it to every rank.
 
-When a bucket leaves this rank (its exchange copied this rank's gradients in, the collective not started),
-the exchange hands its flat gradients here: one sum per bucket (float32, float64 for float64 buckets), kept
-on the device as a finite/not flag, nothing read back; the shared-memory exchange's copy says it on the way
-instead (`seen`). At the end of backward one all-reduce of two numbers (how many ranks saw one, and the step
-tag) tells every rank whether any rank did. The verdict is read when an optimizer is about to step the model,
-so no rank applies a step another refuses: then every rank raises NonFiniteGradientError naming the rank,
-step, micro-batch and first parameter, or, with on_nonfinite="skip", drops the step's gradients (set to None:
-every torch optimizer then leaves the parameters and their state alone) and counts a skipped step. An
-optimizer that never steps (a GradScaler that saw the overflow itself skips the step) leaves the verdict
-unread: it is dropped. On the CPU the read is free. On a GPU, under "raise", the verdict is copied to the
-host on the way and read at the next optimizer step (`late`), so the host never waits for the device and the
-step that made it was applied; "skip" must read it before the step, and waits for the backward.
+When a bucket leaves this rank (its exchange copied this rank's gradients in, the collective not started), the
+exchange hands its flat gradients here: one sum per bucket (float32, float64 for float64 buckets), kept on the
+device as a finite/not flag, nothing read back; the shared-memory exchange's copy says it on the way instead
+(`seen`). Every rank must learn whether any rank saw one. Where each bucket's summed step tag is read on every rank
+(the all-reduce and two-level exchanges, on the CPU), a rank that saw one writes NaN for its tag: the sum is NaN
+everywhere, and nothing else crosses (`folds`, `folded`). Otherwise, at the end of backward, one all-reduce of two
+numbers (how many ranks saw one, and the step tag) tells every rank. The verdict is read when an optimizer is about
+to step the model, so no rank applies a step another refuses: then every rank raises NonFiniteGradientError naming
+the rank, step, micro-batch and first parameter, or, with on_nonfinite="skip", drops the step's gradients (set to
+None: every torch optimizer then leaves the parameters and their state alone) and counts a skipped step. An
+optimizer that never steps (a GradScaler that saw the overflow itself skips the step) leaves the verdict unread: it
+is dropped. On the CPU the read is free. On a GPU, under "raise", the verdict is copied to the host on the way and
+read at the next optimizer step (`late`), so the host never waits for the device and the step that made it was
+applied; "skip" must read it before the step, and waits for the backward.
 
 What it misses: a sum that overflows float32 (gradients above ~1e34 in total) counts as non-finite; a comm
 hook that makes a finite gradient non-finite (fp16 compression past 65504) is after the check.
@@ -62,6 +64,7 @@ class NonFiniteCheck:
         self._device = control_device
         self._flags = torch.zeros(2, dtype=torch.int64, device=control_device)  # [ranks that saw one, step tags]
         self._finite: dict[int, tuple] = {}  # bucket index -> (bucket, finite), this backward
+        self._folded: dict[int, bool] = {}  # bucket index -> whether its summed tag said a rank saw one
         self._verdicts: list[_Verdict] = []  # not read yet, oldest first
         self._order = None  # the bucket indices of the last late exchange, and them on the device
         self._sum = dist.AllreduceOptions()
@@ -89,14 +92,34 @@ class NonFiniteCheck:
         known = self._finite.get(bucket.index)
         self._finite[bucket.index] = (bucket, finite and (known is None or bool(known[1])))
 
+    def folds(self, guard, device: torch.device) -> bool:
+        """Whether a bucket's summed tag carries the verdict: read on the host at once (the CPU), and tagged (not
+        inside join(), where a rank out of data sends zeros). The same answer on every rank."""
+        return not self.late and guard.enabled and guard.reads_back(device)
+
+    def finite_here(self, bucket) -> bool:
+        known = self._finite.get(bucket.index)
+        return known is None or bool(known[1])  # no gradient here: zeros
+
+    def folded(self, bucket, nonfinite: bool) -> None:
+        self._folded[bucket.index] = nonfinite
+
     # -- end of backward (the reducer calls it) ---------------------------------------------------
 
-    def exchange(self, group, guard, shadow: bool = False) -> None:
-        """Collective: start the all-reduce of the flags (a rank out of data under join() adds zeros)."""
+    def exchange(self, group, guard, shadow: bool = False, buckets: int = -1) -> None:
+        """Collective: start the all-reduce of the flags (a rank out of data under join() adds zeros), unless
+        every one of the backward's `buckets` told the verdict in its tag: then none."""
         if not self.late:
             for verdict in self._verdicts:  # a backward no optimizer step read (two in one step): its flags first
                 self._settle(verdict)
             self._verdicts = []
+        folded, self._folded = self._folded, {}
+        if not shadow and len(folded) == buckets:  # each rank's count is the same: the exchange's choice
+            verdict = _Verdict(self.step, self.micro_batch, self._flags, 0, None, -1, guard, group, self._finite,
+                               seen=int(any(folded.values())))
+            self._finite = {}
+            self._verdicts.append(verdict)
+            return
         if self.late and self._flags.is_cuda and not shadow:
             self._exchange_late(group, guard)
             return
