@@ -10,7 +10,7 @@ with AdamW under phalanx DDP: 600 MB of state per rank. Measured on every rank, 
 - `blocking`: `Checkpointer().save()` in the background, until it returns (the first save apart: it
   allocates the staging buffer and forks the writer); `commit`: from that call until `wait()` returns;
 - step time with `checkpointer.step(state)` saving every 20 steps, against none, in blocks of 20 steps
-  (`--blocks` of each, ordered on, off, off, on, ...), as wall time and as the training process's CPU time
+  (`--blocks` of each, interleaved: on, off, off, on, ...), as wall time and as the training process's CPU time
   (which other processes on a shared machine do not inflate). The writer runs beside the training on the
   same cores; its CPU time per save is reported apart.
 """
@@ -43,6 +43,7 @@ def _rank(rank: int, directory: str, blocks: int, repeats: int) -> dict:
     import torch
 
     import phalanx as px
+    from phalanx.tools.bench_compare import interleave
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)])
@@ -99,10 +100,8 @@ def _rank(rank: int, directory: str, blocks: int, repeats: int) -> dict:
     periodic = px.Checkpointer(os.path.join(directory, "periodic"), keep=1, every=EVERY)
     periodic.save(state)  # warm up: the staging buffer, the writer
     periodic.wait()
-    # Blocks in the order on, off, off, on, ...: a load that drifts over the run (a shared machine's) cancels.
-    per_step, cpu = {"on": [], "off": []}, {"on": [], "off": []}
-    for block in range(2 * blocks):
-        mode = "on" if block % 4 in (0, 3) else "off"
+    # Interleaved blocks, on off, off on, ...: a load that drifts over the run (a shared machine's) cancels.
+    def block(mode):
         periodic.steps = EVERY - 1
         px.barrier()
         started, used = time.perf_counter(), time.process_time()
@@ -110,9 +109,13 @@ def _rank(rank: int, directory: str, blocks: int, repeats: int) -> dict:
             train()
             if mode == "on":
                 periodic.step(state)
-        per_step[mode].append((time.perf_counter() - started) / EVERY)
-        cpu[mode].append((time.process_time() - used) / EVERY)
+        wall, spent = (time.perf_counter() - started) / EVERY, (time.process_time() - used) / EVERY
         periodic.wait()
+        return wall, spent
+
+    timed = interleave(["on", "off"], blocks, block)
+    per_step = {mode: [wall for wall, _ in values] for mode, values in timed.items()}
+    cpu = {mode: [spent for _, spent in values] for mode, values in timed.items()}
     out["blocks"] = per_step
     out["cpu_on"], out["cpu_off"] = (statistics.mean(cpu["on"]), statistics.mean(cpu["off"])) if blocks else (0, 0)
     out["step_on"] = statistics.mean(per_step["on"]) if blocks else float("nan")
@@ -127,6 +130,9 @@ def main() -> None:
                         help="blocks of 20 steps with saves, and as many without (0: no step-time test)")
     parser.add_argument("--repeats", type=int, default=2, help="timed saves of each kind")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
+    from phalanx.tools.bench_compare import add_json_flag, write_figures
+
+    add_json_flag(parser)
     args = parser.parse_args()
     import phalanx as px
 
@@ -145,6 +151,12 @@ def main() -> None:
               f"{r['step_on'] / r['step_off']:.3f} | {1e3 * r['cpu_on']:.1f} / {1e3 * r['cpu_off']:.1f}")
         if os.environ.get("BENCH_BLOCKS"):
             print(rank, {mode: [round(1e3 * t) for t in times] for mode, times in r["blocks"].items()})
+    r = results[0]
+    figures = {"blocking s": round(r["blocking"], 3), "blocking/copy": round(r["blocking"] / r["copy"], 2),
+               "blocking/sync": round(r["blocking"] / r["sync"], 3), "commit s": round(r["commit"], 2)}
+    if args.blocks:
+        figures["step on/off"] = round(r["step_on"] / r["step_off"], 3)
+    write_figures(args.json_path, figures, per_rank=results)
 
 
 if __name__ == "__main__":

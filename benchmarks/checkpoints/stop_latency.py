@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from phalanx.tools.bench_compare import add_json_flag, write_figures
+
 LEVELS = ("none", "optimizer", "gradients", "parameters")
 
 
@@ -91,16 +93,21 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    add_json_flag(parser)
     args = parser.parse_args()
     if args.worker:
         worker(args.shard, args.dir)
         return
     print(f"{'level':<11} {'step':>8} {'steps after':>12} {'save':>7} {'request -> exit':>16} {'measured':>9}")
+    runs: dict[str, list[dict]] = {}
     for shard in args.levels:
         for _ in range(args.repeats):
             r = one_stop(shard, args.after_steps)
+            runs.setdefault(shard, []).append(r)
             print(f"{shard:<11} {r['step_s']:7.2f}s {r['steps_after']:12d} {r['save_s']:6.2f}s "
                   f"{r['launcher_s']:15.2f}s {r['measured_s']:8.2f}s", flush=True)
+    write_figures(args.json_path, {f"{shard} request->exit s": round(statistics.median(r["launcher_s"] for r in rs), 2)
+                                   for shard, rs in runs.items()}, runs=runs)
 
 
 if __name__ == "__main__":

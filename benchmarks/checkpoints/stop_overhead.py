@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/checkpoints/stop_overhead.py [deep wide ...] [--blocks N] [--steps N] [--interval S]
 
 Two Gloo CPU ranks (1 thread each) train phalanx DDP as `phalanx run` would start them (the progress
-record on); blocks of steps alternate between calling `checkpointer.step(state)` after each optimizer
+record on); blocks of steps interleave calling `checkpointer.step(state)` after each optimizer
 step (no `every`: it only agrees on stops) and not calling it, so the machine's drift hits both
 alike. Prints the median step time of the slowest rank per setting and their ratio; and, since on a
 busy machine that ratio moves by more than the cost measured, the cost itself in CPU time, which
@@ -26,7 +26,8 @@ import torch
 import phalanx
 from phalanx.checkpoint.agreement import StopAgreement
 from phalanx.testing import run_ranks
-from phalanx.tools.bench import run_block
+from phalanx.tools.bench_block import run_block
+from phalanx.tools.bench_compare import add_json_flag, interleave, median_of_steps, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
 
 
@@ -52,13 +53,14 @@ def _measure(name: str, rank: int, blocks: int, steps: int, directory: str) -> d
         return result
 
     checkpointer.step({})  # the first call makes the agreement's Gloo group: once per run, not per step
-    times = {"on": [], "off": []}
-    for block in range(2 * blocks):
-        setting = ("on", "off")[block % 2]
+
+    def block(setting):
         optimizer.step = step_then_agree if setting == "on" else plain_step
-        times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+        return run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+
+    times = interleave(["on", "off"], blocks, block)
     optimizer.step = plain_step
-    return {**{s: statistics.median(v) for s, v in times.items()}, "inside_us": 1e6 * statistics.mean(inside),
+    return {**{s: median_of_steps(v) for s, v in times.items()}, "inside_us": 1e6 * statistics.mean(inside),
             "every": checkpointer._agreement.every, **_one_agreement()}
 
 
@@ -83,7 +85,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=10, help="blocks per setting (default 10)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block (default 20)")
     parser.add_argument("--interval", type=float, default=None, help="PHALANX_STOP_INTERVAL (default: 0.5 s)")
+    add_json_flag(parser)
     args = parser.parse_args()
+    figures = {}
     with tempfile.TemporaryDirectory() as directory:
         env = {"PHALANX_RUN_DIR": directory, "PHALANX_STALL_WATCHER": "launcher"}  # as under `phalanx run`
         if args.interval is not None:
@@ -95,6 +99,9 @@ def main() -> None:
               f"CPU per step {r['inside_us']:5.1f} us in step() + {r['agreement_gloo_us']:5.1f} us of Gloo's per "
               f"agreement / {r['every']} steps = {100 * cost / (1000 * r['off']):.3f} % of a step "
               f"(an agreement: {r['agreement_main_us']:.0f} us on the main thread)")
+        figures.update({f"{name} on/off": round(r["on"] / r["off"], 4),
+                        f"{name} CPU % of a step": round(100 * cost / (1000 * r["off"]), 3)})
+    write_figures(args.json_path, figures)
 
 
 if __name__ == "__main__":

@@ -148,8 +148,14 @@ def main() -> None:
         print(loss_table(losses))
     if args.json:
         kept = json.loads(args.json.read_text()) if args.json.exists() else []
-        kept += [{"kind": "steady", "commit": commit, **row} for row in steady]
-        kept += [{"kind": "loss", "commit": commit, **row} for row in losses]
+        kept += [{"kind": "steady", "commit": commit, **row, "figures": {
+            f"{row['hosts']} hosts segments added": round(row["added"]["segments"], 1),
+            f"{row['hosts']} hosts connections added": round(row["added"]["connections"], 2)}} for row in steady]
+        kept += [{"kind": "loss", "commit": commit, **row, "figures": {
+            f"{row['how']} @{row['hosts']} named s": row["detected"] and round(row["detected"], 2),
+            f"{row['how']} @{row['hosts']} regroup s": row["regroup"] and round(row["regroup"], 3),
+            f"{row['how']} @{row['hosts']} next step s": row["next_step"] and round(row["next_step"], 2)}}
+            for row in losses]
         args.json.write_text(json.dumps(kept, indent=1) + "\n")
 
 

@@ -286,6 +286,9 @@ def main() -> None:
     parser.add_argument("--design", choices=["today", "new"], default="today",
                         help="the design the --measured runs ran: 'today' (the commit polled, a probe per peer) or "
                              "'new' (the kept watch, the commit waited for)")
+    from phalanx.tools.bench_compare import add_json_flag, write_figures
+
+    add_json_flag(parser)
     args = parser.parse_args()
     if args.units:
         raw = json.loads(args.units.read_text())
@@ -311,6 +314,14 @@ def main() -> None:
     print(f"extrapolated: {args.per_host} ranks per host, the slow rank {args.pause} s ahead, steps of {args.step} s, "
           f"{reads}\n")
     print(scale_table(units, args.per_host, args.pause, args.step, followers, r_scale))
+    hosts = 4096 // args.per_host
+    got = per_step(units, args.design, 4096, args.per_host, [args.pause], args.step, r_scale)
+    kill = named(units, args.design, 4096, args.per_host, "kill")
+    write_figures(args.json_path, {"4096 ranks: store ops / rank / step": round(got["ops"], 2),
+                                   "segments / rank / step": round(got["segments"], 1),
+                                   "a process gone, all know s": round(kill[1], 2),
+                                   "regroup s": round(regroup(units, args.design, 4096, args.per_host, followers), 2),
+                                   "hosts": hosts})
     if measured:
         print(f"\nthe model ({DESIGNS[args.design]}) against the namespace runs, what live recovery adds per rank "
               "and step:\n")

@@ -318,7 +318,10 @@ def main() -> None:
     units = measure(args.hosts, args.rounds)
     print(json.dumps(units, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(units, indent=1) + "\n")
+        figures = {"store op rtt us": round(1e6 * units["store_rtt"], 1),
+                   "store CPU per op us": round(1e6 * statistics.median(units["store_cpu_per_op"].values()), 1),
+                   "segments per op": round(units["segs_per_op_b2b"], 2)}
+        args.json.write_text(json.dumps({**units, "figures": figures}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

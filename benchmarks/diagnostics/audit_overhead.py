@@ -32,8 +32,8 @@ import torch.distributed as dist
 import phalanx
 from phalanx.engine.replicas.audit import DEFAULT_EVERY
 from phalanx.testing import run_ranks
-from phalanx.tools.bench import run_block
-from phalanx.tools.bench_block import train_step
+from phalanx.tools.bench_block import run_block, train_step
+from phalanx.tools.bench_compare import add_json_flag, interleave, median_of_steps, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
 
 
@@ -79,19 +79,23 @@ def _measure(name: str, rank: int, blocks: int, steps: int, audits: int, device:
     spent = [0.0]
     for method in ("local", "exchange", "before_step"):
         _timed(check, method, spent)
-    times, counted = {"on": [], "off": []}, 0
-    for block in range(2 * blocks):
-        setting = ("on", "off")[(block + block // 2) % 2]  # on off off on on off ...: neither always first
+    counted = 0
+
+    def block(setting):  # on off, off on, ...: neither always first
+        nonlocal counted
         model._reducer.set_check(check if setting == "on" else None)
         before = spent[0]
         if device.type == "cuda":
-            times[setting] += _queued_block(model, optimizer, bench_model, batches, steps, device)
+            times = _queued_block(model, optimizer, bench_model, batches, steps, device)
         else:
-            times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, device)
+            times = run_block(model, optimizer, bench_model, batches, 2, steps, device)
         if setting == "on":
             counted += steps + 2
         else:  # a late verdict of the block before may be read in this one's first step
             spent[0] = before
+        return times
+
+    times = interleave(["on", "off"], blocks, block)
     model._reducer.set_check(check)
     check_us = 1e6 * spent[0] / counted
     # The audit, with an AdamW's state besides the parameters.
@@ -110,7 +114,7 @@ def _measure(name: str, rank: int, blocks: int, steps: int, audits: int, device:
         else:
             model._audit.run("bench")
         walls.append(time.perf_counter() - started)
-    return {**{s: statistics.median(v) for s, v in times.items()}, "check_us": check_us,
+    return {**{s: median_of_steps(v) for s, v in times.items()}, "check_us": check_us,
             "audit_ms": 1e3 * statistics.median(walls),
             **(_one_all_reduce() if device.type == "cpu" else {"all_reduce_gloo_us": 0.0})}
 
@@ -136,7 +140,9 @@ def main() -> None:
     parser.add_argument("--transport", choices=("shm", "gloo"), default="shm",
                         help="the gradient exchange: shared memory (the default on one host) or Gloo")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (2 Gloo ranks) or cuda (1 rank)")
+    add_json_flag(parser)
     args = parser.parse_args()
+    figures = {}
     args.models = args.models or (["gpt-large"] if args.device == "cuda" else ["deep", "wide", "gpt"])
     if args.device == "cuda":
         per_rank = phalanx.spawn(_rank, 1, (args.models, args.blocks, args.steps, args.audits, "cuda"), timeout=3600,
@@ -155,6 +161,9 @@ def main() -> None:
               f"{r0['on'] / r0['off']:.4f};  check CPU per step {check:7.1f} us = {100 * check / (1e3 * step_ms):.3f} %"
               f" of a step;  one audit {audit:7.2f} ms, every {DEFAULT_EVERY} steps = "
               f"{100 * audit / DEFAULT_EVERY / step_ms:.3f} % of a step")
+        figures.update({f"{name} check % of a step": round(100 * check / (1e3 * step_ms), 3),
+                        f"{name} audit ms": round(audit, 2)})
+    write_figures(args.json_path, figures)
 
 
 if __name__ == "__main__":

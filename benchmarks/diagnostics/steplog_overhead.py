@@ -26,7 +26,8 @@ import torch
 
 import phalanx
 from phalanx.testing import run_ranks
-from phalanx.tools.bench import run_block
+from phalanx.tools.bench_block import run_block
+from phalanx.tools.bench_compare import add_json_flag, interleave, median_of_steps, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
 
 
@@ -52,15 +53,15 @@ def _measure(name: str, rank: int, blocks: int, steps: int, directory: str, show
         inside.append(time.thread_time() - started)
         return result
 
-    times = {"on": [], "off": []}
-    for block in range(2 * blocks):
-        setting = ("on", "off")[block % 2]
+    def block(setting):
         optimizer.step = step_then_log if setting == "on" else plain_step
-        times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+        return run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+
+    times = interleave(["on", "off"], blocks, block)
     optimizer.step = plain_step
     gathers = max(1, log._gather.count)
     log.close()
-    return {**{s: statistics.median(v) for s, v in times.items()}, "inside_us": 1e6 * statistics.mean(inside),
+    return {**{s: median_of_steps(v) for s, v in times.items()}, "inside_us": 1e6 * statistics.mean(inside),
             "steps_per_gather": len(inside) / gathers, **_one_gather()}
 
 
@@ -87,7 +88,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=10, help="blocks per setting (default 10)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block (default 20)")
     parser.add_argument("--print", action="store_true", help="rank 0 prints a line per record")
+    add_json_flag(parser)
     args = parser.parse_args()
+    figures = {}
     with tempfile.TemporaryDirectory() as directory:
         env = {"PHALANX_RUN_DIR": directory, "PHALANX_STALL_WATCHER": "launcher"}  # as under `phalanx run`
         per_rank = run_ranks(_rank, 2, (args.models, args.blocks, args.steps, directory, args.print), timeout=3600,
@@ -101,6 +104,9 @@ def main() -> None:
               f"   CPU per step in log.step(): rank 0 {r0['inside_us']:5.1f} us, rank 1 {r1['inside_us']:5.1f} us;"
               f" Gloo {r0['gather_gloo_us']:5.1f} us per gather / {r0['steps_per_gather']:.0f} steps;"
               f" = {100 * cost / (1000 * r0['off']):.3f} % of a step")
+        figures.update({f"{name} on/off": round(r0["on"] / r0["off"], 4),
+                        f"{name} CPU % of a step": round(100 * cost / (1000 * r0["off"]), 3)})
+    write_figures(args.json_path, figures)
 
 
 if __name__ == "__main__":

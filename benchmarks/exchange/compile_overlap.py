@@ -21,7 +21,7 @@ by `_finalize` itself). Reported, as medians over the timed steps:
                  "before the end", within the last few per cent: that is no overlap);
   ahead          bytes-weighted mean of the remaining fraction at launch (no threshold);
   tail ms        time from the start of `_finalize` to its end: the exchange left exposed.
-Step times are interleaved in blocks (order reversed every other block) and reported as medians of
+Step times are interleaved in blocks (the order rotating; phalanx/tools/bench_compare.py) and reported as medians of
 the per-block mean step time of the slowest rank, with the median and range of per-block ratios
 against `torch`, and the CPU time per step (both ranks' mean; robust to a busy machine). "compile s"
 is the warm-up: 4 steps, compilation included (inductor's on-disk cache shortens reruns). A dev tool,
@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 import phalanx
 from phalanx.testing import run_ranks
+from phalanx.tools.bench_compare import add_json_flag, interleave, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
 
 VARIANTS = ("eager", "ddp(compile)", "compile(ddp)", "per-block", "torch")
@@ -143,14 +144,16 @@ def worker(rank: int, name: str, variants: list[str], blocks: int, steps: int, b
         for _ in range(4):
             step(v, False)
         compile_s[v] = time.perf_counter() - start
-    for block in range(blocks):
-        for v in (variants if block % 2 == 0 else list(reversed(variants))):
-            dist.barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                step(v, True)
-            times[v].append((time.perf_counter() - start) / steps)
-            cpu[v].append((time.process_time() - start_cpu) / steps)
+
+    def block(v):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            step(v, True)
+        times[v].append((time.perf_counter() - start) / steps)
+        cpu[v].append((time.process_time() - start_cpu) / steps)
+
+    interleave(variants, blocks, block)
     buckets = {v: len(clocks[v].reducer.buckets) for v in clocks}
     return {"times": times, "cpu": cpu, "overlap": overlap, "compile_s": compile_s, "buckets": buckets}
 
@@ -163,7 +166,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--bucket-cap-mb", type=float, default=None, help="default: torch's (25, first 1 MiB)")
+    add_json_flag(parser)
     args = parser.parse_args()
+    figures = {}
     env = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}  # no compile worker pool on a 2-core machine
     for name in args.models:
         results = run_ranks(worker, 2, (name, args.variants, args.blocks, args.steps, args.backend,
@@ -188,6 +193,9 @@ def main() -> None:
                         f"{statistics.median(shares) * 100:6.0f}% {statistics.median(ahead):5.2f} "
                         f"{statistics.median(tails) * 1e3:7.2f}")
             print(row, flush=True)
+            if "torch" in times and v != "torch":
+                figures[f"{name} {v}/torch"] = round(statistics.median(per_block), 3)
+    write_figures(args.json_path, figures)
 
 
 def _ratio(values: dict, variant: str, summary) -> str:

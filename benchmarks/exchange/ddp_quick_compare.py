@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python benchmarks/exchange/ddp_quick_compare.py [wide|deep ...] [--blocks N] [--steps N]
 
-Interleaves blocks of steps (torch, phalanx, compute-only) so machine noise hits all alike and
-prints median step times and ratios. `phalanx bench` is the full benchmark; this is a dev tool.
+Interleaves blocks of steps (torch, phalanx, compute-only; phalanx/tools/bench_compare.py) so machine noise
+hits all alike and prints median step times and ratios. `phalanx bench` is the full benchmark; this is a dev tool.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import phalanx
 from phalanx.testing import run_ranks
+from phalanx.tools.bench_compare import add_json_flag, interleave, paired_ratio, write_figures
 
 
 def build(name: str) -> torch.nn.Module:
@@ -43,8 +44,6 @@ def worker(rank: int, name: str, blocks: int, steps: int, kwargs: dict) -> dict:
         "compute": build(name),
     }
     optims = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
-    times = {k: [] for k in models}
-    cpu = {k: [] for k in models}  # CPU seconds of all this process's threads: robust to a busy machine
 
     def step(k):
         optims[k].zero_grad()
@@ -54,18 +53,20 @@ def worker(rank: int, name: str, blocks: int, steps: int, kwargs: dict) -> dict:
     for k in models:  # warm-up (and bucket rebuild)
         for _ in range(3):
             step(k)
-    for block in range(blocks):
-        for k in (list(models) if block % 2 == 0 else list(reversed(models))):
-            dist.barrier()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                step(k)
-            times[k].append((time.perf_counter() - start) / steps)
-            cpu[k].append((time.process_time() - start_cpu) / steps)
+
+    def block(k):  # (wall, CPU) seconds per step; CPU: all this process's threads, robust to a busy machine
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            step(k)
+        return (time.perf_counter() - start) / steps, (time.process_time() - start_cpu) / steps
+
+    blocks = interleave(list(models), blocks, block)
+    times = {k: [wall for wall, _ in v] for k, v in blocks.items()}
     medians = {k: statistics.median(v) for k, v in times.items()}
-    # Per-block ratios: a block of torch and the neighbouring block of phalanx share the machine's mood.
-    medians["ratio"] = statistics.median(p / t for p, t in zip(times["phalanx"], times["torch"]))
-    medians.update({f"cpu_{k}": statistics.median(v) for k, v in cpu.items()})
+    # Per-round ratios: a block of torch and the neighbouring block of phalanx share the machine's mood.
+    medians["ratio"] = paired_ratio(times["phalanx"], times["torch"])
+    medians.update({f"cpu_{k}": statistics.median(cpu for _, cpu in v) for k, v in blocks.items()})
     return medians
 
 
@@ -75,7 +76,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=7)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--as-view", action="store_true")
+    add_json_flag(parser)
     args = parser.parse_args()
+    figures = {}
     kwargs = {"gradient_as_bucket_view": True} if args.as_view else {}
     for name in args.models:
         results = run_ranks(worker, 2, (name, args.blocks, args.steps, kwargs), timeout=900)
@@ -87,6 +90,9 @@ def main() -> None:
         print(f"      cpu/step: torch {med['cpu_torch'] * 1e3:7.2f} ms  phalanx {med['cpu_phalanx'] * 1e3:7.2f} ms  "
               f"compute {med['cpu_compute'] * 1e3:7.2f} ms  phalanx/torch {med['cpu_phalanx'] / med['cpu_torch']:.3f}",
               flush=True)
+        figures.update({f"{name} phalanx/torch": round(med["phalanx"] / med["torch"], 3),
+                        f"{name} phalanx/compute": round(med["phalanx"] / med["compute"], 3)})
+    write_figures(args.json_path, figures)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,14 @@ depends on what ran before, and that noise is larger than the differences measur
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import phalanx
 from phalanx.shm import reduce
 from phalanx.testing import run_ranks
-from phalanx.tools.bench import run_block
+from phalanx.tools.bench_block import run_block
+from phalanx.tools.bench_compare import add_json_flag, interleave, median_of_steps, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
 
 NEVER = 1 << 62
@@ -58,15 +58,15 @@ def _rank(rank: int, choice: str, names: list[str], blocks: int, steps: int) -> 
             model = phalanx.DistributedDataParallel(bench_model.build())
             variants[label] = (model, torch.optim.SGD(model.parameters(), lr=1e-3), setting(value))
         batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
-        times: dict[str, list[float]] = {variant: [] for variant in variants}
-        order = list(variants)
-        for block in range(blocks):
-            for variant in order[block % len(order):] + order[:block % len(order)]:
-                trained, opt, apply = variants[variant]
-                apply()
-                times[variant] += run_block(trained, opt, bench_model, batches, 2, steps, torch.device("cpu"))
+
+        def block(variant, variants=variants, bench_model=bench_model, batches=batches):
+            trained, opt, apply = variants[variant]
+            apply()
+            return run_block(trained, opt, bench_model, batches, 2, steps, torch.device("cpu"))
+
+        times = interleave(list(variants), blocks, block)
         setattr(module, constant, default)
-        results[name] = {variant: statistics.median(values) for variant, values in times.items()}
+        results[name] = {variant: median_of_steps(values) for variant, values in times.items()}
     return results
 
 
@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--models", default="wide,deep", help="comma-separated (default wide,deep)")
     parser.add_argument("--blocks", type=int, default=8, help="blocks per setting (default 8)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per block (default 15)")
+    add_json_flag(parser)
     args = parser.parse_args()
     names = [name for name in args.models.split(",") if name]
     results = run_ranks(_rank, 2, (args.choice, names, args.blocks, args.steps), timeout=3600, env=STEADY_MALLOC)[0]
@@ -84,6 +85,9 @@ def main() -> None:
         shown = "   ".join(f"{args.choice}={setting} {ms:7.2f} ms ({ms / compute:.3f})"
                            for setting, ms in medians.items() if setting != "compute")
         print(f"{name:<6} compute-only {compute:7.2f} ms   {shown}")
+    write_figures(args.json_path, {f"{name} {args.choice}={setting}/compute": round(ms / medians["compute"], 3)
+                                   for name, medians in results.items() for setting, ms in medians.items()
+                                   if setting != "compute"}, medians_ms=results)
 
 
 if __name__ == "__main__":

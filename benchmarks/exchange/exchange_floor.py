@@ -22,7 +22,6 @@ floor is above compute-only, and how close phalanx comes to the lower one (docs/
 from __future__ import annotations
 
 import argparse
-import statistics
 from itertools import accumulate
 
 import torch
@@ -39,7 +38,8 @@ from phalanx.shm.reduce import (
     sum_pieces,
 )
 from phalanx.testing import run_ranks
-from phalanx.tools.bench import run_block
+from phalanx.tools.bench_block import run_block
+from phalanx.tools.bench_compare import add_json_flag, interleave, median_of_steps, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
 
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
@@ -104,13 +104,12 @@ def _rank(rank: int, names: list[str], blocks: int, steps: int) -> dict:
                 model = phalanx.DistributedDataParallel(model)
             variants[variant] = (model, torch.optim.SGD(model.parameters(), lr=1e-3))
         batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
-        times: dict[str, list[float]] = {variant: [] for variant in variants}
-        order = list(variants)
-        for block in range(blocks):
-            for variant in order[block % len(order):] + order[:block % len(order)]:
-                model, optimizer = variants[variant]
-                times[variant] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
-        results[name] = {variant: statistics.median(values) for variant, values in times.items()}
+
+        def block(variant, variants=variants, bench_model=bench_model, batches=batches):
+            return run_block(*variants[variant], bench_model, batches, 2, steps, torch.device("cpu"))
+
+        times = interleave(list(variants), blocks, block)
+        results[name] = {variant: median_of_steps(values) for variant, values in times.items()}
     comm.close()
     return results
 
@@ -120,6 +119,7 @@ def main() -> None:
     parser.add_argument("--models", default="deep,wide", help="comma-separated (default deep,wide)")
     parser.add_argument("--blocks", type=int, default=8, help="blocks per way (default 8)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per block (default 15)")
+    add_json_flag(parser)
     args = parser.parse_args()
     names = [name for name in args.models.split(",") if name]
     unknown = [name for name in names if name not in MODELS]
@@ -130,6 +130,9 @@ def main() -> None:
         compute = ms["compute"]
         print(f"{name:<6} compute-only {compute:7.2f} ms   "
               + "   ".join(f"{way} {ms[way]:7.2f} ms ({ms[way] / compute:.3f})" for way in ms if way != "compute"))
+    figures = {f"{name} {way}/compute": round(ms[way] / ms["compute"], 3)
+               for name, ms in results.items() for way in ms if way != "compute"}
+    write_figures(args.json_path, figures, medians_ms=results)
 
 
 if __name__ == "__main__":

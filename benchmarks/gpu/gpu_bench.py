@@ -39,6 +39,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's phalanx, installed or not (a GPU machine's own torch)
 
 import phalanx  # noqa: E402
+from phalanx.tools.bench_compare import (  # noqa: E402
+    add_json_flag,
+    block_medians,
+    interleave,
+    median_of_steps,
+    write_figures,
+)
+from phalanx.tools.bench_compare import paired_ratio as paired  # noqa: E402
 
 
 def _example_gpt():
@@ -149,25 +157,23 @@ def interleaved(built: dict, batch, sizes: Sizes, timer: Timer, device: torch.de
                 steps: int | None = None) -> dict:
     """Blocks of every variant in `built` ({name: (model, optimizer)}), the order rotating each round:
     per variant the median step time (ms) over all blocks and the per-block medians."""
-    names = list(built)
-    times = {name: [] for name in names}
     steps = steps or sizes.steps
-    for round_ in range(blocks or sizes.blocks):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            model, optimizer = built[name]
-            for _ in range(sizes.warmup):
-                train_step(model, optimizer, batch, device)
-            timer.sync()
-            times[name].append(timer.block(lambda m=model, o=optimizer: train_step(m, o, batch, device), steps))
-    return {name: {"median_ms": statistics.median(t for block in blocks for t in block),
-                   "block_medians_ms": [statistics.median(block) for block in blocks]}
+
+    def block(name):
+        model, optimizer = built[name]
+        for _ in range(sizes.warmup):
+            train_step(model, optimizer, batch, device)
+        timer.sync()
+        return timer.block(lambda: train_step(model, optimizer, batch, device), steps)
+
+    times = interleave(list(built), blocks or sizes.blocks, block)
+    return {name: {"median_ms": median_of_steps(blocks), "block_medians_ms": block_medians(blocks)}
             for name, blocks in times.items()}
 
 
 def paired_ratio(result: dict, a: str, b: str) -> float:
     """Median over rounds of a's block median / b's of the same round."""
-    return statistics.median(x / y for x, y in zip(result[a]["block_medians_ms"], result[b]["block_medians_ms"]))
+    return paired(result[a]["block_medians_ms"], result[b]["block_medians_ms"])
 
 
 def ratio_spread(result: dict, a: str, b: str) -> dict:
@@ -454,6 +460,7 @@ def parse_args(argv):
     parser.add_argument("--link-gb-per-s", type=float, default=25.0,
                         help="bandwidth per link in the modelled ring, GB/s (default 25: 200 Gb/s InfiniBand)")
     parser.add_argument("--alpha-ms", type=float, default=0.02, help="latency per modelled collective (0.02 ms)")
+    add_json_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -499,6 +506,8 @@ def main(argv: list[str] | None = None) -> dict:
     (out / "gpu_bench.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     (out / "gpu_bench.md").write_text(table)
+    write_figures(args.json_path, {goal["goal"]: round(goal["measured"], 4) for goal in results["goals"]},
+                  errors=results["errors"])
     print(table, flush=True)
     if owns_world:
         with contextlib.suppress(Exception):

@@ -27,6 +27,7 @@ import gpu_bench as gb
 import torch
 
 import phalanx
+from phalanx.tools.bench_compare import add_json_flag, interleave, write_figures
 
 
 def main() -> None:
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--variants", default="plain,torch,phalanx,phalanx-view")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench-results/gpu"))
+    add_json_flag(parser)
     args = parser.parse_args()
     if args.smoke:
         os.environ.setdefault("PHALANX_BACKEND", "gloo")
@@ -63,21 +65,22 @@ def main() -> None:
     sync()
 
     per = {name: {"thread_cpu_ms": [], "process_cpu_ms": [], "wall_ms": []} for name in names}
-    for round_ in range(args.rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            model, optimizer = built[name]
+
+    def block(name):
+        model, optimizer = built[name]
+        gb.train_step(model, optimizer, batch, device)
+        sync()
+        t0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
+        for _ in range(args.steps):
             gb.train_step(model, optimizer, batch, device)
-            sync()
-            t0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
-            for _ in range(args.steps):
-                gb.train_step(model, optimizer, batch, device)
-            t1, p1 = time.thread_time(), time.process_time()
-            sync()
-            w1 = time.perf_counter()
-            per[name]["thread_cpu_ms"].append((t1 - t0) / args.steps * 1e3)
-            per[name]["process_cpu_ms"].append((p1 - p0) / args.steps * 1e3)
-            per[name]["wall_ms"].append((w1 - w0) / args.steps * 1e3)
+        t1, p1 = time.thread_time(), time.process_time()
+        sync()
+        w1 = time.perf_counter()
+        per[name]["thread_cpu_ms"].append((t1 - t0) / args.steps * 1e3)
+        per[name]["process_cpu_ms"].append((p1 - p0) / args.steps * 1e3)
+        per[name]["wall_ms"].append((w1 - w0) / args.steps * 1e3)
+
+    interleave(names, args.rounds, block)
     summary = {}
     for name, series in per.items():
         summary[name] = {key: {"median": round(statistics.median(v), 3), "min": round(min(v), 3)}
@@ -127,6 +130,8 @@ def main() -> None:
     (out / "small_profile.json").write_text(json.dumps({"env": gb.environment(device), "args": vars(args),
                                                          "summary": summary, "per": per,
                                                          "profiles": profiles}, indent=1))
+    write_figures(args.json_path, {f"{name} {key} ms": summary[name][key]["median"] for name in summary
+                                   for key in ("process_cpu_ms", "wall_ms")}, summary=summary)
     phalanx.shutdown()
 
 

@@ -153,8 +153,13 @@ def main() -> None:
         print(f"\nload after: {' '.join(handle.read().split()[:3])}")
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"args": vars(args), "tag": tag, "links": links, "load_before": load, "result": result,
-                       "summary": summary}, handle, indent=1)
+            figures = {f"{name} {variant}/torch": round(row["ratio_torch"], 3) for name, rows in summary.items()
+                       for variant, row in rows.items() if variant != "torch" and row.get("ratio_torch")}
+            figures.update({f"{name} {variant} bytes off theory %": round(100 * row["deviation"], 2)
+                            for name, rows in summary.items() for variant, row in rows.items()
+                            if variant == "hier" and "deviation" in row})
+            json.dump({"figures": figures, "args": vars(args), "tag": tag, "links": links, "load_before": load,
+                       "result": result, "summary": summary}, handle, indent=1)
 
 
 if __name__ == "__main__":

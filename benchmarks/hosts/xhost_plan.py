@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from phalanx.tools.bench_compare import add_json_flag, write_figures
 from phalanx.tools.cost_model import calibrate, plan
 
 
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--local", type=int, default=8, help="ranks per host (default 8)")
     parser.add_argument("--alpha-us", type=float, default=25.0, help="seconds per ring step on the LAN, in us")
     parser.add_argument("--goodput", type=float, default=0.9, help="TCP goodput as a share of the line rate")
+    add_json_flag(parser)
     args = parser.parse_args()
     with open(args.calibration) as handle:
         source = json.load(handle)["result"]
@@ -86,6 +88,13 @@ def main() -> None:
           f"links: {args.alpha_us:g} us per ring step, {args.goodput:.0%} of the line rate")
     print(f"\nOne all-reduce of {args.size_mb:g} MB, {args.local} ranks per host:\n")
     print(table(cal, args.size_mb * 1e6, args.local, [10, 100], args.alpha_us * 1e-6, args.goodput))
+    figures = {}
+    for rate in (10, 100):
+        link = replace(cal, net_alpha=args.alpha_us * 1e-6, link_bytes_per_s=rate * 1e9 / 8 * args.goodput)
+        for hosts in (2, 64):
+            times = plan(args.size_mb * 1e6, hosts, args.local, link)
+            figures[f"{rate} Gbit/s hier/flat @{hosts}"] = round(times["hier"] / times["flat"], 2)
+    write_figures(args.json_path, figures)
     if args.chart and args.measured:
         runs = []
         for path in args.measured:

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import phalanx
 from phalanx.shm import ShmCommunicator
 from phalanx.tools.bench_block import train_step
+from phalanx.tools.bench_compare import interleave
 from phalanx.tools.bench_models import MODELS, make_batches
 from phalanx.world import group as world
 from phalanx.world.topology import HostGroups, host_topology
@@ -165,15 +166,17 @@ def main() -> None:
         probes = {v: Probe(built[v][0]) for v in variants if v in ("flat", "hier")}
         record = {"times": {v: [] for v in variants}, "traffic": {v: [] for v in variants},
                   "grad_bytes": sum(p.numel() * p.element_size() for p in built[variants[0]][0].parameters())}
-        for block in range(args.blocks):
-            for variant in variants[block % len(variants):] + variants[:block % len(variants)]:
-                model, optimizer = built[variant]
-                times, traffic = run_block(model, optimizer, bench_model, batches, args.warmup, args.steps, args.dev,
-                                           reader, probes.get(variant))
-                record["times"][variant] += times
-                gathered = [None] * dist.get_world_size()
-                dist.all_gather_object(gathered, traffic)
-                record["traffic"][variant].append([t for t in gathered if t is not None])
+
+        def block(variant, built=built, bench_model=bench_model, batches=batches, probes=probes, record=record):
+            model, optimizer = built[variant]
+            times, traffic = run_block(model, optimizer, bench_model, batches, args.warmup, args.steps, args.dev,
+                                       reader, probes.get(variant))
+            record["times"][variant] += times
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, traffic)
+            record["traffic"][variant].append([t for t in gathered if t is not None])
+
+        interleave(variants, args.blocks, block)
         # The cost model's inputs, per phalanx variant, from this run (rank 0): its buckets, when each was
         # ready in backward, and the forward, backward compute and optimizer times around them.
         record["phases"] = {}

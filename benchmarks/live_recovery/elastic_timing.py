@@ -28,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+from phalanx.tools.bench_compare import add_json_flag, write_figures
 from tests.helpers.namespaces import veth_hosts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--epochs", type=int, default=20)
+    add_json_flag(parser)
     args = parser.parse_args()
     port = 29700 + uuid.uuid4().int % 200
     print(f"load before: {os.getloadavg()}")
@@ -159,6 +161,11 @@ def main() -> None:
     print(f"goodput of the node-loss run (host A): median {statistics.median(r['goodput'] for r in results):.1f} %"
           f"; uninterrupted: median {statistics.median(r['reference'] for r in results):.1f} %")
     print("host A's last lines (last round):\n  " + "\n  ".join(results[-1]["summary"]))
+    write_figures(args.json_path, {"death -> step s": round(statistics.median(r["death_to_step"] for r in results), 1),
+                                   "grow s": round(statistics.median(r["grow"] for r in results), 1),
+                                   "goodput %": round(statistics.median(r["goodput"] for r in results), 1),
+                                   "uninterrupted goodput %": round(statistics.median(r["reference"] for r in results),
+                                                                    1)}, rounds=results)
 
 if __name__ == "__main__":
     main()

@@ -33,6 +33,7 @@ import torch
 
 from benchmarks.hosts.xhost_net import Hosts
 from phalanx.testing import free_port
+from phalanx.tools.bench_compare import add_json_flag, write_figures
 from tests.e2e.test_elastic import job_env, kill_node
 from tests.helpers.global_batch_cases import reference_run
 
@@ -108,6 +109,7 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=5.0,
                         help="seconds between the kill and the start again (past 4 s, the host's heartbeats expired)")
     parser.add_argument("--state-mb", type=float, default=20.0, help="MB of frozen parameters besides the model")
+    add_json_flag(parser)
     args = parser.parse_args()
     expected, _ = reference_run(epochs=EPOCHS)
     rounds = []
@@ -126,6 +128,10 @@ def main() -> None:
                   flush=True)
     for key in ("to_first_step", "start_up", "round_met", "worker_up", "taken_in", "first_step", "bar"):
         print(f"median {key}: {statistics.median(r[key] for r in rounds):.2f} s")
+    median = {key: round(statistics.median(r[key] for r in rounds), 2) for key in ("to_first_step", "bar", "taken_in")}
+    write_figures(args.json_path, {"start -> first step s": median["to_first_step"], "bar s": median["bar"],
+                                   "taken in s": median["taken_in"], "disk reads": sum(r["disk_reads"] for r in rounds),
+                                   "same as uninterrupted": all(r["same"] for r in rounds)}, rounds=rounds)
     if not all(r["same"] for r in rounds) or any(r["disk_reads"] for r in rounds):
         sys.exit("a round differed from the uninterrupted run, or read from disk")
 

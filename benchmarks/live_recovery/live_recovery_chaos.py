@@ -48,6 +48,7 @@ import torch
 from benchmarks.live_recovery.live_recovery_chaos_job import hidden_width
 from phalanx.shm.segment import PREFIX, SHM_DIR
 from phalanx.testing import free_port
+from phalanx.tools.bench_compare import add_json_flag, write_figures
 from tests.e2e.test_elastic import kill_node
 from tests.helpers.global_batch_cases import reference_run
 from tests.helpers.namespaces import bridged_hosts
@@ -338,6 +339,7 @@ def main() -> None:
                         help="seconds between events, drawn (default 15:40)")
     parser.add_argument("--only", default=None, metavar="KINDS",
                         help="comma-separated events to draw from (default: all, rank kills weighted 3)")
+    add_json_flag(parser)
     args = parser.parse_args()
     every = tuple(float(part) for part in args.every.split(":"))
     kinds = tuple(args.only.split(",")) if args.only else EVENTS
@@ -380,6 +382,8 @@ def main() -> None:
     for problem in problems:
         print(f"PROBLEM: {problem}")
     print("chaos run: " + ("passed" if not problems else f"{len(problems)} problem(s)") + f"; files in {run_dir}")
+    write_figures(args.json_path, {"events": sum(events.values()), **{k: v for k, v in outcomes.items() if v},
+                                   "problems": len(problems)}, events=dict(events), problems=problems)
     if not args.keep and not problems:
         shutil.rmtree(run_dir, ignore_errors=True)
     sys.exit(1 if problems else 0)

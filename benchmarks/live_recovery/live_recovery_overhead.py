@@ -4,7 +4,7 @@
         [--transport shm|gloo] [--shard gradients|optimizer]
 
 Two CPU ranks (1 thread each) train phalanx DDP on `phalanx bench`'s models, over the shared-memory exchange
-or Gloo's (`--transport`). Blocks of steps alternate between live recovery on (PHALANX_MIN_WORLD_SIZE=1: every
+or Gloo's (`--transport`). Blocks of steps interleave live recovery on (PHALANX_MIN_WORLD_SIZE=1: every
 wait on a collective watches for a step given up, and each step commits through the store after its exchange
 where a global-batch step does: not over shared memory, whose exchange ends alike on every rank) and off, so the
 machine's drift hits both alike. Prints the median step time of the slowest rank per setting and their ratio;
@@ -32,7 +32,8 @@ import torch
 
 import phalanx
 from phalanx.testing import run_ranks
-from phalanx.tools.bench import run_block
+from phalanx.tools.bench_block import run_block
+from phalanx.tools.bench_compare import add_json_flag, interleave, median_of_steps, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
 from phalanx.world import generation
 
@@ -86,22 +87,21 @@ def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
         cpu.append(time.thread_time() - started_cpu)
         return live_step(*args, **kwargs)
 
-    times = {"on": [], "off": []}
-    for block in range(2 * blocks):
-        setting = ("on", "off")[block % 2]
+    def block(setting):
         if setting == "on":
             os.environ[generation.MIN_WORLD_ENV] = "1"
             live_optimizer.step = commit_then_step
-            times[setting] += run_block(model, live_optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
-        else:
-            os.environ.pop(generation.MIN_WORLD_ENV, None)
-            times[setting] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+            return run_block(model, live_optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+        os.environ.pop(generation.MIN_WORLD_ENV, None)
+        return run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+
+    times = interleave(["on", "off"], blocks, block)
     os.environ.pop(generation.MIN_WORLD_ENV, None)
     live_optimizer.step = live_step
     if shard != "none":
         held = [t for packed in live_optimizer._copies.copies.values() for t in packed.tensors()]
         copies_bytes = sum(t.numel() * t.element_size() for t in held)
-    return {**{s: statistics.median(v) for s, v in times.items()}, "commit_ms": 1e3 * statistics.median(wall),
+    return {**{s: median_of_steps(v) for s, v in times.items()}, "commit_ms": 1e3 * statistics.median(wall),
             "commit_cpu_ms": 1e3 * statistics.median(cpu), "spans": spans,
             "copies_ms": 1e3 * sum(copies_wall) / len(wall) if copies_wall else 0.0,  # per step, on average
             "copies_mb": copies_bytes / 1e6,
@@ -118,7 +118,9 @@ def main() -> None:
                              "every rank, no commit) or Gloo's all-reduce (PHALANX_SHM=0: a commit per step)")
     parser.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
                         help="shard the model (AdamW): the shard copies' cost besides the commits")
+    add_json_flag(parser)
     args = parser.parse_args()
+    figures = {}
     env = {"PHALANX_SHM": "1" if args.transport == "shm" else "0"}
     ranks = run_ranks(_rank, 2, (args.models, args.blocks, args.steps, args.shard), timeout=3600, env=env)
     results = ranks[0]
@@ -130,10 +132,14 @@ def main() -> None:
               f"({100 * r['commit_ms'] / r['off']:.2f} % of a step), {r['commit_cpu_ms']:.3f} ms CPU "
               f"({100 * r['commit_cpu_ms'] / r['off']:.2f} %); its delay to the step: {1e3 * delay:.3f} ms "
               f"({100e3 * delay / r['off']:.2f} %)")
+        figures.update({f"{name} on/off": round(r["on"] / r["off"], 3),
+                        f"{name} commit % of a step": round(100 * r["commit_ms"] / r["off"], 2)})
         if args.shard != "none":
             print(f"{'':<6} shard={args.shard}: copies {r['copies_ms']:.3f} ms per step "
                   f"({100 * r['copies_ms'] / r['off']:.2f} % of a step), holding {r['copies_mb']:.1f} MB per rank "
                   f"(the model: {r['model_mb']:.1f} MB)")
+            figures[f"{name} copies % of a step"] = round(100 * r["copies_ms"] / r["off"], 1)
+    write_figures(args.json_path, figures)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from phalanx.testing import free_port
+from phalanx.tools.bench_compare import add_json_flag, write_figures
 from tests.e2e.test_elastic import job_env, kill_node
 from tests.helpers.global_batch_cases import reference_run
 from tests.helpers.live_recovery_cases import MOMENTS, next_step_after
@@ -120,8 +121,9 @@ def main() -> None:
                         help="the model's shard level (default none)")
     parser.add_argument("--keep-slow", type=float, default=None, metavar="S",
                         help="keep the files (logs, step logs) of a round whose next step took more than S seconds")
+    add_json_flag(parser)
     args = parser.parse_args()
-    rng, seconds = random.Random(args.seed), []
+    rng, seconds, all_same = random.Random(args.seed), [], True
     for round_number in range(args.rounds):
         with tempfile.TemporaryDirectory() as directory:
             play = {"rank": rank_round, "host": host_round, "cut": lambda *a: host_round(*a, cut=True)}[args.where]
@@ -132,6 +134,7 @@ def main() -> None:
                 what += f" (its files: {kept})"
         print(f"round {round_number + 1}: {what}: next step {took if took is None else f'{took:.2f} s'} after the "
               f"kill; final parameters {'equal' if same else 'DIFFERENT from'} the uninterrupted run's", flush=True)
+        all_same = all_same and same
         if took is not None:
             seconds.append(took)
     if seconds:
@@ -139,6 +142,11 @@ def main() -> None:
         p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
         print(f"{args.where}: {len(seconds)} rounds, kill -> next step: median {statistics.median(seconds):.2f} s, "
               f"p95 {p95:.2f} s, worst {ordered[-1]:.2f} s (a step: {args.pause} s of sleep + compute)")
+        write_figures(args.json_path, {"median s": round(statistics.median(seconds), 2), "p95 s": round(p95, 2),
+                                       "worst s": round(ordered[-1], 2), "rounds": len(seconds),
+                                       "parameters as uninterrupted": all_same}, seconds=seconds)
+    if len(seconds) < args.rounds or not all_same:
+        sys.exit(f"{args.rounds - len(seconds)} round(s) without a next step; parameters as uninterrupted: {all_same}")
 
 
 if __name__ == "__main__":

@@ -176,20 +176,25 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--lighthouse":
         lighthouse_main(int(sys.argv[2]))
         return
+    from phalanx.tools.bench_compare import add_json_flag, write_figures  # not in the replicas: torchft's own
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--hosts", action="store_true", help="a replica per host: network namespaces (root)")
+    add_json_flag(parser)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.hosts:
         on_hosts(args.kills)
         return
+    figures = {}
     for mode in ("plain", "healthy"):
         with tempfile.TemporaryDirectory() as directory:
             run(mode, Path(directory))
             work = [row[2] for r in (0, 1) for row in _rows(Path(directory), r)[5:]]
         what = "forward, backward, exchange, quorum, commit" if mode == "healthy" else "forward, backward: compute only"
         print(f"{mode:<8} a step's work ({what}): median {1000 * statistics.median(work):.2f} ms", flush=True)
+        figures[f"{mode} step ms"] = round(1000 * statistics.median(work), 2)
     for kill in range(args.kills):
         with tempfile.TemporaryDirectory() as directory:
             killed = run("kill", Path(directory))
@@ -199,6 +204,8 @@ def main() -> None:
         took = None if None in firsts else max(firsts) - killed
         print(f"kill {kill + 1}: the next step both others committed came {took:.2f} s after the kill; "
               f"{dropped} step(s) not committed", flush=True)
+        figures[f"kill {kill + 1} -> next step s"] = round(took, 2) if took is not None else "never"
+    write_figures(args.json_path, figures)
 
 
 def on_hosts(kills: int) -> None:

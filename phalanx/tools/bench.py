@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from ..launch.spawn import spawn
 from ..log import print0
 from ..world import group as world
 from .bench_block import run_block, train_step
+from .bench_compare import interleave, summarize
 from .bench_models import MODELS, count_parameters, make_batches
 from .bench_profile import format_profile, maybe_profile, write_profile_chart
 from .bench_report import (
@@ -31,7 +33,6 @@ from .bench_report import (
     format_table,
     paired_ratios,
     ratios,
-    summarize,
     write_chart,
     write_json,
 )
@@ -88,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="tiny step counts, for smoke tests")
     parser.add_argument("--memory", action="store_true", help="instead: what sharding saves and costs (model-state "
                         "bytes, peak RSS beside torch DDP / ZeRO / FSDP2, step times); see --memory --help")
+    parser.add_argument("--suite", choices=("cpu", "gpu", "all"), help="instead: run every benchmark scenario of "
+                        "benchmarks/ at a size for this machine, into one summary; see --suite cpu --help")
     parser.add_argument("--overhead", action="store_true", help="instead: the host time per step phalanx DDP and "
                         "torch DDP add to a model of many tiny tensors, at world size 1; see --overhead --help")
     parser.add_argument("--profile", action="store_true", help="then one more phalanx block with its exchange "
@@ -205,22 +208,20 @@ def _bench_model(name: str, config: BenchConfig, device: torch.device) -> dict:
     print0(f"[bench] {name}: {bench_model.description}; {params / 1e6:.2f}M parameters in {tensors} "
                  f"tensors, batch {bench_model.batch} per rank")
     batches = make_batches(bench_model, BATCHES_PER_RANK, config.seed, dist.get_rank(), device)
-    blocks: dict[str, list[list[float]]] = {variant: [] for variant in config.variants}
-    count = len(config.variants)
-    for round_ in range(config.blocks):
-        # Rotate the order each round so that no variant always follows the same one.
-        order = config.variants[round_ % count:] + config.variants[:round_ % count]
-        for variant in order:
-            module, optimizer = built[variant]
-            times = run_block(module, optimizer, bench_model, batches, config.warmup, config.steps, device)
-            blocks[variant].append(times)
-            median = sorted(times)[len(times) // 2]
-            print0(f"[bench] {name} block {round_ + 1}/{config.blocks} {VARIANT_LABELS[variant]:<13} "
-                         f"median {median:8.2f} ms")
+
+    def block(variant: str) -> list[float]:
+        module, optimizer = built[variant]
+        return run_block(module, optimizer, bench_model, batches, config.warmup, config.steps, device)
+
+    def said(round_: int, variant: str, times: list[float]) -> None:
+        print0(f"[bench] {name} block {round_ + 1}/{config.blocks} {VARIANT_LABELS[variant]:<13} "
+               f"median {statistics.median(times):8.2f} ms")
+
+    blocks = interleave(config.variants, config.blocks, block, after=said)
     variants = {variant: summarize(blocks[variant]) for variant in config.variants}
     profile = maybe_profile(built, train_step, bench_model, batches, config.warmup, config.steps) \
         if config.profile else None
-    del built, module, optimizer  # free this model's copies (and DDP buffers) before the next model
+    built.clear()  # free this model's copies (and DDP buffers) before the next model
     return {"name": name, "description": bench_model.description, "params": params, "tensors": tensors,
             "batch_per_rank": bench_model.batch, "variants": variants, "ratios": ratios(variants),
             "paired_ratios": paired_ratios(variants), **({"profile": profile} if profile else {})}
@@ -260,7 +261,18 @@ def run_rank(rank: int, config: BenchConfig) -> dict | None:
         return None
     summary = {**asdict(config), "nproc": dist.get_world_size(), "backend": dist.get_backend()}
     return {"schema": SCHEMA, "environment": environment(device), "config": summary, "models": models,
-            "allreduce": allreduce}
+            "allreduce": allreduce, "figures": headline(models, allreduce)}
+
+
+def headline(models: list[dict], allreduce: dict) -> dict:
+    """The figures a reader compares first: phalanx against torch DDP and compute-only, per model; the
+    largest all-reduce's speed-up of shared memory over Gloo."""
+    figures = {f"{model['name']} {name}": round(model["ratios"][name], 3) for model in models
+               for name in ("phalanx/torch", "phalanx/compute") if name in model["ratios"]}
+    rows = allreduce.get("rows") if allreduce.get("status") == "ok" else None
+    if rows and isinstance(rows[-1], dict) and "speedup_alloc" in rows[-1]:
+        figures[f"all-reduce {rows[-1]['size_mb']:g} MB gloo/shm"] = round(rows[-1]["speedup_alloc"], 1)
+    return figures
 
 
 def _run_in_world(config: BenchConfig) -> dict | None:
@@ -307,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--suite" in argv:  # every benchmark scenario, one after the other, into one summary
+        from .bench_suite import main as suite_main
+
+        return suite_main(argv)
     if "--memory" in argv:  # what sharding saves and costs: a benchmark of its own, imported when asked for
         from .bench_memory import main as memory_main
 

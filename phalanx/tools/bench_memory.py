@@ -27,6 +27,7 @@ from ..engine.ddp import DistributedDataParallel
 from ..errors import BenchConfigError, PhalanxError, explain
 from ..launch.spawn import spawn
 from .bench_block import run_block
+from .bench_compare import interleave, median_of_steps
 from .bench_models import MODELS, make_batches
 
 MODES = ("none", "optimizer", "gradients", "parameters")
@@ -190,15 +191,13 @@ def _time_rank(rank: int, names: list[str], steps: int, blocks: int) -> dict:
         bench_model = MODELS[name]
         batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
         built = {variant: _build_timed(variant, bench_model) for variant in TIME_VARIANTS}
-        times = {variant: [] for variant in TIME_VARIANTS}
-        for block in range(blocks):
-            order = TIME_VARIANTS[block % len(TIME_VARIANTS):] + TIME_VARIANTS[:block % len(TIME_VARIANTS)]
-            for variant in order:
-                model, optimizer = built[variant]
-                times[variant] += run_block(model, optimizer, bench_model, batches, 2, steps, torch.device("cpu"))
+
+        def block(variant, built=built, bench_model=bench_model, batches=batches):
+            return run_block(*built[variant], bench_model, batches, 2, steps, torch.device("cpu"))
+
+        times = interleave(TIME_VARIANTS, blocks, block)
         # each entry is already the slowest rank's time for that step: a synchronous step is that slow
-        results[name] = {variant: float(torch.tensor(values, dtype=torch.float64).median())
-                         for variant, values in times.items()}
+        results[name] = {variant: median_of_steps(values) for variant, values in times.items()}
         del built
     return results
 
@@ -277,6 +276,27 @@ def format_report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def headline(results: dict) -> dict:
+    """The figures a reader compares first: each shard level's model-state bytes and peak RSS against "none",
+    at the smallest world measured, and each level's step time against "none"."""
+    figures = {}
+    for world_size, per_rank in sorted(results.get("count", {}).items())[:1]:
+        worst = {mode: max(rank[mode]["total"] for rank in per_rank) for mode in per_rank[0]}
+        figures.update({f"bytes {mode}/none @{world_size}": round(worst[mode] / worst["none"], 3)
+                        for mode in MODES[1:] if mode in worst})
+    for world_size, variants in sorted(results.get("rss", {}).items())[:1]:
+        peaks = {variant: max(r["peak_mb"] for r in per_rank) for variant, per_rank in variants.items()}
+        if "phalanx-none" in peaks:
+            figures.update({f"RSS {variant.removeprefix('phalanx-')}/none @{world_size}":
+                            round(peak / peaks["phalanx-none"], 3) for variant, peak in peaks.items()
+                            if variant.startswith("phalanx-") and variant != "phalanx-none"})
+    for name, medians in results.get("time", {}).items():
+        base = medians["phalanx-none"]
+        figures.update({f"{name} step {variant.removeprefix('phalanx-')}/none": round(value / base, 3)
+                        for variant, value in medians.items() if variant != "phalanx-none"})
+    return figures
+
+
 def main(argv: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -301,6 +321,6 @@ def main(argv: list[str]) -> int:
     print(format_report(results), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=str))
+    out.write_text(json.dumps({**results, "figures": headline(results)}, indent=1, default=str))
     print(f"\nresults: {out}", flush=True)
     return 0

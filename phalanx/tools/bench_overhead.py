@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import BenchConfigError, PhalanxError, explain
 from ..launch.spawn import spawn
+from .bench_compare import interleave
 from .bench_report import environment, write_json
 
 VARIANTS = ("plain", "torch", "phalanx")
@@ -192,13 +193,13 @@ def run(rank: int, config: OverheadConfig) -> dict:
     generator = torch.Generator().manual_seed(0)
     batch = tuple(torch.randn(config.batch, config.width, generator=generator).to(device) for _ in range(2))
     built = {variant: _build(variant, config, device) for variant in VARIANTS}
-    blocks: dict[str, list[list[float]]] = {variant: [] for variant in VARIANTS}
-    for round_ in range(config.rounds):
-        shift = round_ % len(VARIANTS)
-        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
-            blocks[variant].append(_block(*built[variant], batch, config.warmup, config.steps, sync))
+    blocks = interleave(VARIANTS, config.rounds,
+                        lambda variant: _block(*built[variant], batch, config.warmup, config.steps, sync))
+    summary = added_host_time(blocks)
+    figures = {"phalanx/torch added": round(summary["ratio"], 3), "torch adds ms": round(summary["torch_added_ms"], 3),
+               "phalanx adds ms": round(summary["phalanx_added_ms"], 3)}
     results = {"schema": SCHEMA, "environment": environment(device), "config": asdict(config),
-               "tensors": 2 * config.layers, "summary": added_host_time(blocks), "blocks_ms": blocks}
+               "tensors": 2 * config.layers, "summary": summary, "figures": figures, "blocks_ms": blocks}
     if config.profile_steps:
         results["profile"] = profile_added(built, batch, config.profile_steps, sync)
     return results

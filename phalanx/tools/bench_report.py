@@ -10,30 +10,18 @@ import json
 import os
 import platform
 import socket
-import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from .bench_compare import paired_ratio, summarize  # noqa: F401 (summarize: part of the report's API)
 
 SCHEMA = "phalanx-bench/1"
 VARIANT_LABELS = {"torch": "torch DDP", "phalanx": "phalanx DDP", "phalanx-gloo": "phalanx (Gloo)",
                   "compute": "compute-only"}
 # numerator, denominator: phalanx against torch's C++ reducer, and against the no-communication floor
 RATIOS = (("phalanx", "torch"), ("phalanx-gloo", "torch"), ("phalanx", "compute"), ("torch", "compute"))
-
-
-def summarize(blocks_ms: list[list[float]]) -> dict:
-    """Median (the headline), spread and per-block medians of per-step times grouped by block."""
-    steps = sorted(t for block in blocks_ms for t in block)
-    return {
-        "median_ms": statistics.median(steps),
-        "min_ms": steps[0],
-        "p90_ms": steps[min(len(steps) - 1, int(0.9 * len(steps)))],
-        "block_medians_ms": [statistics.median(block) for block in blocks_ms],
-        "steps": len(steps),
-        "steps_ms": blocks_ms,
-    }
 
 
 def ratios(variants: dict) -> dict:
@@ -43,16 +31,9 @@ def ratios(variants: dict) -> dict:
 
 
 def paired_ratios(variants: dict) -> dict:
-    """Each ratio taken per round (block medians of the same round) and then the median over rounds.
-
-    Blocks of one round ran back to back, so this pairs like with like when the host's speed drifts.
-    """
-    paired = {}
-    for top, bottom in RATIOS:
-        if top in variants and bottom in variants:
-            per_round = [a / b for a, b in zip(variants[top]["block_medians_ms"], variants[bottom]["block_medians_ms"])]
-            paired[f"{top}/{bottom}"] = statistics.median(per_round)
-    return paired
+    """Each ratio taken per round (block medians of the same round), then the median over rounds."""
+    return {f"{top}/{bottom}": paired_ratio(variants[top]["block_medians_ms"], variants[bottom]["block_medians_ms"])
+            for top, bottom in RATIOS if top in variants and bottom in variants}
 
 
 def _millions(count: int) -> str:
