@@ -174,6 +174,8 @@ def _context(start_method: str, preload: str):
         if _a_warm_command_that_can_fork(preload):
             return mp.get_context("fork")
         server_preload = os.environ.get("LD_PRELOAD") or ""  # what the server starts with: this process's, now
+        if _server_preload_env and not _server_preload_env[0][1] and _running_server() is None:
+            _server_preload_env.clear()  # the other code's server was stopped: ours may start now
         if not _server_preload_env:
             running = _running_server()
             if running is not None:  # started by other code of this process (torch's test suites): it has its own

@@ -292,7 +292,8 @@ def test_a_round_with_min_nodes_waits_the_last_call_for_more(last_call):
         info = rendezvous.next_rendezvous()
         took = time.monotonic() - began
         assert (info.rank, info.world_size) == (0, 1)
-        assert last_call <= took < last_call + 2.5, f"the round closed {took:.2f} s in, --rdzv-last-call {last_call}"
+        # within 10 s more (the rounds' polls, a loaded machine), far below torch's 30 s
+        assert last_call <= took < last_call + 10, f"the round closed {took:.2f} s in, --rdzv-last-call {last_call}"
     finally:
         rendezvous.shutdown()
 

@@ -120,6 +120,12 @@ class _PhalanxProcesses:
     @classmethod
     def tearDownClass(cls):
         super().tearDownClass()
+        if issubclass(cls, _RpcOverLoopback):
+            # The fork server setUp started, stopped: left running, it held torch's suite's allocator, and every
+            # later phalanx.spawn of this pytest worker spawned its ranks rather than fork them from its own.
+            from multiprocessing import forkserver
+
+            forkserver._forkserver._stop()
         cls._env.stop()
 
     def setUp(self):

@@ -175,6 +175,21 @@ def test_a_fork_server_started_by_other_code_is_used_only_with_the_ranks_allocat
     assert spawn_module._context("forkserver", at_start).get_start_method() == "forkserver"
 
 
+def test_once_the_other_codes_fork_server_stopped_the_ranks_fork_from_ours(monkeypatch):
+    """The server other code started, with another allocator, is stopped (torch's suites stop theirs): the next
+    call starts phalanx's own and forks from it, rather than spawning every rank from then on (seen in the suite:
+    after tests/e2e/test_torch_ddp_suite.py, a pytest worker's later tests spawned every rank, ~6 s of CPU each)."""
+    from multiprocessing import forkserver
+
+    from phalanx.launch import spawn as spawn_module
+
+    monkeypatch.setattr(spawn_module, "_server_preload_env", [("/elsewhere/libother.so", False)])
+    monkeypatch.setattr(forkserver._forkserver, "_forkserver_pid", None)  # no server runs now
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert spawn_module._context("forkserver", "").get_start_method() == "forkserver"
+    assert spawn_module._server_preload_env == [("", True)]
+
+
 def test_our_fork_server_is_started_again_for_another_allocator_rather_than_spawning_every_rank(monkeypatch):
     """The server phalanx started with one LD_PRELOAD, then a call needs another: the server is stopped and started
     again with it (seen in CI: after tests/ranks/test_allocator.py, every later call of a pytest worker spawned its
