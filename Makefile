@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: demo test test-quick lint install bench clean
+.PHONY: demo test test-quick lint install bench bench-all clean
 
 demo: $(STAMP)
 	$(VENV)/bin/phalanx demo
@@ -25,6 +25,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/phalanx bench
+
+# Every CPU scenario of benchmarks/ at a size for 2 cores (under 20 minutes), one after the other, into
+# bench-results/suite.json and suite.md; `--only NAME,...` reruns some (docs/benchmarks.md "Running").
+bench-all: $(STAMP)
+	$(VENV)/bin/phalanx bench --suite cpu
 
 install: $(STAMP)
 

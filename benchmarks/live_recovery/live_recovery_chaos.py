@@ -65,8 +65,9 @@ EVENTS = ("kill-rank", "kill-rank", "kill-rank", "kill-host", "cut-host", "stop"
 class Cluster:
     """The three hosts' launchers: started, killed, cut off, stopped, started again."""
 
-    def __init__(self, hosts: list[dict], run_dir: Path, pause: float, shard: str = "none"):
+    def __init__(self, hosts: list[dict], run_dir: Path, pause: float, shard: str = "none", rdzv_timeout: int = 120):
         self.hosts, self.run_dir, self.pause, self.shard = hosts, run_dir, pause, shard
+        self.rdzv_timeout = rdzv_timeout
         self.port = free_port()
         self.launch = 0
         self.launchers: list[subprocess.Popen | None] = [None] * HOSTS
@@ -86,7 +87,7 @@ class Cluster:
             ["ip", "netns", "exec", self.hosts[i]["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes",
              f"2:{HOSTS}", "--nproc-per-node", str(PER_HOST), "--min-world-size", "2", "--max-restarts", "100",
              "--master-addr",
-             self.hosts[0]["addr"], "--master-port", str(self.port), "--rdzv-timeout", "120", JOB,
+             self.hosts[0]["addr"], "--master-port", str(self.port), "--rdzv-timeout", str(self.rdzv_timeout), JOB,
              str(self.run_dir), "--host", str(i), "--pause", str(self.pause), "--shard", self.shard],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         self.starts[i] += 1
@@ -339,6 +340,8 @@ def main() -> None:
                         help="seconds between events, drawn (default 15:40)")
     parser.add_argument("--only", default=None, metavar="KINDS",
                         help="comma-separated events to draw from (default: all, rank kills weighted 3)")
+    parser.add_argument("--rdzv-timeout", type=int, default=120, help="each launcher's --rdzv-timeout: how long a "
+                        "host started again near the end waits for a run that is over (default 120)")
     add_json_flag(parser)
     args = parser.parse_args()
     every = tuple(float(part) for part in args.every.split(":"))
@@ -352,7 +355,7 @@ def main() -> None:
     started = time.monotonic()
     problems: list[str] = []
     with bridged_hosts("phc", 218, HOSTS) as hosts:
-        cluster = Cluster(hosts, run_dir, args.pause, args.shard)
+        cluster = Cluster(hosts, run_dir, args.pause, args.shard, args.rdzv_timeout)
         try:
             for i in range(HOSTS):
                 cluster.start(i)

@@ -1,12 +1,15 @@
-"""docs/benchmarks.md and benchmarks/ agree: every script, file and flag the page names exists, and every table of
-figures is followed by the command that reproduces it.
+"""docs/benchmarks.md and benchmarks/ agree: every script, file and flag the page names exists, every table of
+figures is followed by the command that reproduces it and the scenario that produces it, and every scenario of the
+suite (benchmarks/scenarios.py) is named on the page.
 
-Pure: reads the page and the sources as text, imports nothing of phalanx (no torch).
+Pure: reads the page and the sources as text, and loads the scenario registry alone from its file (no torch).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,6 +22,9 @@ MAX_TOP_LEVEL_FILES = 6
 PATH = re.compile(r"(?<![\w/.-])((?:benchmarks|tests|examples|phalanx)/[\w./*{},-]*\w)")
 # What makes a line a command that reproduces a figure.
 COMMAND = re.compile(r"benchmarks/[\w/]+\.(?:py|sh)|phalanx bench|phalanx run|python -m|pytest")
+# A scenario the page names: "scenario `area.what`", "scenarios `a.b`, `c.d`" (wrapped lines joined).
+SCENARIOS_NAMED = re.compile(r"[Ss]cenarios? ((?:`[a-z_]+\.[a-z0-9_]+`(?:,\s*|\s+and\s+)?)+)")
+REGISTRY = ROOT / "benchmarks" / "scenarios.py"
 # Where `phalanx bench` and its modes define their flags.
 BENCH_SOURCES = [ROOT / "phalanx" / "cli.py", *sorted((ROOT / "phalanx" / "tools").glob("*.py"))]
 
@@ -134,3 +140,35 @@ def test_benchmarks_are_grouped_by_area_and_each_script_is_listed():
                      for path in BENCHMARKS.glob(pattern))
     unlisted = [script for script in scripts if Path(script).name not in readme]
     assert not unlisted, f"benchmarks/README.md does not list {unlisted}"
+
+
+def registry():
+    """benchmarks/scenarios.py on its own (it imports nothing of phalanx, so no torch)."""
+    spec = importlib.util.spec_from_file_location("_bench_scenarios_for_docs", REGISTRY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+def scenarios_named(text: str) -> set[str]:
+    groups = SCENARIOS_NAMED.findall(" ".join(text.split()))
+    return {name for group in groups for name in re.findall(r"`([^`]+)`", group)}
+
+
+def test_every_scenario_the_page_names_exists_and_every_scenario_is_named():
+    known = set(registry().BY_NAME)
+    named = scenarios_named(page())
+    assert len(named) >= 20, f"the scenarios docs/benchmarks.md names were not found: {sorted(named)}"
+    assert not named - known, f"docs/benchmarks.md names scenarios benchmarks/scenarios.py lacks: " \
+                              f"{sorted(named - known)}; the known ones: {sorted(known)}"
+    assert not known - named, f"scenarios no figure on docs/benchmarks.md names: {sorted(known - named)}"
+
+
+def test_every_table_of_figures_names_its_scenario():
+    bare = [f"line {line} ({heading})" for line, heading, after in tables_and_what_follows(page())
+            if not scenarios_named(after)]
+    assert not bare, f"tables on docs/benchmarks.md not followed by the scenario that produces them: {bare}"
