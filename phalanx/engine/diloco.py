@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..bucket.shard_levels import unsupported_with_sharding
 from ..errors import AcrossHostsError, explain
 from ..log import logger
-from ..world import generation
+from ..world import generation, step_count
 from ..world.topology import HostGroups, host_topology
 
 
@@ -119,6 +119,8 @@ class OuterStep:
         self.bytes_across_hosts = 0  # pseudo-gradient bytes this rank all-reduced across hosts (its chunks)
         self.inner_optimizers: list = []  # the optimizers that stepped the model, in the order they first did
         self._pending: dict[int, dict] = {}  # a restored host's inner optimizer state, applied at its first step
+        self._loaded = False  # whether a checkpoint's state came in (load_state_dict)
+        step_count.follow(self)
 
     def before_optimizer_step(self, optimizer) -> None:
         """An optimizer of the model is about to step: known from now on (its state is this host's, in the
@@ -167,7 +169,7 @@ class OuterStep:
         exchange: L flows of S/L bytes in parallel, no host-wide reduction first), and the host's ranks then
         all-gather their chunks."""
         chunk = -(-flat.numel() // self.local_size)
-        padded = torch.zeros(chunk * self.local_size, dtype=flat.dtype)
+        padded = torch.zeros(chunk * self.local_size, dtype=flat.dtype, device=flat.device)
         padded[:flat.numel()] = flat
         chunks = list(padded.split(chunk))
         mine = chunks[self.local]
@@ -197,6 +199,23 @@ class OuterStep:
             mine.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
+        self._loaded = True
+
+    @torch.no_grad()
+    def follow_restore(self, step: int) -> None:
+        """A Checkpointer restored the run. Without this object in its state the synced parameters would be the
+        ones this model started with, and the next outer step would undo the restored progress: sync here."""
+        if self._loaded:
+            return
+        for s, p in zip(self.synced, self.params):
+            s.copy_(p)
+        if dist.get_rank() == 0:
+            logger.warning("the checkpoint restored at step %d holds no DiLoCo state: the outer momentum starts "
+                           "afresh and each host goes on from host 0's parameters; put model.outer_step in the "
+                           "Checkpointer's state (docs/diloco.md) for an exact resume", step)
+
+    def follow_save(self) -> None:
+        """step_count's follower: nothing to do at a save (the Checkpointer calls state_dict)."""
 
     def rank_random_state(self) -> dict[str, torch.Tensor]:
         """This rank's own part of the checkpoint (the Checkpointer gathers it from every rank): its host's
