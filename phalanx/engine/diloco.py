@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..bucket.shard_levels import unsupported_with_sharding
+from ..diagnose import step_clock
 from ..errors import AcrossHostsError, explain
 from ..log import logger
 from ..world import generation, step_count
@@ -142,6 +143,7 @@ class OuterStep:
     def step(self) -> None:
         """The outer step: pseudo-gradients averaged over the hosts, the outer optimizer's step, every replica set
         (and the buffers DDP broadcasts taken from host 0)."""
+        sent = self.bytes_across_hosts
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, p in enumerate(self.params):
             by_dtype.setdefault(p.dtype, []).append(i)
@@ -162,6 +164,7 @@ class OuterStep:
             for buffer in self.buffers:
                 dist.broadcast(buffer, source, group=self.network)
         self.outer_steps += 1
+        step_clock.add_outer_step(self.bytes_across_hosts - sent)  # StepLog's outer_steps, bytes_across_hosts
 
     def _average(self, flat: torch.Tensor) -> torch.Tensor:
         """The mean of `flat` over the hosts, on every rank. The host's ranks hold the same pseudo-gradient, so

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.diagnose import step_clock
 from phalanx.testing import run_ranks
 
 LOCAL = 2  # ranks per emulated host
@@ -88,11 +89,13 @@ def _cases(rank: int, world: int, directory: str) -> dict:
 
     # Two outer steps and one inner step more (H=2, Nesterov 0.7 / 0.9): the one-process reference.
     config = px.DiLoCo(every=2)
+    clock = step_clock.outer_totals()
     model = px.DistributedDataParallel(copy.deepcopy(net), across_hosts=config, audit_every=1)
     _train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rank, 0, 5)
     out["ref_diff"] = _max_diff(_params(model), _reference(rank, world, 2, 5, config))
     out["outer_steps"] = model.outer_step.outer_steps
     out["bytes"] = model.outer_step.bytes_across_hosts
+    out["clock"] = tuple(b - a for a, b in zip(clock, step_clock.outer_totals()))  # what StepLog's records count
     out["after_ref"] = _params(model)
 
     # A save in mid-period (step 5 of H=3) resumes bitwise: each host's own parameters and momentum come back.
@@ -162,6 +165,7 @@ def test_outer_step_equals_one_process_reference(results):
         assert out["outer_steps"] == 2
         assert out["ref_diff"] < 1e-12
         assert out["bytes"] > 0
+        assert out["clock"] == (2, out["bytes"])
     # Inside a host the replicas are bitwise equal; across hosts they differ in mid-period (step 5).
     assert all(torch.equal(a, b) for a, b in zip(results[0]["after_ref"], results[1]["after_ref"]))
     assert not all(torch.equal(a, b) for a, b in zip(results[0]["after_ref"], results[2]["after_ref"]))
