@@ -34,7 +34,7 @@ def replicated(state: dict, kinds: dict, unwrap, world_size: int) -> dict:
     found, params = {}, set()
     for name, value in state.items():
         # across_hosts=DiLoCo: the hosts' replicas differ between outer steps; rank 0 writes its host's whole
-        if getattr(value, "outer_step", None) is not None:
+        if getattr(getattr(value, "outer_step", None), "spans_hosts", False):
             continue
         if kinds[name] == "model" and _is_wrapper(value) and dtensor_state(value, unwrap) is None:
             names = {key for key, _ in unwrap(value).named_parameters()}

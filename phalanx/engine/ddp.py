@@ -132,7 +132,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         if init_sync:
             broadcast_coalesced([t for _, t in shared_states(module, self._ignored)], self._group_rank0,
                                 self.process_group)
-        self.outer_step = None  # across_hosts=DiLoCo(...) on several hosts: diloco.OuterStep
+        self.outer_step = None  # across_hosts=DiLoCo(...): diloco.OuterStep, or OneHost on one host
         if across_hosts is not None:  # the exact exchange on this host's ranks only, an outer step across hosts
             buffers = synced_buffers(module, self._ignored) if broadcast_buffers else []
             self.process_group, self.outer_step = split_across_hosts(across_hosts, self.process_group,
@@ -170,7 +170,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._named_params = named
         if self._audit is None:
             self._audit = ReplicaAudit(self, *self._audit_settings)
-            if self.outer_step is not None:
+            if self.outer_step is not None and self.outer_step.spans_hosts:
                 self._audit.listeners.append(self.outer_step)  # counts the model's optimizer steps
         self._reducer.set_check(self._audit.check)
         if self.shard != "none" and self._reducer.exchange.defers_gathers:

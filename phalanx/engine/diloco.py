@@ -61,9 +61,9 @@ class DiLoCo:
 
 def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[torch.Tensor], shard: str,
                        on_the_world: bool):
-    """(the process group of this rank's host, the OuterStep or None) for a DDP model with `across_hosts=config`,
-    built on `group` (the whole world); `buffers`: those DDP broadcasts. Collective on `group`. On one host:
-    (`group`, None), said once."""
+    """(the process group of this rank's host, its OuterStep) for a DDP model with `across_hosts=config`, built on
+    `group` (the whole world); `buffers`: those DDP broadcasts. Collective on `group`. On one host: (`group`, a
+    OneHost, which steps nothing), said once."""
     rank = dist.get_rank()
     if not isinstance(config, DiLoCo):
         raise AcrossHostsError(explain(
@@ -86,7 +86,7 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
     topology = host_topology(group)
     if not topology.spans_hosts:
         logger.info("across_hosts=%s on one host: exact DDP, no outer step", config)
-        return group, None
+        return group, OneHost(config)
     if not topology.uniform:
         raise AcrossHostsError(explain(
             "across_hosts=DiLoCo(...) needs the same number of ranks on every host", rank=rank,
@@ -99,11 +99,30 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
                                  topology.local, topology.local_size)
 
 
+class OneHost:
+    """`model.outer_step` on one host: no outer step (the model is exact DDP). In a checkpoint's state it stands
+    where an OuterStep stands on several hosts, so a run resumes at another host count: from a checkpoint of
+    several hosts it goes on from the model as saved (host 0's); its own state starts a fresh period there."""
+
+    spans_hosts = False
+
+    def __init__(self, config: DiLoCo):
+        self.config = config
+
+    def state_dict(self) -> dict:
+        return {"every": self.config.every, "hosts": 1}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to load: the outer momentum and the synced parameters have no use on one host."""
+
+
 class OuterStep:
     """The outer half of DiLoCo for one model: counts its optimizer steps and, every `config.every`, averages
     the pseudo-gradient over the hosts and steps the synced parameters. Put it in the checkpoint's state
     (`state["outer"] = model.outer_step`): its state_dict holds the synced parameters, the outer optimizer and
     the step count; each host's own parameters and inner optimizer state ride in the per-rank part."""
+
+    spans_hosts = True
 
     def __init__(self, config: DiLoCo, params: list[torch.Tensor], buffers: list[torch.Tensor], host, network,
                  hosts: int, local: int, local_size: int):
@@ -120,7 +139,7 @@ class OuterStep:
         self.bytes_across_hosts = 0  # pseudo-gradient bytes this rank all-reduced across hosts (its chunks)
         self.inner_optimizers: list = []  # the optimizers that stepped the model, in the order they first did
         self._pending: dict[int, dict] = {}  # a restored host's inner optimizer state, applied at its first step
-        self._loaded = False  # whether a checkpoint's state came in (load_state_dict)
+        self._loaded = None  # the outer state a restore brought: "hosts", "one host" (OneHost's), None
         step_count.follow(self)
 
     def before_optimizer_step(self, optimizer) -> None:
@@ -186,11 +205,14 @@ class OuterStep:
 
     def state_dict(self) -> dict:
         """What every host shares: the synced parameters, the outer optimizer's state, the step counts."""
-        return {"every": self.config.every, "steps": self.steps, "outer_steps": self.outer_steps,
+        return {"every": self.config.every, "hosts": self.hosts, "steps": self.steps, "outer_steps": self.outer_steps,
                 "synced": [s.detach().clone() for s in self.synced], "outer": self.outer.state_dict()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        if "synced" not in state:  # saved on one host (OneHost): a fresh period from the restored model
+            self._loaded = "one host"
+            return
         synced = state["synced"]
         shapes = [tuple(s.shape) for s in self.synced]
         if [tuple(s.shape) for s in synced] != shapes:
@@ -202,17 +224,17 @@ class OuterStep:
             mine.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
-        self._loaded = True
+        self._loaded = "hosts"
 
     @torch.no_grad()
     def follow_restore(self, step: int) -> None:
         """A Checkpointer restored the run. Without this object in its state the synced parameters would be the
         ones this model started with, and the next outer step would undo the restored progress: sync here."""
-        if self._loaded:
+        if self._loaded == "hosts":
             return
         for s, p in zip(self.synced, self.params):
             s.copy_(p)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 and self._loaded is None:
             logger.warning("the checkpoint restored at step %d holds no DiLoCo state: the outer momentum starts "
                            "afresh and each host goes on from host 0's parameters; put model.outer_step in the "
                            "Checkpointer's state (docs/diloco.md) for an exact resume", step)

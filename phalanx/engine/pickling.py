@@ -18,7 +18,7 @@ class PicklingMixin:
 
     def __getstate__(self):
         """Everything but the process group and the engine, which belong to this process."""
-        if getattr(self, "outer_step", None) is not None:
+        if getattr(getattr(self, "outer_step", None), "spans_hosts", False):
             raise DDPPickleError(explain(
                 "a model with across_hosts=DiLoCo(...) on several hosts is not copied", rank=dist.get_rank(),
                 seen="its outer step, on this run's host and cross-host groups", expected="across_hosts=None",

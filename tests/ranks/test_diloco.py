@@ -109,6 +109,7 @@ def _cases(rank: int, world: int, directory: str) -> dict:
     _train(m, o, rank, 0, 5)
     state["step"] = 5
     checkpointer.save(state)
+    out["at_save"] = _params(m)
     _train(m, o, rank, 5, 8)
     checkpointer.wait()
     uninterrupted = _params(m)
@@ -141,8 +142,15 @@ def _cases(rank: int, world: int, directory: str) -> dict:
     for model in (one, plain):
         _train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), rank, 0, 3)
     out["one_host_equal"] = all(torch.equal(a, b) for a, b in zip(_params(one), _params(plain)))
-    out["one_host_outer"] = one.outer_step
+    out["one_host_outer"] = type(one.outer_step).__name__
     out["one_host_lines"] = [line for line in lines if "across_hosts" in line]
+
+    # The mid-period checkpoint of 2 hosts, restored on one host: every rank goes on from host 0's model.
+    one = px.DistributedDataParallel(copy.deepcopy(net), across_hosts=px.DiLoCo(every=3))
+    state = {"model": one, "optimizer": torch.optim.SGD(one.parameters(), lr=0.1, momentum=0.9),
+             "outer": one.outer_step, "step": 0}
+    out["one_host_restored"] = px.Checkpointer(directory).restore(state) and state["step"] == 5
+    out["one_host_resumed"] = _params(one)
     return out
 
 
@@ -192,6 +200,14 @@ def test_one_host_is_exact_ddp_and_says_so(results):
     """World size 4 on one host: across_hosts=DiLoCo(every=2) is bitwise across_hosts=None, and says so once."""
     for out in results:
         assert out["one_host_equal"]
-        assert out["one_host_outer"] is None
+        assert out["one_host_outer"] == "OneHost"
         assert len(out["one_host_lines"]) == 1  # logged at INFO: printed by the main rank only
         assert "one host: exact DDP" in out["one_host_lines"][0]
+
+
+def test_resume_at_another_host_count_goes_on_from_host_0(results):
+    """World size 4: the checkpoint of 2 hosts x 2 saved in mid-period, restored on 1 host x 4."""
+    for out in results:
+        assert out["one_host_restored"]
+        assert all(torch.equal(a, b) for a, b in zip(out["one_host_resumed"], results[0]["at_save"]))
+    assert not all(torch.equal(a, b) for a, b in zip(results[0]["at_save"], results[2]["at_save"]))
