@@ -86,6 +86,7 @@ def _cases(rank: int, world: int, directory: str) -> dict:
     out["h1_diff"] = _max_diff(_params(exact), _params(h1))
     out["h1_moved"] = _max_diff(_params(net), _params(h1))
     out["h1_host_group"] = h1.process_group.size()
+    out["exchanges"] = (type(exact._reducer.exchange).__name__, type(h1._reducer.exchange).__name__)
 
     # Two outer steps and one inner step more (H=2, Nesterov 0.7 / 0.9): the one-process reference.
     config = px.DiLoCo(every=2)
@@ -165,6 +166,8 @@ def test_every_step_with_plain_outer_sgd_is_exact_ddp(results):
         assert out["h1_moved"] > 1e-3
         assert out["h1_diff"] < 1e-12
         assert out["h1_host_group"] == LOCAL  # the gradient exchange stays inside the host
+        # Where the exact step takes the two-level exchange (shared memory works), DiLoCo's host takes shared memory.
+        assert out["exchanges"] in {("HierarchicalExchange", "ShmExchange"), ("AllReduceExchange", "AllReduceExchange")}
 
 
 def test_outer_step_equals_one_process_reference(results):
