@@ -148,9 +148,8 @@ class OuterStep:
         if optimizer not in self.inner_optimizers:
             self.inner_optimizers.append(optimizer)
             pending = self._pending.pop(len(self.inner_optimizers) - 1, {})
-            with torch.no_grad():
-                for (i, name), value in pending.items():
-                    optimizer.state[self.params[i]][name] = value
+            for (i, name), value in pending.items():
+                optimizer.state[self.params[i]][name] = value.to(self.params[i].device)  # a checkpoint's: CPU
 
     def after_optimizer_step(self) -> None:
         """One optimizer step of the model ended (each synchronized iteration once): the outer step when due."""
@@ -210,6 +209,7 @@ class OuterStep:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """The outer state every host shares; from a checkpoint of one host (no synced parameters), nothing."""
         if "synced" not in state:  # saved on one host (OneHost): a fresh period from the restored model
             self._loaded = "one host"
             return
