@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 
 from .errors import (
+    AcrossHostsError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
@@ -58,6 +59,7 @@ _LAZY = {
     **dict.fromkeys(("DataLoader", "DistributedSampler"), ".data"),
     **dict.fromkeys(("RankSkew", "straggler_report"), ".diagnose"),
     **dict.fromkeys(("DDP", "DistributedDataParallel"), ".engine.ddp"),
+    "DiLoCo": ".engine.diloco",
     "shm_allreduce_hook": ".hooks",
     **dict.fromkeys(("patch_torch_ddp", "torch_ddp_is_patched"), ".integrations.patch"),
     "spawn": ".launch.spawn",

@@ -246,6 +246,11 @@ class DDPPickleError(PhalanxError):
     """A DistributedDataParallel on a process group other than the default one was pickled or deep-copied."""
 
 
+class AcrossHostsError(PhalanxError, ValueError):
+    """`across_hosts=` of DistributedDataParallel (a `phalanx.DiLoCo`) was given a bad setting, or a setting
+    this mode does not run with (a sharded level, live recovery, hosts of unequal size)."""
+
+
 class ShardingError(PhalanxError, ValueError):
     """A sharded DistributedDataParallel (shard="optimizer" / "gradients") was asked for something it cannot
     do: an unsupported combination (join, comm hooks, sparse gradients), or an optimizer it cannot shard."""

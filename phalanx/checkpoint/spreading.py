@@ -27,11 +27,15 @@ SPLIT_BYTES = 1 << 20
 
 def replicated(state: dict, kinds: dict, unwrap, world_size: int) -> dict:
     """{entry name: which of its state dict's tensors are the same on every rank} for the entries whose
-    write can be spread: a DDP-wrapped model (its parameters), an optimizer over those parameters only."""
+    write can be spread: a DDP-wrapped model (its parameters), an optimizer over those parameters only. Not a
+    model with `across_hosts=DiLoCo(...)` on several hosts, nor its optimizer: their hosts' copies differ."""
     if world_size < 2:
         return {}
     found, params = {}, set()
     for name, value in state.items():
+        # across_hosts=DiLoCo: the hosts' replicas differ between outer steps; rank 0 writes its host's whole
+        if getattr(getattr(value, "outer_step", None), "spans_hosts", False):
+            continue
         if kinds[name] == "model" and _is_wrapper(value) and dtensor_state(value, unwrap) is None:
             names = {key for key, _ in unwrap(value).named_parameters()}
             params.update(id(p) for p in unwrap(value).parameters())

@@ -1,8 +1,9 @@
 """Where this process's step time went that was not its own work: waiting for peers, waiting for data.
 
 Two running totals in nanoseconds, added to by the engine's bounded waits (bucket/step_guard.py,
-the shared-memory exchange's claim) and by phalanx's loader; and a count of the optimizer steps skipped
-for a non-finite gradient (engine/replicas/nonfinite.py). A reader (observe/steplog.py) takes
+the shared-memory exchange's claim) and by phalanx's loader; a count of the optimizer steps skipped
+for a non-finite gradient (engine/replicas/nonfinite.py); and the outer steps across hosts of DiLoCo
+with their bytes (engine/diloco.py). A reader (observe/steplog.py) takes
 differences between two of its calls; nothing here resets. Process-wide, like the recorder: a wait
 is the process's, whichever DDP instance or loader caused it. An addition costs two clock reads.
 """
@@ -15,6 +16,8 @@ from contextlib import contextmanager
 _exchange_wait_ns = 0
 _data_wait_ns = 0
 _skipped_steps = 0
+_outer_steps = 0
+_across_bytes = 0
 
 now_ns = time.perf_counter_ns
 
@@ -55,3 +58,16 @@ def add_skipped_step() -> None:
 def skipped_steps() -> int:
     """Optimizer steps skipped for a non-finite gradient since the process started."""
     return _skipped_steps
+
+
+def add_outer_step(nbytes: int) -> None:
+    """An outer step of across_hosts=DiLoCo(...) ended: this rank all-reduced `nbytes` of pseudo-gradient across
+    hosts in it."""
+    global _outer_steps, _across_bytes
+    _outer_steps += 1
+    _across_bytes += nbytes
+
+
+def outer_totals() -> tuple[int, int]:
+    """(outer steps, bytes this rank all-reduced across hosts in them) since the process started."""
+    return _outer_steps, _across_bytes

@@ -38,6 +38,7 @@ from ..sharding.stray_optimizers import guard_level
 from ..world.group import collective_device, live_group
 from ..world.topology import HostGroups, host_topology
 from .comm_hook_checks import check_comm_hook
+from .diloco import split_across_hosts
 from .dist_autograd import current_context
 from .join import SYNCS_BUFFERS, SYNCS_GRADIENTS, JoinMixin, announce_sync, count_active_ranks, find_common_rank
 from .pickling import PicklingMixin
@@ -86,7 +87,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, shard: str = "none", audit_every: int | None = None,
-                 audit: str = "heal", on_nonfinite: str = "raise", **unsupported):
+                 audit: str = "heal", on_nonfinite: str = "raise", across_hosts=None, **unsupported):
         super().__init__()
         Joinable.__init__(self)
         check_ready_to_wrap(unsupported)
@@ -131,6 +132,13 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         if init_sync:
             broadcast_coalesced([t for _, t in shared_states(module, self._ignored)], self._group_rank0,
                                 self.process_group)
+        self.outer_step = None  # across_hosts=DiLoCo(...): diloco.OuterStep, or OneHost on one host
+        if across_hosts is not None:  # the exact exchange on this host's ranks only, an outer step across hosts
+            buffers = synced_buffers(module, self._ignored) if broadcast_buffers else []
+            self.process_group, self.outer_step = split_across_hosts(across_hosts, self.process_group,
+                                                                     [p for _, p in named], buffers, self.shard,
+                                                                     self._on_the_world)
+            self._group_rank0 = dist.get_global_rank(self.process_group, 0)
         self._first_cap_bytes = first_cap
         self._user_cap = bucket_cap_mb is not None  # else the exchange may plan buckets of its own size
         self._comm_hook = None  # (state, hook) once registered: again on an engine rebuilt by regroup()
@@ -162,6 +170,8 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._named_params = named
         if self._audit is None:
             self._audit = ReplicaAudit(self, *self._audit_settings)
+            if self.outer_step is not None and self.outer_step.spans_hosts:
+                self._audit.listeners.append(self.outer_step)  # counts the model's optimizer steps
         self._reducer.set_check(self._audit.check)
         if self.shard != "none" and self._reducer.exchange.defers_gathers:
             self._gather_waits = install_gather_waits(self.module, self._reducer.exchange)

@@ -73,7 +73,7 @@ class ParameterShardedDDP(DistributedDataParallel, level=PARAMETERS):
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False, *, shard: str = PARAMETERS, shard_blocks=None,
                  reshard_after_forward: bool = True, init=None, audit_every: int | None = None, audit: str = "heal",
-                 on_nonfinite: str = "raise", **unsupported):
+                 on_nonfinite: str = "raise", across_hosts=None, **unsupported):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
         check_ready_to_wrap(unsupported)
@@ -84,7 +84,11 @@ class ParameterShardedDDP(DistributedDataParallel, level=PARAMETERS):
         if gradient_as_bucket_view:
             raise unsupported_with_sharding("gradient_as_bucket_view", shard, "FSDP2 keeps gradient shards of its "
                                             "own: drop gradient_as_bucket_view.")
+        if across_hosts is not None:
+            raise unsupported_with_sharding(f"across_hosts={across_hosts!r}", shard,
+                                            "Use shard='none' with DiLoCo (sharded levels inside a host come later).")
         self.shard = shard
+        self.outer_step = None
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         rank = dist.get_rank()
         allocator.warn_if_glibc(shard, rank)  # FSDP2's transients fragment glibc's heap (allocator/)

@@ -133,6 +133,9 @@ class StepLog(FollowsGenerations):
         window[_DATA] += (data - self._last_data) * 1e-9
         skipped = step_clock.skipped_steps()
         window[_SKIPPED] += skipped - self._last_skipped
+        outer, across = step_clock.outer_totals()
+        window[_OUTER] += outer - self._last_outer[0]
+        window[_ACROSS] += across - self._last_outer[1]
         self._add_loss(loss, samples)
         if tokens is not None:
             window[_TOKENS] += tokens
@@ -171,6 +174,7 @@ class StepLog(FollowsGenerations):
         self._last_ns = step_clock.now_ns()
         self._last_wait, self._last_data = step_clock.totals()
         self._last_skipped = step_clock.skipped_steps()
+        self._last_outer = step_clock.outer_totals()
 
     def _new_window(self) -> None:
         self._window = [0.0] * len(FIELDS)
@@ -357,8 +361,8 @@ class StepLog(FollowsGenerations):
         progress.logged(self.steps, self.total_steps)
 
 
-_STEPS, _END, _LOSS, _SAMPLES, _TOKENS, _TOKENS_GIVEN, _BUSY, _WALL, _WAIT, _DATA, _PEAK, _SKIPPED = (
-    INDEX[name] for name in FIELDS)
+(_STEPS, _END, _LOSS, _SAMPLES, _TOKENS, _TOKENS_GIVEN, _BUSY, _WALL, _WAIT, _DATA, _PEAK, _SKIPPED, _OUTER,
+ _ACROSS) = (INDEX[name] for name in FIELDS)
 
 
 def _lr(optimizer) -> float | None:

@@ -14,9 +14,10 @@ import time
 
 # A rank's row: steps in the window and its end step, the loss summed over its samples, its samples
 # and tokens (TOKENS_GIVEN: steps that passed tokens), seconds busy / in all / waiting for peers /
-# waiting for data, its peak memory in bytes, and the optimizer steps skipped for a non-finite gradient.
+# waiting for data, its peak memory in bytes, the optimizer steps skipped for a non-finite gradient, and
+# across_hosts=DiLoCo's outer steps and the bytes it all-reduced across hosts in them.
 FIELDS = ("steps", "end_step", "loss_sum", "samples", "tokens", "tokens_given", "busy_s", "wall_s", "wait_s",
-          "data_s", "peak_memory", "skipped")
+          "data_s", "peak_memory", "skipped", "outer_steps", "across_bytes")
 INDEX = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -70,6 +71,8 @@ def make_record(rows: list, *, lr: float | None = None, memory_kind: str = "rss"
         "peak_flops": denominator,
         "world_size": world,
         "skipped_steps": int(max(col["skipped"])) if "skipped" in col else 0,  # every rank skips together
+        "outer_steps": int(max(col["outer_steps"])) if "outer_steps" in col else 0,  # every rank's, together
+        "bytes_across_hosts": int(sum(col["across_bytes"])) if "across_bytes" in col else 0,
     }
     return record
 
@@ -102,6 +105,8 @@ def line(record: dict) -> str:
         parts.append(f"lr {record['lr']:.3g}")
     if record["mfu"] is not None:
         parts.append(f"mfu {record['mfu']:.1%}")
+    if record.get("outer_steps"):
+        parts.append(f"outer {record['outer_steps']} ({record['bytes_across_hosts'] / 1e6:,.1f} MB across hosts)")
     if record.get("skipped_steps"):
         parts.append(f"skipped {record['skipped_steps']} (non-finite gradients)")
     return " | ".join(parts)

@@ -77,6 +77,9 @@ class ReplicaAudit:
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._warned = False
         self.shard_check: ShardStateCheck | None = None
+        # What else follows the model's optimizer steps (across_hosts=DiLoCo's OuterStep): each listener's
+        # before_optimizer_step(optimizer) at every step() call, after_optimizer_step() once per iteration.
+        self.listeners: list = []
         # The flags live with the gradients (a GPU's: a copy to a CPU group's device would wait for the backward);
         # on a GPU, under "raise", they are read once there, at a later optimizer step: no wait for the device.
         device = ddp._named_params[0][1].device
@@ -116,6 +119,8 @@ class ReplicaAudit:
 
     def before_optimizer_step(self, optimizer) -> None:
         """An optimizer of this model is about to step: the non-finite verdict of its gradients first."""
+        for listener in self.listeners:
+            listener.before_optimizer_step(optimizer)
         if self.check is not None and self.check.pending:
             ddp = self._ddp()
             if ddp is not None:
@@ -128,6 +133,8 @@ class ReplicaAudit:
         if self._counted == self.steps:
             return
         self._counted = self.steps
+        for listener in self.listeners:
+            listener.after_optimizer_step()
         if self.every and self.steps // self.every > self._audited // self.every:
             self._due.append("every")
         ddp = self._ddp()

@@ -1,0 +1,47 @@
+"""px.DiLoCo's arguments, checked where it is built (one process; its runs are tests/ranks/test_diloco.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import phalanx as px
+from phalanx.errors import AcrossHostsError
+
+
+def test_defaults_are_the_papers():
+    config = px.DiLoCo(every=500)
+    assert (config.every, config.outer_lr, config.momentum, config.nesterov) == (500, 0.7, 0.9, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.every = 1
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    ({"every": 0}, "every=0"), ({"every": 2.5}, "every=2.5"), ({"every": True}, "every=True"),
+    ({"every": 4, "outer_lr": 0}, "outer_lr=0"), ({"every": 4, "outer_lr": float("nan")}, "outer_lr=nan"),
+    ({"every": 4, "momentum": 1.0}, "momentum=1.0"), ({"every": 4, "momentum": -0.1}, "momentum=-0.1"),
+    ({"every": 4, "nesterov": "yes"}, "nesterov='yes'"),
+])
+def test_bad_arguments_name_the_argument_and_the_fix(kwargs, named):
+    with pytest.raises(AcrossHostsError) as caught:
+        px.DiLoCo(**kwargs)
+    message = str(caught.value)
+    assert named in message and "expected" in message and "Pass " in message
+    assert isinstance(caught.value, ValueError)  # a bad argument, as Python's own checks say it
+
+
+def test_steplog_records_count_outer_steps_and_bytes_across_hosts():
+    from phalanx.observe.window import FIELDS, line, make_record
+
+    def row(**values):
+        out = [0.0] * len(FIELDS)
+        for name, value in {"steps": 10, "end_step": 20, "samples": 40, "wall_s": 1.0, **values}.items():
+            out[FIELDS.index(name)] = value
+        return out
+
+    record = make_record([row(outer_steps=2, across_bytes=3e6), row(outer_steps=2, across_bytes=3e6)], now=0.0)
+    assert (record["outer_steps"], record["bytes_across_hosts"]) == (2, 6_000_000)
+    assert "outer 2 (6.0 MB across hosts)" in line(record)
+    plain = make_record([row()], now=0.0)
+    assert (plain["outer_steps"], plain["bytes_across_hosts"]) == (0, 0) and "outer" not in line(plain)
