@@ -37,7 +37,16 @@ print(got, time.perf_counter() - first)
 
 _SEND = """
 import socket, time
-c = socket.create_connection(('{addr}', {port}), timeout=30); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+deadline = time.monotonic() + 60
+while True:  # the server's interpreter may still be starting (a loaded machine)
+    try:
+        c = socket.create_connection(('{addr}', {port}), timeout=30)
+        break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 rtts = []
 for _ in range({pings}):
     t = time.perf_counter(); c.sendall(b'x'); c.recv(1); rtts.append(time.perf_counter() - t)

@@ -236,9 +236,9 @@ def _figure(value) -> str:
 def format_markdown(summary: dict) -> str:
     """The summary as a markdown table: scenario, key figures, wall time, status."""
     lines = [f"# Benchmark suite `{summary['suite']}`", "",
-             f"{summary['date']}, {summary['host']}: {summary['cpu_count']} cores, Python {summary['python']}; "
-             f"{summary['ran']} scenario(s) ran in {summary['wall_s'] / 60:.1f} min "
-             f"({summary['counts']}).", "",
+             f"{summary['date']}, {summary['host']}: {summary['cpu_count']} cores, Python {summary['python']}, load "
+             f"average {_figure(summary.get('load_average_1min'))} at the end; {summary['ran']} scenario(s) ran in "
+             f"{summary['wall_s'] / 60:.1f} min ({summary['counts']}).", "",
              "| scenario | key figures | wall s | status |", "| --- | --- | ---: | --- |"]
     for row in summary["scenarios"]:
         figures = "; ".join(f"{k} {_figure(v)}" for k, v in row["figures"].items()) or "-"
@@ -263,6 +263,8 @@ def write_summary(outcomes: list[Outcome], out: Path, suite: str, wall_s: float,
         counts[row["status"]] = counts.get(row["status"], 0) + 1
     summary = {"schema": SCHEMA, "suite": suite, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+               # other work on the machine stretches every scenario: a load above the core count says it ran
+               "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                "ran": sum(o.status != "skipped" for o in outcomes), "wall_s": wall_s,
                "counts": ", ".join(f"{n} {s}" for s, n in counts.items()),
                "scenarios": merged}
