@@ -4,14 +4,14 @@
     python examples/wine.py                                    # one process, same code
     phalanx run --nproc-per-node 2 examples/wine.py --epochs 40   # run again: resumes, then goes on
 
-The training loop itself is `train()` in phalanx/tools/demo_job.py, shared with `phalanx demo`: a DDP model,
+The training loop itself is `train()` in phalanx/tools/demo/wine.py, shared with `phalanx demo`: a DDP model,
 a DistributedSampler, a Checkpointer that saves each epoch, metrics averaged over all samples.
 """
 
 import argparse
 
 import phalanx as px
-from phalanx.tools.demo_job import WineConfig, train
+from phalanx.tools.demo.wine import WineConfig, train
 
 
 def main() -> None:

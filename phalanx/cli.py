@@ -13,7 +13,7 @@ import sys
 
 COMMANDS = {
     "run": ("phalanx.launch.run", "launch a script on N workers per node (like torchrun); `phalanx run --help`"),
-    "demo": ("phalanx.tools.demo", "train the bundled demo model on 2 processes"),
+    "demo": ("phalanx.tools.demo.command", "train the bundled demo model on 2 processes"),
     "bench": ("phalanx.tools.bench", "measure phalanx DDP against torch DDP and compute-only"),
     "report": ("phalanx.observe.report", "draw a StepLog's steps.jsonl (loss, throughput, step time) into a PNG"),
     "allocator": ("phalanx.allocator", "print the LD_PRELOAD that gives torchrun / srun ranks phalanx's allocator"),

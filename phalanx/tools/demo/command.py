@@ -1,4 +1,4 @@
-"""`phalanx demo`: train the wine classifier (phalanx/wine.py) on 2 processes and show the result.
+"""`phalanx demo`: train the wine classifier (wine.py, beside it) on 2 processes and show the result.
 
 The parent starts one process per GPU (two CPU processes without GPUs) with `phalanx.spawn`; each
 runs `wine.train`. Back in the parent: the held-out accuracy, where the checkpoints are, and a
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..launch.spawn import spawn
-from .demo_job import WineConfig, train_on_rank
+from ...launch.spawn import spawn
+from .wine import WineConfig, train_on_rank
 
 
 def default_nproc() -> int:
