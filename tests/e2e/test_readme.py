@@ -193,9 +193,10 @@ class TestPythonBlocks:
                 if p not in ("self", "unsupported") and info.kind != info.KEYWORD_ONLY]
         torchs = list(inspect.signature(before["DDP"].__init__).parameters)[1:]
         assert ours == torchs[:len(ours)] and ours[-1] == "static_graph", (ours, torchs)
-        # phalanx's own arguments (shard=, the replica audit's) are keyword-only: torch's positional order stays intact
+        # phalanx's own arguments (shard=, the audit's, across_hosts=) are keyword-only: torch's positional order stays
+        # intact
         assert [p for p, info in signature.items() if info.kind == info.KEYWORD_ONLY] == [
-            "shard", "audit_every", "audit", "on_nonfinite"]
+            "shard", "audit_every", "audit", "on_nonfinite", "across_hosts"]
         for name in ("no_sync", "join", "register_comm_hook", "state_dict", "load_state_dict"):
             assert callable(getattr(after["DDP"], name)), name
 

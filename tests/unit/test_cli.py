@@ -118,12 +118,12 @@ class TestCommand:
         assert cli.main(["train"]) == 2
         assert "unknown command 'train'" in capsys.readouterr().err
 
-    @pytest.mark.parametrize("name", ["demo", "bench"])
-    def test_demo_and_bench_dispatch_lazily_with_their_arguments(self, monkeypatch, name):
+    @pytest.mark.parametrize("name, module", [("demo", "phalanx.tools.demo.command"), ("bench", "phalanx.tools.bench")])
+    def test_demo_and_bench_dispatch_lazily_with_their_arguments(self, monkeypatch, name, module):
         calls = []
-        fake = types.ModuleType(f"phalanx.tools.{name}")
+        fake = types.ModuleType(module)
         fake.main = lambda argv: calls.append(argv) or 0
-        monkeypatch.setitem(sys.modules, f"phalanx.tools.{name}", fake)
+        monkeypatch.setitem(sys.modules, module, fake)
         assert cli.main([name, "--steps", "3"]) == 0
         assert calls == [["--steps", "3"]]
 
