@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 from ..bucket.buckets import Bucket
 from ..bucket.step_guard import StepGuard
+from ..shm.reduce import kernel_serves, streams
 from .base import BucketExchange
+from .shm_copy_in import BucketCopyIn
 
 
 class AllReduceExchange(BucketExchange):
@@ -25,6 +27,7 @@ class AllReduceExchange(BucketExchange):
         self._sum = dist.AllreduceOptions()
         self._sum.reduceOp = dist.ReduceOp.SUM
         self._handles: dict[int, object] = {}
+        self._checked_copies: dict[int, BucketCopyIn] = {}  # bucket index -> its copy-in that checks on the way
 
     def launch(self, bucket: Bucket) -> None:
         if bucket.sparse:
@@ -32,10 +35,32 @@ class AllReduceExchange(BucketExchange):
             self._launch_sparse(bucket, bucket.sparse_gradient())
             return
         with self.timer("copy_in", bucket.index):
-            bucket.fill_(self.scale)
-        self._check_local(bucket)
+            checked = self._fill_checked(bucket)
+            if not checked:
+                bucket.fill_(self.scale)
+        if not checked:
+            self._check_local(bucket)
         self._fill_tag(bucket)
         self._handles[bucket.index] = self._start(bucket.storage)
+
+    def _fill_checked(self, bucket: Bucket) -> bool:
+        """Under the non-finite check, on the CPU: this rank's gradients into the bucket by the shared-memory
+        exchange's copy kernel, which says whether every element was finite as it copies (the same bits as
+        fill_; no second pass over the bucket, which a sum is: ~3 ms a step on a 34 MB model). False where it
+        cannot (gradients as bucket views, a dtype the kernel does not take): fill_ and a sum then."""
+        if (self.check is None or bucket.as_view or bucket.storage.device.type != "cpu"
+                or not kernel_serves(bucket.storage.dtype)):
+            return False
+        copy_in = self._checked_copies.get(bucket.index)
+        if copy_in is None or copy_in.bucket is not bucket:  # (re)built buckets
+            whole = [[(start, 0, p.numel())] for start, p in zip(bucket.offsets, bucket.params)]
+            copy_in = self._checked_copies[bucket.index] = BucketCopyIn(bucket, whole, streams(bucket.storage))
+        finite = copy_in.copy(self.scale, check=True)
+        if finite is None:  # a kernel built before it could check: a sum of the bucket then
+            self._check_local(bucket)
+        else:
+            self.check.seen(bucket, finite)
+        return True
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
         with self.timer("wait", bucket.index):
