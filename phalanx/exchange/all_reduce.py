@@ -34,33 +34,30 @@ class AllReduceExchange(BucketExchange):
             self._check_local(bucket)
             self._launch_sparse(bucket, bucket.sparse_gradient())
             return
+        copy_in = self._checking_copy_in(bucket)
         with self.timer("copy_in", bucket.index):
-            checked = self._fill_checked(bucket)
-            if not checked:
+            if copy_in is None:
                 bucket.fill_(self.scale)
-        if not checked:
+            else:
+                self._copy_in_checking(bucket, copy_in)
+        if copy_in is None:
             self._check_local(bucket)
         self._fill_tag(bucket)
         self._handles[bucket.index] = self._start(bucket.storage)
 
-    def _fill_checked(self, bucket: Bucket) -> bool:
-        """Under the non-finite check, on the CPU: this rank's gradients into the bucket by the shared-memory
-        exchange's copy kernel, which says whether every element was finite as it copies (the same bits as
-        fill_; no second pass over the bucket, which a sum is: ~3 ms a step on a 34 MB model). False where it
-        cannot (gradients as bucket views, a dtype the kernel does not take): fill_ and a sum then."""
+    def _checking_copy_in(self, bucket: Bucket) -> BucketCopyIn | None:
+        """Under the non-finite check, on the CPU: the shared-memory exchange's copy kernel for `bucket`, which
+        says whether every element was finite as it copies (the same bits as fill_; no second pass over the
+        bucket, which a sum is: ~3 ms a step on a 34 MB model). None where it cannot serve (gradients as bucket
+        views, a dtype the kernel does not take): fill_ and a sum then."""
         if (self.check is None or bucket.as_view or bucket.storage.device.type != "cpu"
                 or not kernel_serves(bucket.storage.dtype)):
-            return False
+            return None
         copy_in = self._checked_copies.get(bucket.index)
         if copy_in is None or copy_in.bucket is not bucket:  # (re)built buckets
-            whole = [[(start, 0, p.numel())] for start, p in zip(bucket.offsets, bucket.params)]
-            copy_in = self._checked_copies[bucket.index] = BucketCopyIn(bucket, whole, streams(bucket.storage))
-        finite = copy_in.copy(self.scale, check=True)
-        if finite is None:  # a kernel built before it could check: a sum of the bucket then
-            self._check_local(bucket)
-        else:
-            self.check.seen(bucket, finite)
-        return True
+            copy_in = BucketCopyIn.whole_gradients(bucket, streams(bucket.storage))
+            self._checked_copies[bucket.index] = copy_in
+        return copy_in
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
         with self.timer("wait", bucket.index):

@@ -128,6 +128,16 @@ class BucketExchange(ABC):
         if self.check is not None:
             self.check.local(bucket, bucket.buffer if in_buffer and not bucket.sparse else None)
 
+    def _copy_in_checking(self, bucket: Bucket, copy_in, in_buffer: bool = True) -> None:
+        """`copy_in` (shm_copy_in.BucketCopyIn) copies this rank's gradients into `bucket`; under the non-finite
+        check its kernel says on the way whether every element it read was finite. A kernel built before it could
+        say leaves a sum to the check: of the buffer (`in_buffer`), or of `.grad` (a copy that leaves parts out)."""
+        finite = copy_in.copy(self.scale, check=self.check is not None)
+        if finite is not None:
+            self.check.seen(bucket, finite)
+        elif self.check is not None:
+            self._check_local(bucket, in_buffer)
+
     def _fill_tag(self, bucket: Bucket) -> None:
         """This step's tag into `bucket`'s last slot. Under the non-finite check, a rank whose gradients of the
         bucket hold a NaN or an Inf writes NaN there instead: the slot's sum over the ranks is then NaN on every

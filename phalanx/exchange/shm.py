@@ -65,11 +65,10 @@ class ShmExchange(AllReduceExchange):
     def _copy_in_for(self, bucket: Bucket) -> BucketCopyIn:
         """A posted bucket takes every gradient whole; a split one the parts in other ranks' chunks."""
         if self.modes[bucket.index] == POSTED:
-            segments = [[(start, 0, p.numel())] for start, p in zip(bucket.offsets, bucket.params)]
-        else:
-            segments = [[] for _ in bucket.params]
-            for _, k, lo, hi in self._pieces[bucket.index][1]:
-                segments[k].append((bucket.offsets[k] + lo, lo, hi - lo))
+            return BucketCopyIn.whole_gradients(bucket, streams(bucket.storage))
+        segments = [[] for _ in bucket.params]
+        for _, k, lo, hi in self._pieces[bucket.index][1]:
+            segments[k].append((bucket.offsets[k] + lo, lo, hi - lo))
         return BucketCopyIn(bucket, segments, streams(bucket.storage))
 
     def buffers(self) -> list[torch.Tensor]:
@@ -128,11 +127,7 @@ class ShmExchange(AllReduceExchange):
         copy_in = self._copy_ins.get(bucket.index)
         with self.timer("copy_in", bucket.index):
             if copy_in is not None:  # the non-finite check rides along (split: its own chunk when it is summed)
-                finite = copy_in.copy(self.scale, check=self.check is not None)
-                if finite is not None:
-                    self.check.seen(bucket, finite)
-                elif self.check is not None:  # a kernel built before it could say: a sum of the gradients
-                    self._check_local(bucket, in_buffer=False)
+                self._copy_in_checking(bucket, copy_in, in_buffer=False)
             else:  # a dtype the kernel does not take (a split bucket always has a copy-in)
                 bucket.fill_(self.scale)
                 self._check_local(bucket)

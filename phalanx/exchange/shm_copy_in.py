@@ -44,6 +44,11 @@ class BucketCopyIn:
         self.template = [value for parts in segments for start, _, count in parts
                          for value in (base + start * size, 0, count)]
 
+    @classmethod
+    def whole_gradients(cls, bucket: Bucket, stream: bool) -> BucketCopyIn:
+        """Every gradient whole, at its place in the bucket (a posted bucket, Gloo's all-reduce)."""
+        return cls(bucket, [[(start, 0, p.numel())] for start, p in zip(bucket.offsets, bucket.params)], stream)
+
     def copy(self, scale: float | None, check: bool = False) -> bool | None:
         """The gradients' segments into the bucket, times `scale` (None: as they are). With `check`, returns
         whether every element copied was finite (the non-finite gradient check, on the way)."""

@@ -61,7 +61,7 @@ def summarize(blocks_ms: Sequence[Sequence[float]]) -> dict:
         "median_ms": statistics.median(steps),
         "min_ms": steps[0],
         "p90_ms": steps[min(len(steps) - 1, int(0.9 * len(steps)))],
-        "block_medians_ms": [statistics.median(block) for block in blocks_ms],
+        "block_medians_ms": block_medians(blocks_ms),
         "steps": len(steps),
         "steps_ms": [list(block) for block in blocks_ms],
     }
