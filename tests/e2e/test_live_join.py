@@ -12,8 +12,6 @@ global batches (the run that never changed its world); every sample weighs in on
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch.distributed as dist
 from phalanx.testing import free_port
 from phalanx.world import joining
 from tests.conftest import ROOT
+from tests.helpers.forked_python import start_python
 from tests.helpers.global_batch_cases import reference_run
 from tests.helpers.live_recovery_cases import applied_ids, steplog_records
 
@@ -32,12 +31,12 @@ JOB = str(Path(__file__).resolve().parent / "jobs" / "join_job.py")
 ATTEMPT = "join-test"
 
 
-def _start(env: dict, rank: int, world_size: int, directory: Path, extra: list, **more) -> subprocess.Popen:
+def _start(env: dict, rank: int, world_size: int, directory: Path, extra: list, **more):
+    """The job as one rank, in a fork of this process's fork server (which imported torch once), as a
+    launcher's forked worker runs (tests/helpers/forked_python.py); its output in log-RANK.txt."""
     env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
            "LOCAL_WORLD_SIZE": str(world_size), **more}
-    log = open(directory / f"log-{rank}.txt", "w")
-    return subprocess.Popen([sys.executable, JOB, str(directory), *extra], env=env, cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT)
+    return start_python([JOB, str(directory), *extra], cwd=ROOT, env=env, log=directory / f"log-{rank}.txt")
 
 
 def _two_ranks_and_joiners(tmp_path: Path, joiners: int, extra: list) -> tuple[list, list]:
