@@ -11,6 +11,8 @@ A stage is one pytest call with pytest-xdist; the stages of a phase run at once,
     compute   tests whose time is CPU work (imports, training steps): one worker per core and two
               more (their launches also wait); a test file stays on one worker, so a module fixture
               that launches once serves all of the file's checks.
+    torch-suite  beside compute: torch's own DDP tests (test_torch_ddp_suite.py), in one process of its own,
+              the only one that imports torch's test harness (~4 s of CPU each worker paid to collect them).
     latency   beside compute: tests marked `latency` (tests/conftest.py), whose time is another
               program's waiting (SLURM's daemons scheduling and requeueing jobs) and which check no
               bound on time. Their output is printed when they end.
@@ -41,6 +43,7 @@ from tests.conftest import WARM_FOLDER, stop_warm_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 SLOWEST = 15
+TORCH_SUITE = "tests/e2e/test_torch_ddp_suite.py"
 
 
 @dataclass
@@ -48,9 +51,11 @@ class Stage:
     name: str
     marks: str  # pytest -m expression
     workers: int
-    dist: str  # how pytest-xdist deals the tests: loadfile (a file to one worker), loadgroup (a test each)
+    dist: str  # how pytest-xdist deals the tests: loadfile (a file to one worker), loadgroup (a test each); no
+    #           with 0 workers: the tests run in the pytest process itself
     paths: list[str]  # where to collect: each worker imports every test module there (~17 s of CPU for all)
     quiet: bool = False  # beside another stage: its output goes to a file, printed when it ends
+    ignore: tuple[str, ...] = ()  # files under `paths` that another stage runs
 
 
 def files_marking(marker: str) -> list[str]:
@@ -74,14 +79,18 @@ def phases(quick: bool, cores: int) -> list[list[Stage]]:
     # torch); workers now start as forks in milliseconds (launch/forkserver/), launchers as forks of a
     # warm launcher (tests/conftest.py), and a rank in its start-up that uses the CPU is not stalled. Four at
     # a time stretched the planted straggler (26.9 ms for 20 +- 30 %) and a fresh start in a namespace.
-    return [[Stage("compute", "not waiting and not latency", cores + 2, "loadfile", ["tests"]),
+    # torch-suite: torch's own DDP tests, whose harness (torch.testing._internal, torch._dynamo) costs ~4 s of CPU
+    # to import; every worker that collected the file paid it. One process of its own, beside compute, pays it once.
+    return [[Stage("compute", "not waiting and not latency", cores + 2, "loadfile", ["tests"], ignore=(TORCH_SUITE,)),
+             Stage("torch-suite", "not waiting and not latency", 0, "no", [TORCH_SUITE], quiet=True),
              Stage("latency", "latency", 3, "loadgroup", files_marking("latency"), quiet=True)],
             [Stage("waiting", "waiting", 3, "loadgroup", files_marking("waiting"))]]
 
 
 def start_stage(stage: Stage, extra: list[str], report: Path, log: Path) -> subprocess.Popen:
     command = [sys.executable, "-m", "pytest", "-q", "-m", stage.marks, "-n", str(stage.workers),
-               "--dist", stage.dist, f"--junitxml={report}", *extra, *stage.paths]
+               "--dist", stage.dist, f"--junitxml={report}", *extra, *stage.paths,
+               *(f"--ignore={path}" for path in stage.ignore)]
     print(f"\n== stage {stage.name}: {' '.join(command[1:])}" + (f" (output: {log})" if stage.quiet else ""),
           flush=True)
     if not stage.quiet:
