@@ -2,7 +2,9 @@
 
 Hosts are emulated by GROUP_RANK as in tests/ranks/test_diloco.py. The cases: an int8 or fp16 outer step equals a
 one-process reference that simulates the hosts, the chunks, both quantizations and their error feedback; int8
-sends about a quarter of fp32's bytes; a save in mid-period resumes bitwise, the residuals with it.
+sends about a quarter of fp32's bytes; 2 fragments synced at staggered steps and merged a step late equal the
+reference that simulates that schedule; a save in mid-period resumes bitwise, the residuals with it, also with a
+fragment's average on its way; more fragments than parameters is a typed error.
 """
 
 from __future__ import annotations
@@ -92,32 +94,48 @@ class _Averager:
         return torch.cat(out)[:n]
 
 
+FRAGMENTS = [[0], [1, 2, 3]]  # fragments=2 of the test model's 1,280 + 40 + 40 + 1 values, whole parameters
+
+
 def _reference(rank: int, steps: int, config: px.DiLoCo) -> list[torch.Tensor]:
-    """Each host's inner run (SGD with momentum on the mean of its ranks' gradients) and, every `every` steps, the
-    averaged pseudo-gradient into a Nesterov SGD on the synced parameters. This rank's host's parameters."""
+    """Each host's inner run (SGD with momentum on the mean of its ranks' gradients) and each fragment's outer
+    step: fragment k's averaged pseudo-gradient taken after the steps s = k*H/F (mod H), into a Nesterov SGD on
+    its synced parameters `delay` steps later, each host's progress since the send kept on top. This rank's
+    host's parameters."""
     hosts = [_net() for _ in range(HOSTS)]
     inner = [torch.optim.SGD(h.parameters(), lr=0.1, momentum=0.9) for h in hosts]
     synced = [p.detach().clone() for p in hosts[0].parameters()]
     outer = torch.optim.SGD(synced, lr=config.outer_lr, momentum=config.momentum, nesterov=config.nesterov)
-    average = _Averager(config.compress)
-    for step in range(steps):
+    average, every, count = _Averager(config.compress), config.every, config.fragments
+    parts = FRAGMENTS if count == 2 else [[0, 1, 2, 3]]
+    on_the_way = []  # (fragment, merged after step, average, each host's parameters as sent)
+    for step in range(1, steps + 1):
         for h, (model, optimizer) in enumerate(zip(hosts, inner)):
             optimizer.zero_grad()
             for r in range(h * LOCAL, (h + 1) * LOCAL):
-                x, y = _batch(r, step)
+                x, y = _batch(r, step - 1)
                 (torch.nn.functional.mse_loss(model(x), y) / LOCAL).backward()
             optimizer.step()
-        if (step + 1) % config.every == 0:
-            with torch.no_grad():
-                mean = average([_flat(synced) - _flat(m.parameters()) for m in hosts], 0)
+        with torch.no_grad():
+            for k, part in enumerate(parts):
+                if (step - k * every // count) % every == 0:
+                    mine = [[list(m.parameters())[i] for i in part] for m in hosts]
+                    deltas = [_flat(synced[i] for i in part) - _flat(ps) for ps in mine]
+                    sent = [[p.clone() for p in ps] for ps in mine] if config.delay else None
+                    on_the_way.append((k, step + config.delay, average(deltas, k), sent))
+            while on_the_way and on_the_way[0][1] <= step:
+                k, _, mean, sent = on_the_way.pop(0)
                 offset = 0
-                for s in synced:
-                    s.grad = mean[offset:offset + s.numel()].view_as(s)
-                    offset += s.numel()
+                for i in parts[k]:
+                    synced[i].grad = mean[offset:offset + synced[i].numel()].view_as(synced[i])
+                    offset += synced[i].numel()
                 outer.step()
-                for model in hosts:
-                    for p, s in zip(model.parameters(), synced):
-                        p.copy_(s)
+                for h, model in enumerate(hosts):
+                    params = list(model.parameters())
+                    for j, i in enumerate(parts[k]):
+                        params[i].copy_(synced[i] if sent is None else synced[i] + (params[i] - sent[h][j]))
+                for i in parts[k]:
+                    synced[i].grad = None
     return _params(hosts[rank // LOCAL])
 
 
@@ -171,6 +189,29 @@ def _cases(rank: int, world: int, directory: str) -> dict:
 
     # A save in mid-period (step 3 of every=2, residuals of one outer step kept) resumes bitwise.
     out["int8_resume_equal"] = _resume(net, px.DiLoCo(every=2, compress="int8"), rank, f"{directory}/int8", 3, 6)
+
+    # Streaming: 2 fragments of every=4 (fragment 1 after steps 2, 6; fragment 0 after 4, 8), merged 1 step late.
+    for name, compress in (("stream", None), ("stream_int8", "int8")):
+        config = px.DiLoCo(every=4, fragments=2, delay=1, compress=compress)
+        model = px.DistributedDataParallel(copy.deepcopy(net), across_hosts=config)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        _train(model, optimizer, rank, 0, 6)
+        out[f"{name}_in_flight"] = [(s.fragment, s.due) for s in model.outer_step.in_flight]
+        _train(model, optimizer, rank, 6, 9)
+        out[f"{name}_diff"] = _max_diff(_params(model), _reference(rank, 9, config))
+        out[f"{name}_outer_steps"] = model.outer_step.outer_steps
+        out[f"{name}_fragments"] = model.outer_step.fragments
+    # Saved after step 7 with fragment 1's average on its way (sent after step 6, merged after step 8): the resume
+    # is bitwise, the host's parameters as sent with it.
+    config = px.DiLoCo(every=4, fragments=2, delay=2, compress="int8")
+    out["stream_resume_equal"] = _resume(net, config, rank, f"{directory}/stream", 7, 10)
+
+    # More fragments than parameters: a typed error on every rank, before any collective of the mode.
+    try:
+        px.DistributedDataParallel(copy.deepcopy(net), across_hosts=px.DiLoCo(every=8, fragments=8))
+        out["too_many_fragments"] = None
+    except Exception as exc:  # the type is what the test checks
+        out["too_many_fragments"] = (type(exc).__name__, str(exc))
     out["cpu_s"] = time.process_time()
     return out
 
@@ -204,3 +245,28 @@ def test_compressed_resume_in_mid_period_is_bitwise(results):
     """World size 4 (2 hosts x 2): int8, saved at step 3 of every=2 (residuals in the per-rank part), to step 6."""
     for out in results:
         assert out["int8_resume_equal"]
+
+
+@pytest.mark.parametrize("name", ["stream", "stream_int8"])
+def test_streaming_fragments_equal_one_process_reference(results, name):
+    """World size 4 (2 hosts x 2): every=4, fragments=2, delay=1 (with and without int8), 9 steps: 4 fragment
+    outer steps (after steps 3, 5, 7, 9), equal to the reference of the staggered, delayed schedule."""
+    for out in results:
+        assert out[f"{name}_fragments"] == [[0], [1, 2, 3]]
+        assert out[f"{name}_in_flight"] == [(1, 7)]  # sent after step 6, merged after step 7
+        assert out[f"{name}_outer_steps"] == 4
+        assert out[f"{name}_diff"] < 1e-12
+
+
+def test_streaming_resume_with_a_fragment_in_flight_is_bitwise(results):
+    """World size 4 (2 hosts x 2): int8, every=4, fragments=2, delay=2, saved after step 7 with fragment 1 on its
+    way (sent after step 6, merged after step 8), trained to step 10."""
+    for out in results:
+        assert out["stream_resume_equal"]
+
+
+def test_more_fragments_than_parameters_is_typed(results):
+    """World size 4: fragments=8 for the model's 4 parameters."""
+    for out in results:
+        kind, message = out["too_many_fragments"]
+        assert kind == "AcrossHostsError" and "fragments=8 for 4 parameters" in message and "fragments=4" in message

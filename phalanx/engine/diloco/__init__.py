@@ -1,8 +1,9 @@
 """`across_hosts=px.DiLoCo(every=H)`: exact DDP inside each host, an outer optimizer step across hosts every H steps.
 
 `config.py` is `DiLoCo` and its checks; `hosts.py` cuts the model's process group to its host and makes its
-outer step; `outer.py` is `OuterStep` (the schedule, the outer optimizer, the checkpoint state); `exchange.py`
-averages a pseudo-gradient's chunk across hosts, exact or compressed with error feedback (`codec.py`).
+outer step; `outer.py` is `OuterStep` (the schedule, the outer optimizer, the checkpoint state); `fragments.py`
+cuts the parameters into Streaming DiLoCo's fragments and staggers them; `exchange.py` averages a pseudo-
+gradient's chunk across hosts, exact or compressed with error feedback (`codec.py`), at once or in the background.
 """
 
 from .config import DiLoCo

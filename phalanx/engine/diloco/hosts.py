@@ -11,6 +11,7 @@ from ...errors import AcrossHostsError, explain
 from ...log import logger
 from ...world import generation
 from ...world.topology import HostGroups, host_topology
+from . import fragments
 from .config import DiLoCo
 from .outer import OuterStep
 
@@ -26,6 +27,13 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
             "DistributedDataParallel across_hosts takes a phalanx.DiLoCo", rank=rank,
             seen=f"across_hosts={config!r}", expected="px.DiLoCo(every=H), or None (the exact exchange)",
             fix="Pass across_hosts=px.DiLoCo(every=100), say."))
+    if fragments.split([p.numel() for p in params], config.fragments) is None:
+        most = max(d for d in range(1, max(1, len(params)) + 1) if config.every % d == 0)
+        raise AcrossHostsError(explain(
+            "DiLoCo fragments cuts the model's parameters into whole-parameter fragments", rank=rank,
+            seen=f"fragments={config.fragments} for {len(params)} parameters",
+            expected=f"fragments <= {len(params)} (one parameter at least in each)",
+            fix=f"Pass fragments={most} (the most that divides every={config.every}), or fewer."))
     if shard != "none":
         raise unsupported_with_sharding(f"across_hosts={config}", shard, "Use shard='none' with DiLoCo (the "
                                         "sharded levels inside a host come later).")
