@@ -4,7 +4,9 @@ Inside a host the model is an ordinary DDP on the host's ranks (shared memory, b
 nothing moves for H optimizer steps; then each host's pseudo-gradient, the parameters at the last sync minus
 now, is averaged over the hosts, an outer optimizer (Nesterov SGD by default) steps a copy of the synced
 parameters with it, and every replica takes the result. Replicas on different hosts differ between outer steps:
-that is the method (DiLoCo, Douillard et al. 2023), not drift.
+that is the method (DiLoCo, Douillard et al. 2023), not drift. With fragments (Streaming DiLoCo) each fragment of
+the parameters goes through this on its own staggered schedule, its average merged `delay` steps after it was
+sent, the exchange overlapped with those inner steps.
 """
 
 from __future__ import annotations
