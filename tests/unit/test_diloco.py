@@ -57,7 +57,8 @@ def test_steplog_records_count_outer_steps_and_bytes_across_hosts():
 
 @pytest.mark.parametrize("codec", [Int8Rows(), Half()], ids=lambda c: c.name)
 def test_codecs_round_trip_within_their_precision(codec):
-    x = torch.randn(3 * ROW + 5, dtype=torch.float64) * torch.arange(3 * ROW + 5) / 100
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * ROW + 5, generator=g, dtype=torch.float64) * torch.arange(3 * ROW + 5) / 100
     x[ROW:2 * ROW] = 0  # a row of zeros decodes to zeros
     data = codec.encode(x)
     assert data.dtype == torch.uint8 and data.numel() == codec.size(x.numel())
@@ -68,7 +69,7 @@ def test_codecs_round_trip_within_their_precision(codec):
             row = slice(start, start + ROW)
             assert float((back[row] - x[row]).abs().max()) <= float(x[row].abs().max()) / 254 * 1.0001
     else:
-        assert torch.allclose(back, x, rtol=1e-3, atol=0)
+        assert torch.allclose(back, x, rtol=2 ** -11, atol=2 ** -25)  # fp16's rounding; its subnormals' spacing
     assert codec.size(1000) == (1000 + 4 * 4 if codec.name == "int8" else 2000)
 
 
