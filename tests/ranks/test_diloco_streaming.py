@@ -4,7 +4,8 @@ Hosts are emulated by GROUP_RANK as in tests/ranks/test_diloco.py. The cases: an
 one-process reference that simulates the hosts, the chunks, both quantizations and their error feedback; int8
 sends about a quarter of fp32's bytes; 2 fragments synced at staggered steps and merged a step late equal the
 reference that simulates that schedule; a save in mid-period resumes bitwise, the residuals with it, also with a
-fragment's average on its way; more fragments than parameters is a typed error.
+fragment's average on its way, and at 4 hosts x 1 the average on its way is merged when due; more fragments than
+parameters is a typed error.
 """
 
 from __future__ import annotations
@@ -205,6 +206,16 @@ def _cases(rank: int, world: int, directory: str) -> dict:
     # is bitwise, the host's parameters as sent with it.
     config = px.DiLoCo(every=4, fragments=2, delay=2, compress="int8")
     out["stream_resume_equal"] = _resume(net, config, rank, f"{directory}/stream", 7, 10)
+    # The same checkpoint at 4 hosts x 1: the average on its way merges when due, the residuals start at zero.
+    os.environ["GROUP_RANK"] = str(rank)
+    model = px.DistributedDataParallel(copy.deepcopy(net), across_hosts=config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = {"model": model, "optimizer": optimizer, "outer": model.outer_step, "step": 0}
+    out["four_hosts_restored"] = px.Checkpointer(f"{directory}/stream").restore(state) and state["step"] == 7
+    out["four_hosts_in_flight_at_restore"] = [(s.fragment, s.due) for s in model.outer_step.in_flight]
+    _train(model, optimizer, rank, 7, 10)
+    out["four_hosts_after"] = (model.outer_step.outer_steps, [(s.fragment, s.due) for s in model.outer_step.in_flight])
+    os.environ["GROUP_RANK"] = str(rank // LOCAL)
 
     # More fragments than parameters: a typed error on every rank, before any collective of the mode.
     try:
@@ -270,3 +281,12 @@ def test_more_fragments_than_parameters_is_typed(results):
     for out in results:
         kind, message = out["too_many_fragments"]
         assert kind == "AcrossHostsError" and "fragments=8 for 4 parameters" in message and "fragments=4" in message
+
+
+def test_streaming_resume_at_another_host_count_merges_what_was_on_its_way(results):
+    """World size 4: the checkpoint of 2 hosts x 2 (fragment 1 on its way, due after step 8), restored at 4 hosts
+    x 1 and trained to step 10: it merges after step 8, fragment 0 (sent after 8) after 10."""
+    for out in results:
+        assert out["four_hosts_restored"]
+        assert out["four_hosts_in_flight_at_restore"] == [(1, 8)]
+        assert out["four_hosts_after"] == (4, [(1, 12)])  # 2 merged before the save, 2 since; fragment 1 sent at 10
