@@ -3,7 +3,7 @@
 Two running totals in nanoseconds, added to by the engine's bounded waits (bucket/step_guard.py,
 the shared-memory exchange's claim) and by phalanx's loader; a count of the optimizer steps skipped
 for a non-finite gradient (engine/replicas/nonfinite.py); and the outer steps across hosts of DiLoCo
-with their bytes (engine/diloco.py). A reader (observe/steplog.py) takes
+with their bytes (engine/diloco/outer.py). A reader (observe/steplog.py) takes
 differences between two of its calls; nothing here resets. Process-wide, like the recorder: a wait
 is the process's, whichever DDP instance or loader caused it. An addition costs two clock reads.
 """
@@ -61,13 +61,13 @@ def skipped_steps() -> int:
 
 
 def add_outer_step(nbytes: int) -> None:
-    """An outer step of across_hosts=DiLoCo(...) ended: this rank all-reduced `nbytes` of pseudo-gradient across
-    hosts in it."""
+    """An outer step of across_hosts=DiLoCo(...) ended: this rank sent `nbytes` of pseudo-gradient across hosts
+    for it."""
     global _outer_steps, _across_bytes
     _outer_steps += 1
     _across_bytes += nbytes
 
 
 def outer_totals() -> tuple[int, int]:
-    """(outer steps, bytes this rank all-reduced across hosts in them) since the process started."""
+    """(outer steps, bytes this rank sent across hosts for them) since the process started."""
     return _outer_steps, _across_bytes

@@ -3,7 +3,7 @@
 `ddp.py` is `DistributedDataParallel` (its pickling, state dict and join surfaces mixed in from
 `pickling.py`, `state_dict.py`, `join.py`); `fully_sharded.py` is the front of `shard="parameters"`
 (torch's FSDP2); `reducer.py` decides when a bucket is ready and launches buckets in order;
-`replicas.py` keeps the replicas identical; `diloco.py` is `across_hosts=px.DiLoCo(...)`, exact DDP inside a
+`replicas.py` keeps the replicas identical; `diloco/` is `across_hosts=px.DiLoCo(...)`, exact DDP inside a
 host and an outer optimizer step across hosts every H steps; `torch_surface.py` (torch DDP's surface that libraries
 reach for: `device_ids`, `.reducer`, static graph, logging data), `dist_autograd.py` and
 `comm_hook_checks.py` serve the front. How a bucket is averaged is exchange/'s business, and the front only asks
