@@ -8,9 +8,11 @@ The non-finite check: blocks of steps alternate between the check on and off in 
 swapping each round), so the machine's drift hits both alike; it prints the median step time of the slowest
 rank per setting and their ratio, and, since on a shared machine that ratio moves by more than the cost, the
 cost in CPU time, which preemption by other processes does not inflate: the main thread's time in the check's
-calls per step (a sum per bucket, the flags' all-reduce launched and its verdict read; the larger rank's),
-plus, where the check needs that all-reduce (not over Gloo's, where the verdict rides in the buckets' tags),
-Gloo's threads' time for one all-reduce of two numbers (measured apart). The audit: `--audits` audits run
+calls per step (each bucket's verdict handed over or a sum where the copy cannot check, the flags' all-reduce
+launched where one is needed, the verdict read; the larger rank's), plus, where the check needs that
+all-reduce (not where the verdict rides with the exchange: in the buckets' tags, in the shared-memory stamps),
+Gloo's threads' time for one all-reduce of two numbers (measured apart). Not in it: the copy kernel's finite
+test on the way, and a stamp's store and loads. The audit: `--audits` audits run
 back to back, their wall time each (the slowest rank), with an AdamW's state in them (two tensors per
 parameter, so three times the parameters' bytes); its cost per step is that over DEFAULT_EVERY, over the step
 time with the check off.
@@ -78,7 +80,7 @@ def _measure(name: str, rank: int, blocks: int, steps: int, audits: int, device:
     batches = make_batches(bench_model, 4, 0, rank, device)
     check = model._audit.check
     spent = [0.0]
-    for method in ("local", "exchange", "before_step"):
+    for method in ("local", "seen", "folds", "finite_here", "folded", "exchange", "before_step"):  # every call into it
         _timed(check, method, spent)
     counted = 0
 

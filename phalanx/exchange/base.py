@@ -30,13 +30,14 @@ class GradientCheck(Protocol):
         a part of them, were all finite (parts: every one must be)."""
 
     def folds(self, guard: StepGuard, device: torch.device) -> bool:
-        """Whether a bucket's summed step tag may carry the verdict (see BucketExchange._fill_tag)."""
+        """Whether the exchange may carry every rank's verdict on a bucket: in its summed step tag (see
+        BucketExchange._fill_tag), or the shared-memory split exchange's stamps (shm/posted.py)."""
 
     def finite_here(self, bucket: Bucket) -> bool:
         """Whether this rank's gradients of `bucket` were all finite (after `local` or `seen`)."""
 
     def folded(self, bucket: Bucket, nonfinite: bool) -> None:
-        """Every rank's verdict on `bucket`, read from its summed tag: whether any rank's gradients were not finite."""
+        """Every rank's verdict on `bucket`, as the exchange carried it: whether any rank's were not finite."""
 
 
 class BucketExchange(ABC):

@@ -21,7 +21,7 @@ from ..bucket.buckets import Bucket
 from ..bucket.step_guard import StepGuard
 from ..diagnose import step_clock
 from ..shm import ShmCommunicator
-from ..shm.reduce import KERNEL_CHECKS, kernel_serves, streams
+from ..shm.reduce import kernel_serves, streams
 from .all_reduce import AllReduceExchange
 from .shm_copy_in import BucketCopyIn, gradient_addresses
 
@@ -131,7 +131,10 @@ class ShmExchange(AllReduceExchange):
             else:  # a dtype the kernel does not take (a split bucket always has a copy-in)
                 bucket.fill_(self.scale)
                 self._check_local(bucket)
-        bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
+        if mode == POSTED:  # this rank's verdict is known: its tag carries it (a split bucket's, after its sum)
+            self._fill_tag(bucket)
+        else:
+            bucket.tag_slot.fill_(self.guard.tag_for(bucket.storage.dtype))
         self._tickets[bucket.index] = self.comm.post(bucket.storage)
 
     def deliver(self, bucket: Bucket, used: list[int] | None) -> None:
@@ -208,7 +211,7 @@ class ShmExchange(AllReduceExchange):
         else:
             tag = self._gather_each(bucket, ticket, what, used)
         if self.guard.enabled:
-            self.guard.check_tag_sum(tag.item(), bucket.storage.dtype, what)
+            self._check_tag(bucket, tag.item(), what)
 
     def _gather_each(self, bucket: Bucket, ticket: int, what: str, used: list[int] | None) -> torch.Tensor:
         """_gather() gradient by gradient: some unused, missing or strided. Returns the summed tag."""
@@ -265,14 +268,19 @@ class ShmExchange(AllReduceExchange):
             else:
                 flats[k] = grad.contiguous().view(-1)
                 copy_back.append((grad, flats[k]))
-        start = bucket.offsets
-        finite = [] if self.check is not None and KERNEL_CHECKS else None  # this rank's own chunk, as it is summed
+        start, check = bucket.offsets, self.check
+        # The non-finite check: this rank's verdict (its copy-in's, then its own chunk's as it is summed) goes into
+        # its stamp before the barrier the fetch waits on, and every rank reads every rank's after it.
+        finite = None if check is None else [check.finite_here(bucket)]
+        nonfinite = [] if check is not None and check.folds(self.guard, bucket.storage.device) else None
         self._split_exchange(bucket, ticket, what, 1.0 / self.divisor,
                              [(start[k] + lo, flats[k][lo:hi]) for k, lo, hi in own if k in flats],
                              [(owner, start[k] + lo, flats[k][lo:hi]) for owner, k, lo, hi in fetched if k in flats],
-                             sums=[(bucket.numel, self._tag_total)], finite=finite)
-        if finite is not None:
-            self.check.seen(bucket, all(finite))
+                             sums=[(bucket.numel, self._tag_total)], finite=finite, nonfinite=nonfinite)
+        if check is not None:
+            check.seen(bucket, all(finite))
+        if nonfinite is not None:
+            check.folded(bucket, bool(nonfinite))
         with self.timer("copy_out", bucket.index):
             for grad, flat in copy_back:
                 grad.copy_(flat.view(grad.shape))
@@ -280,11 +288,11 @@ class ShmExchange(AllReduceExchange):
             self.guard.check_tag_sum(self._tag_total.item(), bucket.storage.dtype, what)
 
     def _split_exchange(self, bucket: Bucket, ticket: int, what: str, scale: float, own: list, fetched: list,
-                        sums=(), finite: list | None = None) -> None:
+                        sums=(), finite: list | None = None, nonfinite: list | None = None) -> None:
         """reduce_own_chunk() then fetch_chunks(), each once every rank is ready."""
         self._await(ticket, what, bucket.index)
         with self.timer("reduce", bucket.index):
             results = self.comm.reduce_own_chunk(bucket.storage, ticket, own, scale, sums, finite)
         self._await(results, what, bucket.index)
         with self.timer("copy_out", bucket.index):
-            self.comm.fetch_chunks(bucket.storage, results, fetched)
+            self.comm.fetch_chunks(bucket.storage, results, fetched, nonfinite)

@@ -18,6 +18,7 @@ from ..errors import CollectiveMismatchError, RanksTimedOutError, explain
 from .barrier import LINE_BYTES, MODE_POST
 from .reduce import (
     DTYPE_CODES,
+    KERNEL_CHECKS,
     KERNEL_DTYPES,
     WIDENED,
     chunk_bounds,
@@ -35,9 +36,10 @@ POSTED_MAX_RANKS = 3
 
 class Stamp(ctypes.Structure):
     """What a rank last posted from one allocation (ShmCommunicator.post): at the end of its slot, so a
-    peer reading the slot checks it against its own, however far ahead in other exchanges that rank is."""
+    peer reading the slot checks it against its own, however far ahead in other exchanges that rank is.
+    `nonfinite`: whether the values of its last reduce_own_chunk() were not all finite (fetch_chunks() reads it)."""
 
-    _fields_ = [("posts", ctypes.c_uint64), ("dtype", ctypes.c_uint32), ("_pad0", ctypes.c_uint32),
+    _fields_ = [("posts", ctypes.c_uint64), ("dtype", ctypes.c_uint32), ("nonfinite", ctypes.c_uint32),
                 ("offset", ctypes.c_uint64), ("numel", ctypes.c_uint64), ("_pad", ctypes.c_uint64 * 4)]
 
 
@@ -170,9 +172,12 @@ class PostedExchanges:
         tensor[start:start + out.numel()]; the sum in rank order of `out * scale` and the other ranks'
         posted copies goes into `out` and into this rank's copy, for the peers to fetch. Each
         `(start, out)` of `sums` (outside every rank's chunk: chunks are being rewritten meanwhile)
-        gets the plain sum, as in gather_sum(). Returns the ticket of fetch_chunks(). With a list `finite`,
-        appends whether every element of this rank's `out`s was finite as they were read (a NaN check on the
-        way, at no extra pass)."""
+        gets the plain sum, as in gather_sum(). Returns the ticket of fetch_chunks().
+
+        With a list `finite` (the non-finite gradient check): the kernel appends whether every element of this
+        rank's `out`s was finite as it read them (no extra pass), and whether all of `finite` then holds (the
+        caller may put in first what it found of this rank's other values) is published in this rank's stamp,
+        before the barrier every rank passes on its way into fetch_chunks(), which reads it (`nonfinite`)."""
         allocation, offset = self._posted_piece(tensor, "reduce_own_chunk")
         return self._guarded(self._reduce_own_chunk, allocation, offset, tensor, ticket, pieces, scale, sums, finite)
 
@@ -182,6 +187,7 @@ class PostedExchanges:
         copies = self._copies(allocation, offset, tensor)
         self._sum_into(copies, sums)
         code, stream = KERNEL_DTYPES[tensor.dtype], streams(tensor)
+        checks = finite is not None and KERNEL_CHECKS  # a kernel built before it could check: the caller did
         for start, out in pieces:
             count = out.numel()
             if not out.is_contiguous() or out.dtype != tensor.dtype:
@@ -191,10 +197,12 @@ class PostedExchanges:
             if count:
                 addresses = tuple(copy[start:start + count].data_ptr() for copy in copies)
                 seen = sum_own_chunk(out.data_ptr(), addresses[self.rank], out.data_ptr(), addresses, count, code,
-                                     scale, self.rank, stream, finite is not None)
-                if finite is not None:
+                                     scale, self.rank, stream, checks)
+                if checks:
                     finite.append(seen)
-        return self._barrier.arrive()  # this rank's chunk of the result is in its copy
+        # Rewritten at every exchange of the allocation (discard and shadow say "finite"), so none reads a stale one.
+        allocation.stamps[self.rank].nonfinite = finite is not None and not all(finite)
+        return self._barrier.arrive()  # this rank's chunk of the result, and its verdict, are in its slot (TSO)
 
     def reduce_scatter(self, tensor: torch.Tensor, ticket: int, start: int, out: torch.Tensor) -> None:
         """A true reduce-scatter, after every rank's post(tensor) (see posted_ready): the sum in rank order
@@ -220,14 +228,20 @@ class PostedExchanges:
             out.copy_(total)
         return self._barrier.arrive()  # done reading the peers' copies
 
-    def fetch_chunks(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, int, torch.Tensor]]) -> None:
+    def fetch_chunks(self, tensor: torch.Tensor, ticket: int, pieces: list[tuple[int, int, torch.Tensor]],
+                     nonfinite: list | None = None) -> None:
         """Split exchange, after every rank's reduce_own_chunk() (see posted_ready): copy each
-        `(owner, start, out)` of `pieces` from rank `owner`'s result; then this rank is done reading."""
+        `(owner, start, out)` of `pieces` from rank `owner`'s result; then this rank is done reading. With a
+        list `nonfinite`, appends the ranks whose reduce_own_chunk() published values that were not all finite."""
         allocation, offset = self._posted_piece(tensor, "fetch_chunks")
-        self._guarded(self._fetch_chunks, allocation, offset, tensor, ticket, pieces)
+        self._guarded(self._fetch_chunks, allocation, offset, tensor, ticket, pieces, nonfinite)
 
-    def _fetch_chunks(self, allocation, offset, tensor, ticket, pieces) -> None:
+    def _fetch_chunks(self, allocation, offset, tensor, ticket, pieces, nonfinite=None) -> None:
         self._barrier.wait_all(ticket, "exchange", self._spin)
+        if nonfinite is not None:
+            # Read before this rank's arrival below: a peer rewrites its stamp only in a later exchange of this
+            # allocation, after its claim() waited for that arrival.
+            nonfinite += [j for j, stamp in enumerate(allocation.stamps) if stamp.nonfinite]
         copies = self._copies(allocation, offset, tensor)
         segments = []
         for owner, start, out in pieces:

@@ -273,8 +273,8 @@ def _one_nan_element(rank, transport, element):
 
 
 def _verdict_by_collective(rank, transport) -> bool:
-    """One healthy backward: whether the check's verdict needed an all-reduce of its own (the split shared-memory
-    exchange), or came with the buckets' summed tags (Gloo's all-reduce: none)."""
+    """One healthy backward: whether the check's verdict needed an all-reduce of its own, or came with the
+    exchange (Gloo's all-reduce: the buckets' summed tags; the split shared-memory exchange: its stamps)."""
     if transport == "gloo":
         os.environ["PHALANX_SHM"] = "0"
     try:
@@ -347,11 +347,12 @@ def test_one_nan_element_is_found_on_every_path_of_the_exchange(two):
             assert seen["unchanged"], (transport, element)
 
 
-def test_over_gloo_the_verdict_rides_in_the_buckets_tags(two):
+def test_the_verdict_rides_with_the_exchange(two):
     """Over Gloo's all-reduce every rank reads each bucket's summed step tag, where a rank that saw a NaN wrote
-    NaN: the check issues no collective of its own (the split shared-memory exchange still needs one)."""
+    NaN; over the split shared-memory exchange every rank reads every rank's stamp: the check issues no
+    collective of its own on either."""
     for r in two:
-        assert r["by_collective"] == {"shm": True, "gloo": False}, r["by_collective"]
+        assert r["by_collective"] == {"shm": False, "gloo": False}, r["by_collective"]
 
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),

@@ -3,17 +3,20 @@
 When a bucket leaves this rank (its exchange copied this rank's gradients in, the collective not started), the
 exchange hands its flat gradients here: one sum per bucket (float32, float64 for float64 buckets), kept on the
 device as a finite/not flag, nothing read back; the shared-memory exchange's copy says it on the way instead
-(`seen`). Every rank must learn whether any rank saw one. Where each bucket's summed step tag is read on every rank
-(the all-reduce and two-level exchanges, on the CPU), a rank that saw one writes NaN for its tag: the sum is NaN
-everywhere, and nothing else crosses (`folds`, `folded`). Otherwise, at the end of backward, one all-reduce of two
-numbers (how many ranks saw one, and the step tag) tells every rank. The verdict is read when an optimizer is about
-to step the model, so no rank applies a step another refuses: then every rank raises NonFiniteGradientError naming
-the rank, step, micro-batch and first parameter, or, with on_nonfinite="skip", drops the step's gradients (set to
-None: every torch optimizer then leaves the parameters and their state alone) and counts a skipped step. An
-optimizer that never steps (a GradScaler that saw the overflow itself skips the step) leaves the verdict unread: it
-is dropped. On the CPU the read is free. On a GPU, under "raise", the verdict is copied to the host on the way and
-read at the next optimizer step (`late`), so the host never waits for the device and the step that made it was
-applied; "skip" must read it before the step, and waits for the backward.
+(`seen`). Every rank must learn whether any rank saw one. Where the exchange can carry it to every rank (on the CPU,
+tagged), it does, and nothing else crosses (`folds`, `folded`): where each bucket's summed step tag is read on every
+rank (the all-reduce, two-level and posted shared-memory exchanges), a rank that saw one writes NaN for its tag, so
+the sum is NaN everywhere; the split shared-memory exchange, which checks a rank's own chunk as it sums it, after
+the tag left, has each rank publish its verdict in its stamp before the barrier every rank then passes. Otherwise,
+at the end of backward, one all-reduce of two numbers (how many ranks saw one, and the step tag) tells every rank.
+The verdict is read when an optimizer is about to step the model, so no rank applies a step another refuses: then
+every rank raises NonFiniteGradientError naming the rank, step, micro-batch and first parameter, or, with
+on_nonfinite="skip", drops the step's gradients (set to None: every torch optimizer then leaves the parameters and
+their state alone) and counts a skipped step. An optimizer that never steps (a GradScaler that saw the overflow
+itself skips the step) leaves the verdict unread: it is dropped. On the CPU the read is free. On a GPU, under
+"raise", the verdict is copied to the host on the way and read at the next optimizer step (`late`), so the host
+never waits for the device and the step that made it was applied; "skip" must read it before the step, and waits for
+the backward.
 
 What it misses: a sum that overflows float32 (gradients above ~1e34 in total) counts as non-finite; a comm
 hook that makes a finite gradient non-finite (fp16 compression past 65504) is after the check.
@@ -93,8 +96,9 @@ class NonFiniteCheck:
         self._finite[bucket.index] = (bucket, finite and (known is None or bool(known[1])))
 
     def folds(self, guard, device: torch.device) -> bool:
-        """Whether a bucket's summed tag carries the verdict: read on the host at once (the CPU), and tagged (not
-        inside join(), where a rank out of data sends zeros). The same answer on every rank."""
+        """Whether the exchange carries every rank's verdict on a bucket (its summed tag, or the shared-memory
+        stamps): read on the host at once (the CPU), and tagged (not inside join(), where a rank out of data sends
+        zeros). The same answer on every rank."""
         return not self.late and guard.enabled and guard.reads_back(device)
 
     def finite_here(self, bucket) -> bool:
