@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=50, help="DiLoCo's H")
     parser.add_argument("--compress", default="int8", help="int8, fp16 or none")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer_lr")
+    parser.add_argument("--momentum", type=float, default=0.9, help="DiLoCo's outer momentum (Nesterov)")
     parser.add_argument("--val-every", type=int, default=50, help="a multiple of --every, or a divisor of it")
     parser.add_argument("--figure", default=None, help="write the curve here (PNG)")
     parser.add_argument("--json", default=None, help="write the figures and every curve here")
@@ -103,6 +105,7 @@ def main() -> None:
                 out = os.path.join(scratch, f"{mode}-{seed}.json")
                 run(args.hosts, ["--mode", mode, "--seed", seed, "--steps", str(args.steps), "--every",
                                  str(args.every), "--compress", args.compress, "--val-every", str(args.val_every),
+                                 "--outer-lr", str(args.outer_lr), "--momentum", str(args.momentum),
                                  "--out", out], args.timeout)
                 runs[mode].append(json.loads(Path(out).read_text()))
                 print(f"seed {seed} {mode}: validation loss {runs[mode][-1]['curve'][-1]['val_loss']:.4f} "

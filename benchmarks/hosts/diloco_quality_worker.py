@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=("exact", "diloco"), required=True)
     parser.add_argument("--every", type=int, default=50, help="DiLoCo's H")
     parser.add_argument("--compress", default="int8", help="DiLoCo's compress ('none' for None)")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer_lr")
+    parser.add_argument("--momentum", type=float, default=0.9, help="DiLoCo's outer momentum")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--val-every", type=int, default=50)
@@ -55,7 +57,8 @@ def main() -> None:
     net = GPT(GPTConfig(len(vocab), args.block_size, args.n_layer, 4, args.d_model))
     across = None
     if args.mode == "diloco":
-        across = px.DiLoCo(every=args.every, compress=None if args.compress == "none" else args.compress)
+        across = px.DiLoCo(every=args.every, compress=None if args.compress == "none" else args.compress,
+                           outer_lr=args.outer_lr, momentum=args.momentum)
     model = px.DistributedDataParallel(net, across_hosts=across)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
