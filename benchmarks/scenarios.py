@@ -65,10 +65,10 @@ SCENARIOS: tuple[Scenario, ...] = (
                                     "300mbit", "--every", "50", "--compress", "int8", "--fragments", "5", "--delay",
                                     "2", "--steps", "3"),
       "DiLoCo H=50 int8 streaming on 2 namespace hosts x 2: bytes on host 0's port per step and samples/s, against "
-      "exact DDP, torch DDP and an unshaped link", 100, SHAPED),
+      "exact DDP, torch DDP and an unshaped link", 66, SHAPED),
     S("diloco.quality", _script("hosts/diloco_quality.py", "--hosts", "2", "--seeds", "0", "--steps", "100",
                                 "--every", "50"),
-      "examples/gpt's validation loss after the same samples, exact DDP against DiLoCo H=50 int8", 70),
+      "examples/gpt's validation loss after the same samples, exact DDP against DiLoCo H=50 int8", 34),
     # -- sharding
     S("sharding.memory", (*BENCH, "--memory", "--worlds", "2", "--rss-worlds", "2", "--rss-variants",
                           "torch-ddp,phalanx-none,phalanx-gradients,phalanx-parameters+meta", "--time-models", "wide",
