@@ -60,6 +60,15 @@ SCENARIOS: tuple[Scenario, ...] = (
       "torch DDP, phalanx flat and hierarchical on 2 namespace hosts x 2 ranks, a shaped link", 40, SHAPED),
     S("hosts.plan", _script("hosts/xhost_plan.py", "--calibration", "benchmarks/results/xhost-n2-100mbit.json"),
       "the cost model's all-reduce time, flat against hierarchical, to 64 hosts", 4),
+    # -- DiLoCo across hosts
+    S("diloco.bytes_speed", _script("hosts/diloco_bench.py", "--hosts", "2", "--nproc-per-node", "2", "--link",
+                                    "300mbit", "--every", "50", "--compress", "int8", "--fragments", "5", "--delay",
+                                    "2", "--steps", "3"),
+      "DiLoCo H=50 int8 streaming on 2 namespace hosts x 2: bytes on host 0's port per step and samples/s, against "
+      "exact DDP, torch DDP and an unshaped link", 66, SHAPED),
+    S("diloco.quality", _script("hosts/diloco_quality.py", "--hosts", "2", "--seeds", "0", "--steps", "100",
+                                "--every", "50"),
+      "examples/gpt's validation loss after the same samples, exact DDP against DiLoCo H=50 int8", 34),
     # -- sharding
     S("sharding.memory", (*BENCH, "--memory", "--worlds", "2", "--rss-worlds", "2", "--rss-variants",
                           "torch-ddp,phalanx-none,phalanx-gradients,phalanx-parameters+meta", "--time-models", "wide",

@@ -36,7 +36,11 @@ from phalanx.tools.cost_model import calibrate, predict_step  # noqa: E402
 HEADER_BYTES = 66  # Ethernet 14 + IPv4 20 + TCP 32 (with timestamps): what a packet carries besides payload
 
 
-def run_job(hosts: Hosts, nproc: int, worker_args: list[str], out: str, timeout: float) -> None:
+WORKER = ROOT / "benchmarks" / "hosts" / "xhost_worker.py"
+
+
+def run_job(hosts: Hosts, nproc: int, worker_args: list[str], out: str, timeout: float, worker: Path = WORKER) -> None:
+    """`phalanx run` of `worker` in every host's namespace, each told its interface (--dev) and the output file."""
     # No phalanx or world settings of the caller's, but a warm launcher it names (docs/launching.md "Warm
     # launches"): each host's launcher is then forked from it, inside the host's namespace, in milliseconds.
     env = {k: v for k, v in os.environ.items()
@@ -49,7 +53,7 @@ def run_job(hosts: Hosts, nproc: int, worker_args: list[str], out: str, timeout:
             command = ["ip", "netns", "exec", hosts.names[i], sys.executable, "-m", "phalanx", "run",
                        "--nnodes", str(hosts.count), "--node-rank", str(i), "--nproc-per-node", str(nproc),
                        "--master-addr", hosts.addrs[0], "--master-port", port, "--rdzv-timeout", "300",
-                       str(ROOT / "benchmarks" / "hosts" / "xhost_worker.py"), "--dev", hosts.devs[i], "--out", out,
+                       str(worker), "--dev", hosts.devs[i], "--out", out,
                        *worker_args]
             procs.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))

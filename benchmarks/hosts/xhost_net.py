@@ -56,9 +56,10 @@ print(sorted(rtts)[len(rtts) // 2])
 
 
 class Hosts:
-    """`count` namespaces on a bridge, each port shaped to `rate` (tc syntax, e.g. "300mbit") both ways."""
+    """`count` namespaces on a bridge, each port shaped to `rate` (tc syntax, e.g. "300mbit") both ways; with
+    `rate=None` the ports are left unshaped (the same hosts, as fast as the machine moves the bytes)."""
 
-    def __init__(self, count: int, rate: str):
+    def __init__(self, count: int, rate: str | None):
         if shutil.which("ip") is None or shutil.which("tc") is None:
             raise SystemExit("xhost bench: needs iproute2 (ip, tc)")
         self.count, self.rate = count, rate
@@ -103,6 +104,8 @@ class Hosts:
                 if self.offloads:
                     sh("ip", "netns", "exec", where, "ethtool", "-K", name, "tso", "off", "gso", "off", "gro", "off",
                        check=False)
+                if self.rate is None:
+                    continue
                 # burst: a few ms of the rate (at least 32 KB); the queue holds up to 100 ms of it
                 sh("tc", "-n", where, "qdisc", "add", "dev", name, "root", "tbf", "rate", self.rate, "burst",
                    "64kb", "latency", "100ms")

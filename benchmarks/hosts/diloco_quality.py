@@ -1,0 +1,139 @@
+"""DiLoCo's quality: examples/gpt trained on the same samples with exact phalanx DDP and with DiLoCo, over seeds.
+
+    PYTHONPATH=. python benchmarks/hosts/diloco_quality.py --hosts 2 --seeds 0,1,2 --steps 400 --every 50 \\
+        [--compress int8] [--figure docs/img/diloco-quality.png] [--json out.json]
+
+Each run is `phalanx run --nnodes N --node-rank i` started N times on this machine (127.0.0.1), one rank per
+emulated host: the node rank tells the hosts apart, as on real hosts, and nothing crosses a real link (quality
+does not depend on the link). The ranks run benchmarks/hosts/diloco_quality_worker.py. Prints each seed's final
+validation loss for both modes, the means, DiLoCo's mean against exact DDP's (the bar: within 1.0 %) and the
+seeds' spread, and draws validation loss against samples for both (the mean over seeds, the band min to max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from phalanx.tools.bench_compare import write_figures  # noqa: E402
+
+WORKER = ROOT / "benchmarks" / "hosts" / "diloco_quality_worker.py"
+
+
+def run(hosts: int, worker_args: list[str], timeout: float) -> None:
+    """One job of `hosts` launchers on this machine, one rank each."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCHELASTIC_", "SLURM_"))}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    port = str(29000 + secrets.randbelow(500))
+    procs = [subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--nnodes", str(hosts), "--node-rank", str(i),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+                               "--rdzv-timeout", "120", str(WORKER), *worker_args],
+                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(hosts)]
+    try:
+        deadline = time.monotonic() + timeout
+        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    failed = [i for i, p in enumerate(procs) if p.returncode]
+    if failed:
+        raise SystemExit(f"host {failed[0]} failed:\n{outputs[failed[0]][-4000:]}")
+
+
+def draw(runs: dict, path: str, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for mode, color in (("exact", "tab:blue"), ("diloco", "tab:orange")):
+        curves = [r["curve"] for r in runs[mode]]
+        samples = [point["samples"] for point in curves[0]]
+        columns = list(zip(*([point["val_loss"] for point in c] for c in curves)))
+        ax.plot(samples, [statistics.mean(c) for c in columns], color=color,
+                label="exact DDP" if mode == "exact" else label)
+        ax.fill_between(samples, [min(c) for c in columns], [max(c) for c in columns], color=color, alpha=0.2)
+    ax.set_xlabel("samples (sequences of 64 characters)")
+    ax.set_ylabel("validation loss (nats/char)")
+    ax.set_title(f"examples/gpt, {len(runs['exact'])} seeds each (band: min to max)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--every", type=int, default=50, help="DiLoCo's H")
+    parser.add_argument("--compress", default="int8", help="int8, fp16 or none")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer_lr")
+    parser.add_argument("--momentum", type=float, default=0.9, help="DiLoCo's outer momentum (Nesterov)")
+    parser.add_argument("--val-every", type=int, default=50, help="a multiple of --every, or a divisor of it")
+    parser.add_argument("--figure", default=None, help="write the curve here (PNG)")
+    parser.add_argument("--json", default=None, help="write the figures and every curve here")
+    parser.add_argument("--timeout", type=float, default=900, help="per run")
+    args = parser.parse_args()
+    runs = {"exact": [], "diloco": []}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as scratch:
+        for seed in args.seeds.split(","):
+            for mode in runs:
+                out = os.path.join(scratch, f"{mode}-{seed}.json")
+                run(args.hosts, ["--mode", mode, "--seed", seed, "--steps", str(args.steps), "--every",
+                                 str(args.every), "--compress", args.compress, "--val-every", str(args.val_every),
+                                 "--outer-lr", str(args.outer_lr), "--momentum", str(args.momentum),
+                                 "--out", out], args.timeout)
+                runs[mode].append(json.loads(Path(out).read_text()))
+                print(f"seed {seed} {mode}: validation loss {runs[mode][-1]['curve'][-1]['val_loss']:.4f} "
+                      f"({time.monotonic() - started:.0f} s)", flush=True)
+    final = {mode: [r["curve"][-1]["val_loss"] for r in rs] for mode, rs in runs.items()}
+    mean = {mode: statistics.mean(v) for mode, v in final.items()}
+    spread = {mode: (max(v) - min(v)) for mode, v in final.items()}
+    stdev = {mode: statistics.stdev(v) if len(v) > 1 else 0.0 for mode, v in final.items()}
+    relative = mean["diloco"] / mean["exact"] - 1
+    samples = runs["exact"][0]["curve"][-1]["samples"]
+    print(f"\nexamples/gpt, {args.hosts} hosts x 1 rank, {args.steps} steps ({samples} samples), DiLoCo H={args.every} "
+          f"compress={args.compress}")
+    print(f"  {'mode':8} {'seeds':>26} {'mean':>8} {'stdev':>7} {'max-min':>8}")
+    for mode in runs:
+        print(f"  {mode:8} {' '.join(f'{v:.4f}' for v in final[mode]):>26} {mean[mode]:8.4f} {stdev[mode]:7.4f} "
+              f"{spread[mode]:8.4f}")
+    print(f"  DiLoCo against exact: {relative * 100:+.2f} % (bar: within 1.0 %) -> "
+          f"{'met' if abs(relative) <= 0.01 else 'missed'}")
+    if args.figure:
+        draw(runs, args.figure, f"DiLoCo H={args.every}, {args.compress}")
+        print(f"  curve: {args.figure}")
+    write_figures(args.json, {"diloco/exact val loss - 1 %": round(relative * 100, 2),
+                              "exact val loss mean": round(mean["exact"], 4),
+                              "diloco val loss mean": round(mean["diloco"], 4),
+                              "exact seeds max-min": round(spread["exact"], 4),
+                              "diloco seeds max-min": round(spread["diloco"], 4)},
+                  args=vars(args), final=final, runs=runs)
+
+
+if __name__ == "__main__":
+    main()
