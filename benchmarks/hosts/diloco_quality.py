@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+from xhost_bench import run_launchers  # noqa: E402 - a sibling script, run from this folder
 
 from phalanx.tools.bench_compare import write_figures  # noqa: E402
 
@@ -36,27 +37,9 @@ def run(hosts: int, worker_args: list[str], timeout: float) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PHALANX_", "TORCHELASTIC_", "SLURM_"))}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     port = str(29000 + secrets.randbelow(500))
-    procs = [subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--nnodes", str(hosts), "--node-rank", str(i),
-                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
-                               "--rdzv-timeout", "120", str(WORKER), *worker_args],
-                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(hosts)]
-    try:
-        deadline = time.monotonic() + timeout
-        outputs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    failed = [i for i, p in enumerate(procs) if p.returncode]
-    if failed:
-        raise SystemExit(f"host {failed[0]} failed:\n{outputs[failed[0]][-4000:]}")
+    run_launchers([[sys.executable, "-m", "phalanx", "run", "--nnodes", str(hosts), "--node-rank", str(i),
+                    "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
+                    "--rdzv-timeout", "120", str(WORKER), *worker_args] for i in range(hosts)], env, timeout)
 
 
 def draw(runs: dict, path: str, label: str) -> None:

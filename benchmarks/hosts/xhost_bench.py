@@ -47,14 +47,19 @@ def run_job(hosts: Hosts, nproc: int, worker_args: list[str], out: str, timeout:
            if not k.startswith(("PHALANX_", "TORCHELASTIC_", "SLURM_")) or k == "PHALANX_WARM_LAUNCHER"}
     env["PYTHONPATH"] = str(ROOT)
     port = str(29600 + secrets.randbelow(300))
+    run_launchers([["ip", "netns", "exec", hosts.names[i], sys.executable, "-m", "phalanx", "run",
+                    "--nnodes", str(hosts.count), "--node-rank", str(i), "--nproc-per-node", str(nproc),
+                    "--master-addr", hosts.addrs[0], "--master-port", port, "--rdzv-timeout", "300",
+                    str(worker), "--dev", hosts.devs[i], "--out", out, *worker_args]
+                   for i in range(hosts.count)], env, timeout)
+
+
+def run_launchers(commands: list[list[str]], env: dict, timeout: float) -> None:
+    """Start one `phalanx run` a host, wait `timeout` seconds in all for every one to end, and end the job with the
+    output of the first host that failed."""
     procs = []
     try:
-        for i in range(hosts.count):
-            command = ["ip", "netns", "exec", hosts.names[i], sys.executable, "-m", "phalanx", "run",
-                       "--nnodes", str(hosts.count), "--node-rank", str(i), "--nproc-per-node", str(nproc),
-                       "--master-addr", hosts.addrs[0], "--master-port", port, "--rdzv-timeout", "300",
-                       str(worker), "--dev", hosts.devs[i], "--out", out,
-                       *worker_args]
+        for command in commands:
             procs.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         deadline = time.monotonic() + timeout
