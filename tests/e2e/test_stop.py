@@ -205,14 +205,17 @@ def test_sharded_parameters_level(tmp_path):
 
 
 def two_hosts_run(hosts, run_dir: Path, *job_args, port: int) -> list[tuple[int, str]]:
-    """The job on 2 hosts x 1 worker, one `phalanx run` per network namespace; (exit code, output) per host."""
+    """The job on 2 hosts x 1 worker, one `phalanx run` per host; (exit code, output) per host. `hosts`: network
+    namespaces (the two_hosts fixture), or None for two launchers on this machine that the node rank tells apart."""
     nodes = []
     try:
-        for node_rank, host in enumerate(hosts):
+        for node_rank in range(2):
             # No GLOO_SOCKET_IFNAME: phalanx finds the interface that reaches the master.
-            command = ["ip", "netns", "exec", host["ns"], sys.executable, "-m", "phalanx", "run", "--nnodes", "2",
-                       "--node-rank", str(node_rank), "--nproc-per-node", "1", "--master-addr", hosts[0]["addr"],
-                       "--master-port", str(port), "--rdzv-timeout", "60", str(JOB), str(run_dir), *job_args]
+            inside = ["ip", "netns", "exec", hosts[node_rank]["ns"]] if hosts else []
+            master = hosts[0]["addr"] if hosts else "127.0.0.1"
+            command = [*inside, sys.executable, "-m", "phalanx", "run", "--nnodes", "2", "--node-rank", str(node_rank),
+                       "--nproc-per-node", "1", "--master-addr", master, "--master-port", str(port),
+                       "--rdzv-timeout", "60", str(JOB), str(run_dir), *job_args]
             nodes.append(subprocess.Popen(command, env=job_env(), cwd=ROOT,
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [node.communicate(timeout=HANG_GUARD)[0] for node in nodes]
@@ -222,6 +225,32 @@ def two_hosts_run(hosts, run_dir: Path, *job_args, port: int) -> list[tuple[int,
                 node.kill()
                 node.wait()
     return [(node.returncode, output) for node, output in zip(nodes, outputs)]
+
+
+def test_diloco_stop_mid_period_resumes_bitwise(tmp_path):
+    """across_hosts=DiLoCo(every=4, fragments=2, delay=1, int8) on 2 emulated hosts x 1 worker: a SIGTERM to host 1's
+    launcher before its 6th step agrees a stop mid-period, with a fragment's average on its way (fragment 1 leaves
+    after step 6 and merges after step 7); the save holds it as it is, and the resumed run trains every step once,
+    each host's parameters after every step bitwise those of an uninterrupted run."""
+    reference = tmp_path / "uninterrupted"
+    assert [code for code, _ in two_hosts_run(None, reference, "--diloco", port=29564)] == [0, 0]
+    run_dir = tmp_path / "run"
+    stopped = two_hosts_run(None, run_dir, "--diloco", "--moment", "step:6", port=29565)
+    for code, output in stopped:
+        assert code == 75, output
+    steps = {stop_step(output) for _, output in stopped}
+    assert len(steps) == 1, [output for _, output in stopped]
+    step = steps.pop()
+    assert step is not None and step % 4 != 0, f"stopped at step {step}: not mid-period"
+    finished = two_hosts_run(None, run_dir, "--diloco", port=29566)
+    assert [code for code, _ in finished] == [0, 0], finished
+    assert resumed_step(finished[0][1]) == step
+    check_same_as_uninterrupted(run_dir, reference)
+    host_1 = [tuple(line.split()) for line in (run_dir / "steps-1.log").read_text().split("\n") if line]
+    assert sorted(int(s) for s, _ in host_1) == list(range(1, 81)), "host 1 trained a step twice or never"
+    assert dict(host_1) == dict(tuple(line.split()) for line in (reference / "steps-1.log").read_text().split("\n")
+                                if line), "host 1's parameters parted from the uninterrupted run's"
+    assert dict(host_1)["78"] != dict(steps_log(run_dir))["78"], "the hosts were equal mid-period: no DiLoCo"
 
 
 def test_two_hosts_stop_on_one_reaches_both(tmp_path, two_hosts):  # noqa: F811 - the fixture

@@ -11,11 +11,11 @@ asks (1, or 0 for save: only rank 0 writes) sends SIGTERM to its launcher, its p
 `--to-workers` to every worker, as SLURM does; then, but for `rendezvous`, it waits until its own
 flag is up, so the request lands inside that moment. It appends the time it asked to RUN_DIR/asked.log.
 
-Rank 0 appends every step it trains, with a CRC-32 of the parameters after it, to RUN_DIR/steps.log (the
-test checks each step is trained once, and where a run parts from the uninterrupted one)
-and writes the final parameters to RUN_DIR/final.pt. A StepLog (a record every 2 steps, part of the
-checkpoint's state) writes RUN_DIR/log/steps.jsonl and TensorBoard files: the test checks that across
-the stops they hold one record per logged step.
+Rank 0 appends every step it trains, with a CRC-32 of the parameters after it, to RUN_DIR/steps.log (the test checks
+each step is trained once, and where a run parts from the uninterrupted one; with --diloco, whose hosts part between
+outer steps, every other rank writes RUN_DIR/steps-RANK.log too) and writes the final parameters to
+RUN_DIR/final.pt. A StepLog (a record every 2 steps, part of the checkpoint's state) writes RUN_DIR/log/steps.jsonl
+and TensorBoard files: the test checks that across the stops they hold one record per logged step.
 """
 
 import argparse
@@ -34,6 +34,7 @@ STEPS = 80  # 96 samples, 2 ranks, batches of 4: 12 steps per epoch
 EVERY = 3  # a checkpoint every 3 steps
 EVAL_EVERY = 4
 LOG_EVERY = 2  # a StepLog record every 2 steps
+DILOCO_EVERY = 4  # with --diloco: an outer step every 4, its 2 fragments sent at steps 0 and 2 (mod 4), merged 1 later
 
 
 def parse_args():
@@ -43,6 +44,8 @@ def parse_args():
     parser.add_argument("--to-workers", action="store_true", help="signal every worker instead of the launcher")
     parser.add_argument("--shard", default="none")
     parser.add_argument("--step-seconds", type=float, default=0.01, help="a pause per step: steps take time")
+    parser.add_argument("--diloco", action="store_true",
+                        help=f"across_hosts=DiLoCo(every={DILOCO_EVERY}, fragments=2, delay=1, int8): run on 2 nodes")
     args = parser.parse_args()
     where, k = (args.moment.split(":") if args.moment else (None, 0))
     args.where, args.k = where, int(k)
@@ -126,7 +129,8 @@ def main():
     held_out = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 16),
                               torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    model = px.DistributedDataParallel(net, shard=args.shard)
+    across = px.DiLoCo(every=DILOCO_EVERY, fragments=2, delay=1, compress="int8") if args.diloco else None
+    model = px.DistributedDataParallel(net, shard=args.shard, across_hosts=across)
     optimizer = model.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     loader = px.DataLoader(data, batch_size=4, sampler=px.DistributedSampler(data, shuffle=True, seed=5))
     hook_rank = px.rank()
@@ -140,6 +144,8 @@ def main():
     step_log = px.StepLog(args.run_dir / "log", every=LOG_EVERY, optimizer=optimizer, total_steps=STEPS, print_every=10)
     state = {"model": model, "optimizer": optimizer, "loader": loader, "epoch": 0, "step": 0, "probe": Probe(moment),
              "log": step_log}
+    if args.diloco:
+        state["outer"] = model.outer_step
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints", keep=2, every=EVERY)
     checkpointer.restore(state)
     sharded = args.shard == "parameters"
@@ -153,9 +159,9 @@ def main():
             loss.backward()
             optimizer.step()
             state["step"] += 1
-            if px.is_main() and not sharded:  # the step and a checksum of the parameters after it
+            if (px.is_main() or args.diloco) and not sharded:  # the step and a checksum of the parameters after it
                 crc = zlib.crc32(b"".join(p.detach().numpy().tobytes() for p in model.module.parameters()))
-                with open(args.run_dir / "steps.log", "a") as log:
+                with open(args.run_dir / ("steps.log" if px.is_main() else f"steps-{px.rank()}.log"), "a") as log:
                     log.write(f"{state['step']} {crc}\n")
             elif px.is_main():
                 with open(args.run_dir / "steps.log", "a") as log:
