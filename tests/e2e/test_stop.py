@@ -7,7 +7,8 @@ stopped run must end within the grace period with exit code 75 and say at which 
 same command, run again, resumes there. Every step is trained exactly once across the runs, with the
 parameters after each step equal to an uninterrupted run's, bitwise (a CRC-32 per step), and so are the
 final parameters. The same under torchrun (SIGTERM to the workers, as SLURM sends it), at
-shard="parameters", and on two hosts (network namespaces). PHALANX_STOP_INTERVAL=0 makes the ranks
+shard="parameters", on two hosts (network namespaces), and under DiLoCo on two emulated hosts (a stop
+mid-period, each host's parameters checked). PHALANX_STOP_INTERVAL=0 makes the ranks
 agree at every step, so each stop lands within two steps and a chain of twenty fits in the 80.
 """
 
