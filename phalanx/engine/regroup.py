@@ -77,7 +77,8 @@ class RegroupMixin:
             generation.on_regroup(self._onto_generation)
 
     def _onto_generation(self, survivors) -> None:
-        self.regroup(survivors.group)
+        # across_hosts=DiLoCo: the host's ranks in the new world, its outer step's groups made again (diloco/live.py)
+        self.regroup(survivors.group if self.outer_step is None else self.outer_step.regroup(survivors))
 
     def _live_sharding(self):
         """For shard_optimizer(): what a ShardedOptimizer needs to follow the generations (the model's ranks by
@@ -102,6 +103,8 @@ class RegroupMixin:
         per-step commit): a shared-memory exchange, after the one-time rebuild (whose broadcast is Gloo's), and
         no map of used parameters (a Gloo all-reduce after the exchange)."""
         reducer = self._reducer
+        if reducer is not None and self.process_group.size() == 1:  # nothing exchanged (a host of one under DiLoCo)
+            return True
         return (reducer is not None and reducer.rebuilt and not reducer.tolerate_unused
                 and reducer.exchange.settles_alike)
 
