@@ -1,0 +1,160 @@
+"""across_hosts=px.DiLoCo(every=4) under live recovery: a host lost in mid-period, a host that joins.
+
+Each rank is an emulated host (GROUP_RANK, the launcher's node rank), run in a fork of this process's fork server
+(tests/helpers/forked_python.py) with the run's store at 127.0.0.1, as a launcher's workers are
+(tests/e2e/jobs/diloco_live_job.py). The final parameters equal a one-process reference that replays each host's
+inner steps on the samples it logged and, every 4 steps, the Nesterov outer step over the hosts that made that step:
+a host lost in mid-period takes its progress since the last outer step with it, and the next outer step averages
+over the hosts left; a host taken in starts from the synced parameters (with the first host's inner optimizer
+state, handed over whole), and after the next outer step every replica is the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from phalanx.testing import free_port
+from phalanx.world import joining
+from tests.conftest import ROOT
+from tests.e2e.jobs.diloco_live_job import EVERY, LR, MOMENTUM, make_model, sample
+from tests.helpers.forked_python import start_python
+
+JOB = str(Path(__file__).resolve().parent / "jobs" / "diloco_live_job.py")
+ATTEMPT = "diloco-live-test"
+
+
+def _start(env: dict, rank: int, world_size: int, directory: Path, extra: list, **more):
+    env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+           "GROUP_RANK": str(rank), **more}  # one rank per host
+    return start_python([JOB, str(directory), *extra], cwd=ROOT, env=env, log=directory / f"log-{rank}.txt")
+
+
+def _run(tmp_path: Path, ranks: int, extra: dict, joiner: bool = False) -> list:
+    """`ranks` ranks train (rank r with extra.get(r, [])); with `joiner`, one more starts as a joiner once they
+    made a step. Returns every process's exit code."""
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHALANX_MIN_WORLD_SIZE": "1",
+           "PHALANX_STORE_ATTEMPT": ATTEMPT, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "PHALANX_DDP_STALL_TIMEOUT": "20", "PHALANX_MEMBERSHIP_TIMEOUT": "30",
+           "PHALANX_STOP_INTERVAL": "0"}  # an agreement at every step: a loss or a joiner met at once
+    processes = [_start(env, rank, ranks, tmp_path, extra.get(rank, [])) for rank in range(ranks)]
+    try:
+        if joiner:
+            deadline = time.monotonic() + 120
+            while not (tmp_path / "ids-0.jsonl").exists() or not (tmp_path / "ids-0.jsonl").read_text():
+                assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(tmp_path)
+                time.sleep(0.1)
+            store = dist.PrefixStore(f"phalanx/{ATTEMPT}", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                                          timeout=timedelta(seconds=30)))
+            [drawn] = joining.draw_ranks(store, 1)
+            processes.append(_start(env, drawn, drawn + 1, tmp_path, extra.get(drawn, []), PHALANX_JOIN="1"))
+        return [p.wait(timeout=180) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+
+
+def _logs(directory: Path) -> str:
+    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in sorted(directory.glob("log-*.txt")))
+
+
+def _applied(directory: Path, rank: int) -> dict[int, list[int]]:
+    path = directory / f"ids-{rank}.jsonl"
+    return {step: ids for step, ids in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
+
+
+def reference(logs: dict[int, dict[int, list[int]]], joins: dict[int, int], steps: int) -> dict[int, list]:
+    """One process: each host's inner SGD (momentum) on the mean loss of the samples it logged at each step, and after
+    every EVERY-th step the mean pseudo-gradient of the hosts that made that step into a Nesterov SGD (0.7, 0.9)
+    on the synced parameters, which those hosts then take. A host in `joins` (rank: steps done when it was taken
+    in) starts then from the synced parameters with host 0's inner optimizer state. Each host's final parameters."""
+    models, inner = {}, {}
+    synced_model = make_model()
+    synced = list(synced_model.parameters())
+    outer = torch.optim.SGD(synced, lr=0.7, momentum=0.9, nesterov=True)
+    for rank in logs:
+        if rank not in joins:
+            models[rank] = make_model()
+            inner[rank] = torch.optim.SGD(models[rank].parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(steps):
+        for rank, at in joins.items():
+            if at == step:
+                models[rank] = copy.deepcopy(synced_model)
+                inner[rank] = torch.optim.SGD(models[rank].parameters(), lr=LR, momentum=MOMENTUM)
+                inner[rank].load_state_dict(copy.deepcopy(inner[0].state_dict()))
+        made = [rank for rank in models if step in logs[rank]]
+        for rank in made:
+            ids = logs[rank][step]
+            x = torch.stack([sample(i)[0] for i in ids])
+            y = torch.stack([sample(i)[1] for i in ids])
+            inner[rank].zero_grad()
+            F.mse_loss(models[rank](x), y).backward()
+            inner[rank].step()
+        if (step + 1) % EVERY == 0:
+            with torch.no_grad():
+                for i, s in enumerate(synced):
+                    s.grad = sum(s - list(models[rank].parameters())[i] for rank in made) / len(made)
+                outer.step()
+                for rank in made:
+                    for p, s in zip(models[rank].parameters(), synced):
+                        p.copy_(s)
+    return {rank: [p.detach().clone() for p in model.parameters()] for rank, model in models.items()}
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("noticed", ["checkpointer", "outer-step"])
+def test_a_host_lost_in_mid_period_leaves_the_others_to_average_without_it(tmp_path, noticed):
+    """World size 3, one rank per host: host 2 is SIGKILLed before step 5 (mid-period: H=4). Hosts 0 and 1 meet the
+    loss in the checkpointer's agreement after step 5, or in the outer step after step 7 (which they redo without
+    host 2); they finish equal to the reference in which the outer steps after the loss average over them only."""
+    extra = {2: ["--die-at", "5"]}
+    if noticed == "outer-step":
+        extra = {rank: [*extra.get(rank, []), "--no-checkpointer"] for rank in range(3)}
+    codes = _run(tmp_path, 3, extra)
+    assert codes == [0, 0, -9], _logs(tmp_path)
+    logs = {rank: _applied(tmp_path, rank) for rank in range(3)}
+    assert sorted(logs[2]) == [0, 1, 2, 3, 4]
+    expected = reference(logs, {}, 12)
+    results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in (0, 1)}
+    for rank, result in results.items():
+        assert result["generation"] == [1, [0, 1]], result["generation"]
+        assert result["outer_steps"] == 3
+        assert _max_diff(result["params"], expected[rank]) < 1e-10, _max_diff(result["params"], expected[rank])
+    # Step 11 ended an outer step: both hosts hold the synced parameters, bitwise.
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    # After the loss the global batch is dealt over the two ranks left (6 samples each).
+    assert len(logs[0][8]) == len(logs[1][8]) == 6
+    assert "the next outer step averages over them" in (tmp_path / "log-0.txt").read_text(), _logs(tmp_path)
+
+
+def test_a_host_that_joins_takes_the_synced_parameters(tmp_path):
+    """World size 2 -> 3, one rank per host: a third host is taken in after step 5 (mid-period: H=4). It starts
+    from the synced parameters (not a host's progress since the last outer step), and the run equals the
+    reference; after the outer step of step 11 every replica is the same, bitwise."""
+    codes = _run(tmp_path, 2, {0: ["--wait-for-joiner-at", "5"], 1: ["--wait-for-joiner-at", "5"]}, joiner=True)
+    assert codes == [0, 0, 0], _logs(tmp_path)
+    results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in range(3)}
+    joined = results[2]["joined"]
+    assert joined is not None and 5 <= joined["at"] < 8, joined  # mid-period
+    assert all(torch.equal(p, s) for p, s in zip(joined["params"], joined["synced"]))
+    logs = {rank: _applied(tmp_path, rank) for rank in range(3)}
+    assert min(logs[2]) == joined["at"]
+    expected = reference(logs, {2: joined["at"]}, 12)
+    for rank, result in results.items():
+        assert result["generation"][1] == [0, 1, 2], result["generation"]
+        assert _max_diff(result["params"], expected[rank]) < 1e-10, (rank, _max_diff(result["params"], expected[rank]))
+        assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"])), rank
