@@ -39,9 +39,9 @@ def _start(env: dict, rank: int, world_size: int, directory: Path, extra: list, 
     return start_python([JOB, str(directory), *extra], cwd=ROOT, env=env, log=directory / f"log-{rank}.txt")
 
 
-def _run(tmp_path: Path, ranks: int, extra: dict, joiner: bool = False) -> list:
-    """`ranks` ranks train (rank r with extra.get(r, [])); with `joiner`, one more starts as a joiner once they
-    made a step. Returns every process's exit code."""
+def _run(tmp_path: Path, ranks: int, extra: dict, joiner: bool = False, joiner_after: int = 1) -> list:
+    """`ranks` ranks train (rank r with extra.get(r, [])); with `joiner`, one more starts as a joiner once rank 0
+    made `joiner_after` steps. Returns every process's exit code."""
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHALANX_MIN_WORLD_SIZE": "1",
            "PHALANX_STORE_ATTEMPT": ATTEMPT, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
@@ -51,7 +51,7 @@ def _run(tmp_path: Path, ranks: int, extra: dict, joiner: bool = False) -> list:
     try:
         if joiner:
             deadline = time.monotonic() + 120
-            while not (tmp_path / "ids-0.jsonl").exists() or not (tmp_path / "ids-0.jsonl").read_text():
+            while len(_applied(tmp_path, 0)) < joiner_after:
                 assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(tmp_path)
                 time.sleep(0.1)
             store = dist.PrefixStore(f"phalanx/{ATTEMPT}", dist.TCPStore("127.0.0.1", port, is_master=False,
@@ -78,7 +78,9 @@ def reference(logs: dict[int, dict[int, list[int]]], joins: dict[int, int], step
     """One process: each host's inner SGD (momentum) on the mean loss of the samples it logged at each step, and after
     every EVERY-th step the mean pseudo-gradient of the hosts that made that step into a Nesterov SGD (0.7, 0.9)
     on the synced parameters, which those hosts then take. A host in `joins` (rank: steps done when it was taken
-    in) starts then from the synced parameters with host 0's inner optimizer state. Each host's final parameters."""
+    in) starts then from the synced parameters with host 0's inner optimizer state. A step made by one host only
+    ends no period (exact DDP); a host that joins one host starts a new period from that host's parameters. Each
+    host's final parameters."""
     models, inner = {}, {}
     synced_model = make_model()
     synced = list(synced_model.parameters())
@@ -90,6 +92,11 @@ def reference(logs: dict[int, dict[int, list[int]]], joins: dict[int, int], step
     for step in range(steps):
         for rank, at in joins.items():
             if at == step:
+                alone = [r for r in models if step - 1 in logs[r]]
+                if len(alone) == 1:  # a world of one host: a new period from its parameters
+                    with torch.no_grad():
+                        for s, p in zip(synced, models[alone[0]].parameters()):
+                            s.copy_(p)
                 models[rank] = copy.deepcopy(synced_model)
                 inner[rank] = torch.optim.SGD(models[rank].parameters(), lr=LR, momentum=MOMENTUM)
                 inner[rank].load_state_dict(copy.deepcopy(inner[0].state_dict()))
@@ -101,7 +108,7 @@ def reference(logs: dict[int, dict[int, list[int]]], joins: dict[int, int], step
             inner[rank].zero_grad()
             F.mse_loss(models[rank](x), y).backward()
             inner[rank].step()
-        if (step + 1) % EVERY == 0:
+        if (step + 1) % EVERY == 0 and len(made) > 1:
             with torch.no_grad():
                 for i, s in enumerate(synced):
                     s.grad = sum(s - list(models[rank].parameters())[i] for rank in made) / len(made)
@@ -158,3 +165,24 @@ def test_a_host_that_joins_takes_the_synced_parameters(tmp_path):
         assert result["generation"][1] == [0, 1, 2], result["generation"]
         assert _max_diff(result["params"], expected[rank]) < 1e-10, (rank, _max_diff(result["params"], expected[rank]))
         assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"])), rank
+
+
+def test_one_host_left_is_exact_ddp_until_a_host_returns(tmp_path):
+    """World size 2 -> 1 -> 2, one rank per host: host 1 is SIGKILLed before step 2; host 0 goes on alone as exact
+    DDP (no outer step after step 3), and a host taken in after step 5 or 6 starts a new period from host 0's
+    parameters: the reference, and every replica the same after the outer step of step 11."""
+    codes = _run(tmp_path, 2, {0: ["--wait-for-joiner-at", "6"], 1: ["--die-at", "2"]}, joiner=True, joiner_after=6)
+    assert codes == [0, -9, 0], _logs(tmp_path)
+    joiner = 2
+    results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in (0, joiner)}
+    joined = results[joiner]["joined"]
+    assert joined is not None and 6 <= joined["at"] < 8, joined
+    logs = {rank: _applied(tmp_path, rank) for rank in (0, 1, joiner)}
+    expected = reference(logs, {joiner: joined["at"]}, 12)
+    for rank, result in results.items():
+        assert result["generation"][1] == [0, joiner], result["generation"]
+        assert _max_diff(result["params"], expected[rank]) < 1e-10, (rank, _max_diff(result["params"], expected[rank]))
+        assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"])), rank
+    assert results[0]["outer_steps"] == 2  # after steps 7 and 11; none after step 3, alone
+    log = (tmp_path / "log-0.txt").read_text()
+    assert "one host left after step" in log and "an outer step across hosts again" in log, _logs(tmp_path)
