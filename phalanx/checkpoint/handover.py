@@ -7,7 +7,8 @@ parallelism keeps every replica's state bitwise equal after each step, so the te
 stripe per rank that trains, each sent by that rank: a joiner receives from all of them at once, and the
 transfer takes about the state's size over the joiners' link, not over one sender's. The layout (the
 entries with their tensors left empty, their shapes, the step count) comes from the first rank, serialized
-with torch.save and loaded with weights_only=True like a checkpoint file. A sharded optimizer's state is on no
+with torch.save and loaded with weights_only=True like a checkpoint file. Replicas that differ between hosts
+(DiLoCo in mid-period) are handed over by the first rank alone, whole. A sharded optimizer's state is on no
 rank whole: its entry holds the param groups and the layout only (ShardedOptimizer.handover_state_dict), and the
 regroup that takes the joiners in cuts the state for them.
 Both ends of it are here: `take_in_joiners` on the ranks that train (Checkpointer.step(), at a step their stop

@@ -186,3 +186,15 @@ def test_one_host_left_is_exact_ddp_until_a_host_returns(tmp_path):
     assert results[0]["outer_steps"] == 2  # after steps 7 and 11; none after step 3, alone
     log = (tmp_path / "log-0.txt").read_text()
     assert "one host left after step" in log and "an outer step across hosts again" in log, _logs(tmp_path)
+
+
+def test_a_joiner_handed_no_outer_state_is_refused_and_the_others_go_on(tmp_path):
+    """World size 2, one rank per host, model.outer_step left out of the Checkpointer's state: the joiner, handed
+    no synced parameters, outer momentum or step count, raises AcrossHostsError; the two hosts go on without it."""
+    extra = {rank: ["--wait-for-joiner-at", "5", "--outer-not-in-state"] for rank in range(3)}
+    codes = _run(tmp_path, 2, extra, joiner=True)
+    assert codes[:2] == [0, 0] and codes[2] != 0, _logs(tmp_path)
+    log = (tmp_path / "log-2.txt").read_text()
+    assert "AcrossHostsError" in log and "state['outer'] = model.outer_step" in log, _logs(tmp_path)
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"result-{rank}.pt", weights_only=True)["outer_steps"] == 3

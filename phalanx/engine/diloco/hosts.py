@@ -58,7 +58,7 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
             return group, OneHost(config)
         # Under live recovery an outer step that waits for hosts to come (a joiner starts in a world of its own).
         outer = OuterStep(config, params, buffers, group, None, 1, topology.local, topology.local_size)
-        outer.live = LiveOuter((), generation.current().members)
+        outer.live = LiveOuter((), generation.current())
         return group, outer
     if not topology.uniform:
         raise AcrossHostsError(explain(
@@ -68,11 +68,11 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
     logger.info("across_hosts=%s: exact DDP inside each of %s, an outer step across hosts every %d optimizer "
                 "steps; the replica audit compares the ranks of a host", config, topology.describe(), config.every)
     if live:  # groups made by name, as after a regroup (live.py)
-        members = generation.current()
-        host, network, chunks = make_groups(topology, members.members, members.number)
+        now = generation.current()
+        host, network, chunks = make_groups(topology, now.members, now.number)
         outer = OuterStep(config, params, buffers, host, network, len(topology.hosts), topology.local,
                           topology.local_size, chunks)
-        outer.live = LiveOuter((host, network), members.members)
+        outer.live = LiveOuter((host, network), now)
         return host, outer
     hosts = HostGroups(topology, group).build()
     return hosts.host, OuterStep(config, params, buffers, hosts.host, hosts.network, len(topology.hosts),

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ...errors import PeerDiedError
+from ...errors import AcrossHostsError, PeerDiedError, explain
 from ...log import logger
 from ...world import generation, joining
 from ...world import group as world
@@ -56,14 +56,21 @@ class LiveOuter:
     """What an OuterStep needs to follow the generations: the groups it made (released at the next regroup) and the
     members it had (a regroup that lost some aborts them rather than waiting on them)."""
 
-    def __init__(self, made: tuple, members: tuple[int, ...]):
+    def __init__(self, made: tuple, before):
         self.made = [group for group in made if group is not None]
-        self.members = members
+        self.members, self.number = before.members, before.number
 
     @torch.no_grad()
     def regroup(self, outer, survivors) -> object:
         """Collective over generation `survivors`: the host and cross-host groups made for it, `outer` bound to
         them, and the host group returned (the DDP model's next process group)."""
+        if self.number == joining.SOLO and not outer._handed:
+            raise AcrossHostsError(explain(
+                "a rank taken into a run with across_hosts=DiLoCo(...) was handed no outer state", rank=dist.get_rank(),
+                seen="state without model.outer_step", expected="state['outer'] = model.outer_step in the state of "
+                "checkpointer.restore(state) and checkpointer.step(state), on every rank",
+                fix="Put model.outer_step in the Checkpointer's state (docs/diloco.md): the synced parameters, the "
+                    "outer momentum and the step count come with it."))
         before = outer.hosts
         topology = host_topology(survivors.group)
         if topology.spans_hosts:
@@ -73,7 +80,8 @@ class LiveOuter:
             host, network, chunks, made = survivors.group, None, 1, ()
         lost = bool(set(self.members) - set(survivors.members))
         release.set_aside(self.made, lost)  # freed once every follower moved off them
-        self.made, self.members = [group for group in made if group is not None], survivors.members
+        self.made = [group for group in made if group is not None]
+        self.members, self.number = survivors.members, survivors.number
         if outer._handed:  # taken in: the synced parameters every host holds, not a host's progress since
             for p, s in zip(outer.params, outer.synced):
                 p.copy_(s)

@@ -2,13 +2,14 @@
 (GROUP_RANK, the launcher's node rank, set by the test): a host that dies in mid-period, or one that joins.
 
     python tests/e2e/jobs/diloco_live_job.py RUN_DIR [--die-at STEP] [--no-checkpointer]
-        [--wait-for-joiner-at STEP] [--steps N]
+        [--wait-for-joiner-at STEP] [--steps N] [--outer-not-in-state]
 
 A global batch of 12 in micro-batches of 2 over an indexed dataset (x, y drawn from the sample's index), inner SGD
 with momentum, 12 steps. `--die-at`: this rank SIGKILLs itself before its first forward of that step (0-based).
 `--no-checkpointer`: no checkpointer.step() in the loop, so that the ranks left first meet the loss in the outer
 step's collective (else in the checkpointer's agreement, in mid-period). `--wait-for-joiner-at`: at that step the
-ranks that train wait (up to 120 s) until a joiner is ready. Every rank appends `[step, ids]` per applied step to
+ranks that train wait (up to 120 s) until a joiner is ready. `--outer-not-in-state`: the Checkpointer's state
+lacks model.outer_step (a joiner then refuses). Every rank appends `[step, ids]` per applied step to
 RUN_DIR/ids-<rank>.jsonl; each rank that finishes writes RUN_DIR/result-<rank>.pt: its final parameters, synced
 parameters, outer steps, generation, the step it was taken in at and, for a joiner, its parameters and synced
 parameters right after it was taken in.
@@ -61,6 +62,7 @@ def main():
     parser.add_argument("--no-checkpointer", action="store_true")
     parser.add_argument("--wait-for-joiner-at", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--outer-not-in-state", action="store_true", help="leave model.outer_step out of the state")
     args = parser.parse_args()
     torch.set_num_threads(1)
     px.init()
@@ -72,6 +74,8 @@ def main():
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints", every=1000)  # never saves: a join reads no file
     state = {"model": model, "optimizer": optimizer, "loader": loader, "outer": model.outer_step}
+    if args.outer_not_in_state:
+        del state["outer"]
     checkpointer.restore(state)
     joined = None
     if joining.requested():
