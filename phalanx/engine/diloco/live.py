@@ -109,8 +109,8 @@ class LiveOuter:
                 failed_elsewhere = not generation.commit_step()
             except RuntimeError as lost:  # PeerFailedError is one
                 outer.in_flight.clear()
-                if not generation.is_loss(lost):
-                    raise
+                if not (generation.is_loss(lost) and generation.recovers_in_process()):
+                    raise  # a loop that cannot regroup (no global batch): the run restarts from its checkpoint
                 generation.fail_step()
                 generation.recover(lost)
                 continue
