@@ -146,6 +146,8 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._has_buffers = bool(synced_buffers(module, self._ignored))
         self._divide_by_initial_world_size = True
         self._build_engine()
+        if getattr(self.outer_step, "live", None) is not None:  # DiLoCo under live recovery
+            self._agree_on_commits(self.samples_group)
         self._follow_generations()
 
     def _build_engine(self) -> None:

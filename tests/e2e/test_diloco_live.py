@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from phalanx.engine.diloco.fragments import due, split
 from phalanx.testing import free_port
 from phalanx.world import joining
 from tests.conftest import ROOT
@@ -33,26 +34,26 @@ JOB = str(Path(__file__).resolve().parent / "jobs" / "diloco_live_job.py")
 ATTEMPT = "diloco-live-test"
 
 
-def _start(env: dict, rank: int, world_size: int, directory: Path, extra: list, **more):
-    env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "GROUP_RANK": str(rank), **more}  # one rank per host
+def _start(env: dict, rank: int, world_size: int, directory: Path, extra: list, local: int = 1, **more):
+    env = {**env, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local),
+           "LOCAL_WORLD_SIZE": str(local), "GROUP_RANK": str(rank // local), **more}  # `local` ranks per host
     return start_python([JOB, str(directory), *extra], cwd=ROOT, env=env, log=directory / f"log-{rank}.txt")
 
 
-def _run(tmp_path: Path, ranks: int, extra: dict, joiner: bool = False, joiner_after: int = 1) -> list:
-    """`ranks` ranks train (rank r with extra.get(r, [])); with `joiner`, one more starts as a joiner once rank 0
-    made `joiner_after` steps. Returns every process's exit code."""
+def _run(tmp_path: Path, ranks: int, extra: dict, joiner: bool = False, joiner_after: int = 1, local: int = 1) -> list:
+    """`ranks` ranks train, `local` a host (rank r with extra.get(r, [])); with `joiner`, one more starts as a joiner
+    (a host of its own) once rank 0 made `joiner_after` steps. Returns every process's exit code."""
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PHALANX_MIN_WORLD_SIZE": "1",
            "PHALANX_STORE_ATTEMPT": ATTEMPT, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
            "PHALANX_DDP_STALL_TIMEOUT": "20", "PHALANX_MEMBERSHIP_TIMEOUT": "30",
            "PHALANX_STOP_INTERVAL": "0"}  # an agreement at every step: a loss or a joiner met at once
-    processes = [_start(env, rank, ranks, tmp_path, extra.get(rank, [])) for rank in range(ranks)]
+    processes = [_start(env, rank, ranks, tmp_path, extra.get(rank, []), local) for rank in range(ranks)]
     try:
         if joiner:
             deadline = time.monotonic() + 120
             while len(_applied(tmp_path, 0)) < joiner_after:
-                assert time.monotonic() < deadline and all(p.poll() is None for p in processes), _logs(tmp_path)
+                assert time.monotonic() < deadline and processes[0].poll() is None, _logs(tmp_path)
                 time.sleep(0.1)
             store = dist.PrefixStore(f"phalanx/{ATTEMPT}", dist.TCPStore("127.0.0.1", port, is_master=False,
                                                                           timeout=timedelta(seconds=30)))
@@ -74,14 +75,26 @@ def _applied(directory: Path, rank: int) -> dict[int, list[int]]:
     return {step: ids for step, ids in map(json.loads, path.read_text().splitlines())} if path.exists() else {}
 
 
-def reference(logs: dict[int, dict[int, list[int]]], joins: dict[int, int], steps: int) -> dict[int, list]:
-    """One process: each host's inner SGD (momentum) on the mean loss of the samples it logged at each step, and after
-    every EVERY-th step the mean pseudo-gradient of the hosts that made that step into a Nesterov SGD (0.7, 0.9)
-    on the synced parameters, which those hosts then take. A host in `joins` (rank: steps done when it was taken
-    in) starts then from the synced parameters with host 0's inner optimizer state. A step made by one host only
-    ends no period (exact DDP); a host that joins one host starts a new period from that host's parameters. Each
-    host's final parameters."""
+def _by_host(directory: Path, ranks: int, local: int) -> dict[int, dict[int, list[int]]]:
+    """{host: {step: the ids its ranks applied}}: a host's inner step averages over all of them."""
+    hosts: dict[int, dict[int, list[int]]] = {}
+    for rank in range(ranks):
+        for step, ids in _applied(directory, rank).items():
+            hosts.setdefault(rank // local, {}).setdefault(step, []).extend(ids)
+    return hosts
+
+
+def reference(logs: dict[int, dict[int, list[int]]], joins: dict[int, int], steps: int,
+              fragments: int = 1) -> dict[int, list]:
+    """One process: each host's inner SGD (momentum) on the mean loss of the samples its ranks logged at each step
+    (`logs` by host), and after each step a fragment is due at (every EVERY-th step when `fragments` is 1) the mean
+    pseudo-gradient of that fragment over the hosts that made the step into a Nesterov SGD (0.7, 0.9) on the synced
+    parameters, which those hosts then take. A host in `joins` (host: steps done when it was taken in) starts then
+    from the synced parameters with host 0's inner optimizer state. A step made by one host only ends no period
+    (exact DDP); a host that joins one host starts a new period from that host's parameters. Each host's final
+    parameters."""
     models, inner = {}, {}
+    parts = split([p.numel() for p in make_model().parameters()], fragments)
     synced_model = make_model()
     synced = list(synced_model.parameters())
     outer = torch.optim.SGD(synced, lr=0.7, momentum=0.9, nesterov=True)
@@ -108,14 +121,15 @@ def reference(logs: dict[int, dict[int, list[int]]], joins: dict[int, int], step
             inner[rank].zero_grad()
             F.mse_loss(models[rank](x), y).backward()
             inner[rank].step()
-        if (step + 1) % EVERY == 0 and len(made) > 1:
+        for k in due(step + 1, EVERY, fragments) if len(made) > 1 else ():
             with torch.no_grad():
-                for i, s in enumerate(synced):
-                    s.grad = sum(s - list(models[rank].parameters())[i] for rank in made) / len(made)
-                outer.step()
+                for i in parts[k]:
+                    synced[i].grad = sum(synced[i] - list(models[rank].parameters())[i] for rank in made) / len(made)
+                outer.step()  # the other fragments' parameters have no gradient: skipped
                 for rank in made:
-                    for p, s in zip(models[rank].parameters(), synced):
-                        p.copy_(s)
+                    for i in parts[k]:
+                        list(models[rank].parameters())[i].copy_(synced[i])
+                        synced[i].grad = None
     return {rank: [p.detach().clone() for p in model.parameters()] for rank, model in models.items()}
 
 
@@ -123,26 +137,29 @@ def _max_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("noticed", ["checkpointer", "outer-step"])
-def test_a_host_lost_in_mid_period_leaves_the_others_to_average_without_it(tmp_path, noticed):
+@pytest.mark.parametrize("noticed, fragments", [("checkpointer", 1), ("outer-step", 1), ("outer-step", 2)])
+def test_a_host_lost_in_mid_period_leaves_the_others_to_average_without_it(tmp_path, noticed, fragments):
     """World size 3, one rank per host: host 2 is SIGKILLed before step 5 (mid-period: H=4). Hosts 0 and 1 meet the
-    loss in the checkpointer's agreement after step 5, or in the outer step after step 7 (which they redo without
-    host 2); they finish equal to the reference in which the outer steps after the loss average over them only."""
+    loss in the checkpointer's agreement after step 5, or in the outer step after step 7 (with 2 fragments, the one
+    after step 5), which they redo without host 2; they finish equal to the reference in which the outer steps
+    after the loss average over them only."""
     extra = {2: ["--die-at", "5"]}
     if noticed == "outer-step":
         extra = {rank: [*extra.get(rank, []), "--no-checkpointer"] for rank in range(3)}
+    extra = {rank: [*extra.get(rank, []), "--fragments", str(fragments)] for rank in range(3)}
     codes = _run(tmp_path, 3, extra)
     assert codes == [0, 0, -9], _logs(tmp_path)
     logs = {rank: _applied(tmp_path, rank) for rank in range(3)}
     assert sorted(logs[2]) == [0, 1, 2, 3, 4]
-    expected = reference(logs, {}, 12)
+    expected = reference(logs, {}, 12, fragments)
     results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in (0, 1)}
     for rank, result in results.items():
         assert result["generation"] == [1, [0, 1]], result["generation"]
-        assert result["outer_steps"] == 3
+        assert result["outer_steps"] == 3 * fragments
         assert _max_diff(result["params"], expected[rank]) < 1e-10, _max_diff(result["params"], expected[rank])
-    # Step 11 ended an outer step: both hosts hold the synced parameters, bitwise.
-    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    # Step 11 ended an outer step of fragment 0 (the whole model when F=1): both hosts hold it synced, bitwise.
+    synced_last = split([p.numel() for p in results[0]["params"]], fragments)[0]
+    assert all(torch.equal(results[0]["params"][i], results[1]["params"][i]) for i in synced_last)
     # After the loss the global batch is dealt over the two ranks left (6 samples each).
     assert len(logs[0][8]) == len(logs[1][8]) == 6
     assert "the next outer step averages over them" in (tmp_path / "log-0.txt").read_text(), _logs(tmp_path)
@@ -198,3 +215,20 @@ def test_a_joiner_handed_no_outer_state_is_refused_and_the_others_go_on(tmp_path
     assert "AcrossHostsError" in log and "state['outer'] = model.outer_step" in log, _logs(tmp_path)
     for rank in (0, 1):
         assert torch.load(tmp_path / f"result-{rank}.pt", weights_only=True)["outer_steps"] == 3
+
+
+def test_a_rank_lost_on_a_host_that_stays_leaves_hosts_unequal(tmp_path):
+    """World size 4, 2 hosts x 2 ranks: rank 3 is SIGKILLed before step 5; host 1 goes on with rank 2 alone (its
+    exact step redone), the pseudo-gradient cut into one chunk (host 0's rank 1 only gathers it), and the run
+    equals the reference of two hosts each stepping on its ranks' samples."""
+    codes = _run(tmp_path, 4, {3: ["--die-at", "5"]}, local=2)
+    assert codes == [0, 0, 0, -9], _logs(tmp_path)
+    expected = reference(_by_host(tmp_path, 4, 2), {}, 12)
+    results = {rank: torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in range(3)}
+    for rank, result in results.items():
+        assert result["generation"] == [1, [0, 1, 2]], result["generation"]
+        assert result["outer_steps"] == 3
+        diff = _max_diff(result["params"], expected[rank // 2])
+        assert diff < 1e-10, (rank, diff)
+        assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"])), rank
+    assert "2 host(s) x [2, 1] rank(s)" in (tmp_path / "log-0.txt").read_text(), _logs(tmp_path)

@@ -58,7 +58,7 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
             return group, OneHost(config)
         # Under live recovery an outer step that waits for hosts to come (a joiner starts in a world of its own).
         outer = OuterStep(config, params, buffers, group, None, 1, topology.local, topology.local_size)
-        outer.live = LiveOuter((), generation.current())
+        outer.live = LiveOuter((), generation.current(), topology)
         return group, outer
     if not topology.uniform:
         raise AcrossHostsError(explain(
@@ -72,7 +72,7 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
         host, network, chunks = make_groups(topology, now.members, now.number)
         outer = OuterStep(config, params, buffers, host, network, len(topology.hosts), topology.local,
                           topology.local_size, chunks)
-        outer.live = LiveOuter((host, network), now)
+        outer.live = LiveOuter((host, network), now, topology)
         return host, outer
     hosts = HostGroups(topology, group).build()
     return hosts.host, OuterStep(config, params, buffers, hosts.host, hosts.network, len(topology.hosts),

@@ -56,9 +56,10 @@ class LiveOuter:
     """What an OuterStep needs to follow the generations: the groups it made (released at the next regroup) and the
     members it had (a regroup that lost some aborts them rather than waiting on them)."""
 
-    def __init__(self, made: tuple, before):
+    def __init__(self, made: tuple, before, topology: Topology):
         self.made = [group for group in made if group is not None]
         self.members, self.number = before.members, before.number
+        self.layout = [len(ranks) for ranks in topology.hosts]  # ranks per host, as last said
 
     @torch.no_grad()
     def regroup(self, outer, survivors) -> object:
@@ -88,12 +89,14 @@ class LiveOuter:
         elif before == 1 and topology.spans_hosts:  # a host came back to a world of one: a new period from here
             for s, p in zip(outer.synced, outer.params):
                 s.copy_(p)
-        hosts = len(topology.hosts)
+        hosts, layout = len(topology.hosts), [len(ranks) for ranks in topology.hosts]
         outer.host, outer.network, outer.hosts = host, network, hosts
         outer.local, outer.local_size, outer.chunks = topology.local, topology.local_size, chunks
         # The residuals were of the chunks cut for the old hosts: they start at zero, as on a resume at another count.
         outer.exchange = exchange(outer.config.compress, network, hosts) if network is not None else Exact(None, hosts)
-        _say(before, topology, outer.steps)
+        if layout != self.layout:
+            _say(before, topology, outer.steps)
+        self.layout = layout
         return host
 
     def sync_now(self, outer, k: int) -> None:
@@ -132,6 +135,6 @@ def _say(before: int, topology: Topology, step: int) -> None:
     elif hosts > 1 and before == 1:
         logger.info("across_hosts=DiLoCo: %s after step %d: an outer step across hosts again, a new period from "
                     "this host's parameters", topology.describe(), step)
-    elif hosts != before:
+    elif hosts > 1:
         logger.info("across_hosts=DiLoCo: %s after step %d: the next outer step averages over them",
                     topology.describe(), step)

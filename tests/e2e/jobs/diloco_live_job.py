@@ -1,8 +1,9 @@
 """The loop of docs/data.md with `across_hosts=px.DiLoCo(every=4)` under live recovery, one rank per emulated host
-(GROUP_RANK, the launcher's node rank, set by the test): a host that dies in mid-period, or one that joins.
+(GROUP_RANK, the launcher's node rank, set by the test; or several): a host or rank that dies in mid-period, or a
+host that joins.
 
     python tests/e2e/jobs/diloco_live_job.py RUN_DIR [--die-at STEP] [--no-checkpointer]
-        [--wait-for-joiner-at STEP] [--steps N] [--outer-not-in-state]
+        [--wait-for-joiner-at STEP] [--steps N] [--outer-not-in-state] [--fragments F]
 
 A global batch of 12 in micro-batches of 2 over an indexed dataset (x, y drawn from the sample's index), inner SGD
 with momentum, 12 steps. `--die-at`: this rank SIGKILLs itself before its first forward of that step (0-based).
@@ -63,6 +64,7 @@ def main():
     parser.add_argument("--wait-for-joiner-at", type=int, default=-1)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--outer-not-in-state", action="store_true", help="leave model.outer_step out of the state")
+    parser.add_argument("--fragments", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     px.init()
@@ -70,7 +72,7 @@ def main():
     dataset = Indexed(GLOBAL_BATCH * args.steps)
     loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                            sampler=px.DistributedSampler(dataset, shuffle=False))
-    model = px.DistributedDataParallel(make_model(), across_hosts=px.DiLoCo(every=EVERY))
+    model = px.DistributedDataParallel(make_model(), across_hosts=px.DiLoCo(every=EVERY, fragments=args.fragments))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints", every=1000)  # never saves: a join reads no file
     state = {"model": model, "optimizer": optimizer, "loader": loader, "outer": model.outer_step}
