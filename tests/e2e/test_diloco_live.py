@@ -232,3 +232,13 @@ def test_a_rank_lost_on_a_host_that_stays_leaves_hosts_unequal(tmp_path):
         assert diff < 1e-10, (rank, diff)
         assert all(torch.equal(a, b) for a, b in zip(result["params"], results[0]["params"])), rank
     assert "2 host(s) x [2, 1] rank(s)" in (tmp_path / "log-0.txt").read_text(), _logs(tmp_path)
+
+
+def test_a_stop_after_a_rank_lost_on_a_host_that_stays_saves_every_host_at_one_step(tmp_path):
+    """World size 4, 2 hosts x 2 ranks: rank 3 is SIGKILLed before step 5 (rank 2 meets the loss in step 5's own
+    exchange and redoes it, the others at step 5's agreement), then rank 0 asks for a stop in step 8: the three
+    ranks left agree on one step, save there and end (code 75), not a step apart."""
+    codes = _run(tmp_path, 4, {0: ["--stop-at", "8"], 3: ["--die-at", "5"]}, local=2)
+    assert codes == [75, 75, 75, -9], _logs(tmp_path)
+    last = {rank: max(_applied(tmp_path, rank)) for rank in range(3)}
+    assert len(set(last.values())) == 1 and last[0] >= 8, last

@@ -3,14 +3,15 @@
 host that joins.
 
     python tests/e2e/jobs/diloco_live_job.py RUN_DIR [--die-at STEP] [--no-checkpointer]
-        [--wait-for-joiner-at STEP] [--steps N] [--outer-not-in-state] [--fragments F]
+        [--wait-for-joiner-at STEP] [--steps N] [--outer-not-in-state] [--fragments F] [--stop-at STEP]
 
 A global batch of 12 in micro-batches of 2 over an indexed dataset (x, y drawn from the sample's index), inner SGD
 with momentum, 12 steps. `--die-at`: this rank SIGKILLs itself before its first forward of that step (0-based).
 `--no-checkpointer`: no checkpointer.step() in the loop, so that the ranks left first meet the loss in the outer
 step's collective (else in the checkpointer's agreement, in mid-period). `--wait-for-joiner-at`: at that step the
 ranks that train wait (up to 120 s) until a joiner is ready. `--outer-not-in-state`: the Checkpointer's state
-lacks model.outer_step (a joiner then refuses). Every rank appends `[step, ids]` per applied step to
+lacks model.outer_step (a joiner then refuses). `--stop-at`: rank 0 asks for a stop in that step (every rank
+saves at the step they agree on and ends with code 75). Every rank appends `[step, ids]` per applied step to
 RUN_DIR/ids-<rank>.jsonl; each rank that finishes writes RUN_DIR/result-<rank>.pt: its final parameters, synced
 parameters, outer steps, generation, the step it was taken in at and, for a joiner, its parameters and synced
 parameters right after it was taken in.
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
-from phalanx.world import generation, joining
+from phalanx.world import generation, joining, stop
 from phalanx.world import group as world
 
 GLOBAL_BATCH, MICRO_BATCH, EVERY, LR, MOMENTUM = 12, 2, 4, 0.1, 0.9
@@ -65,6 +66,7 @@ def main():
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--outer-not-in-state", action="store_true", help="leave model.outer_step out of the state")
     parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--stop-at", type=int, default=-1, help="rank 0 asks for a stop in this step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     px.init()
@@ -101,6 +103,8 @@ def main():
             optimizer.step()
             log.write(json.dumps([step.index, ids]) + "\n")
             log.flush()
+            if step.index == args.stop_at and rank == 0:
+                stop.request("requested")  # as a signal does: every rank saves at the step they agree on, and ends
             if not args.no_checkpointer:
                 checkpointer.step(state)
     current = generation.current()
