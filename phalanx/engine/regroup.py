@@ -109,7 +109,7 @@ class RegroupMixin:
         no map of used parameters (a Gloo all-reduce after the exchange). Under DiLoCo the commit is the whole
         world's while each host exchanges alone: every rank answers alike (_agree_on_commits)."""
         reducer = self._reducer
-        if getattr(self, "_hosts_settle", None) is not None:
+        if getattr(self, "_hosts_settle", None) is not None:  # asked once a step (its last backward)
             fresh, self._engine_fresh = self._engine_fresh, False
             return reducer is not None and self._hosts_settle and not fresh
         return (reducer is not None and reducer.rebuilt and not reducer.tolerate_unused
@@ -122,7 +122,7 @@ class RegroupMixin:
         every rank (shared memory's one-time rebuild broadcasts over Gloo)."""
         reducer = self._reducer
         alike = not reducer.tolerate_unused and (self.process_group.size() == 1 or reducer.exchange.settles_alike)
-        flag = torch.tensor([int(alike)], dtype=torch.int32)
+        flag = torch.tensor([int(alike)], dtype=torch.int32, device=collective_device(group, self._control_device))
         generation.wait_for(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True),
                             "DiLoCo's agreement on per-step commits")
         self._hosts_settle, self._engine_fresh = bool(flag.item()), True
