@@ -69,6 +69,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("diloco.quality", _script("hosts/diloco_quality.py", "--hosts", "2", "--seeds", "0", "--steps", "100",
                                 "--every", "50"),
       "examples/gpt's validation loss after the same samples, exact DDP against DiLoCo H=50 int8", 34),
+    S("diloco.live_recovery", _script("hosts/diloco_quality.py", "--hosts", "3", "--seeds", "0", "--steps", "100",
+                                      "--every", "50", "--kill-host", "1", "--kill-at-step", "75"),
+      "examples/gpt's validation loss, DiLoCo H=50 on 3 hosts with one SIGKILLed in mid-period under live recovery, "
+      "against the uninterrupted run", 70),
     # -- sharding
     S("sharding.memory", (*BENCH, "--memory", "--worlds", "2", "--rss-worlds", "2", "--rss-variants",
                           "torch-ddp,phalanx-none,phalanx-gradients,phalanx-parameters+meta", "--time-models", "wide",

@@ -5,19 +5,27 @@ loop is examples/gpt/train.py's (its data, model, AdamW with warmup and cosine, 
 with `across_hosts=` the only difference between the two modes; every --val-every steps (a multiple of H, right
 after the outer step, when every host holds the synced model) it measures the validation loss over every window
 of the held-out 10 %, shared out over all ranks. Rank 0 writes the curve as JSON.
+
+Under live recovery (`phalanx run --min-world-size`) the loop is docs/data.md's global batch (what lets the ranks left
+re-split a step: --batch-size x the first world's ranks sequences a step), and `--kill-at-step S` on the host whose
+node rank is `--kill-host` writes `--out`.kill before step S and waits: benchmarks/hosts/diloco_quality.py then
+SIGKILLs that host's launcher and worker.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 import phalanx as px
+from phalanx.world import generation
 
 GPT_DIR = Path(__file__).resolve().parents[2] / "examples" / "gpt"
 sys.path.insert(0, str(GPT_DIR))
@@ -43,6 +51,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=20)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--kill-host", type=int, default=-1, help="the node rank of the host to kill")
+    parser.add_argument("--kill-at-step", type=int, default=-1, help="before this step (counted from 1)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     px.init()
@@ -63,16 +73,27 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, args.steps))
-    loader = px.DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
-                           sampler=px.DistributedSampler(train_set, shuffle=True, seed=args.seed))
+    live = generation.live_recovery()
     samples_per_step = args.batch_size * px.world_size()
+    loader = px.DataLoader(train_set, batch_size=args.batch_size, drop_last=True,
+                           global_batch_size=samples_per_step if live else None,
+                           sampler=px.DistributedSampler(train_set, shuffle=True, seed=args.seed))
+    doomed = live and int(os.environ.get("GROUP_RANK", "-1")) == args.kill_host
     curve, step, epoch = [], 0, 0
     while step < args.steps:
         loader.set_epoch(epoch)
-        for x, y in loader:
+        for batch in loader:
+            if doomed and step + 1 == args.kill_at_step:  # mid-period: the driver SIGKILLs this host whole
+                Path(args.out + ".kill").write_text(str(step + 1))
+                time.sleep(3600)
             optimizer.zero_grad(set_to_none=True)
-            _, loss = model(x, y)
-            loss.backward()
+            if live:  # a GlobalStep: its micro-batches, re-split over the ranks left after a loss
+                for x, y in batch.micro_batches(model):
+                    _, loss = model(x, y)
+                    batch.backward(loss)
+            else:
+                _, loss = model(*batch)
+                loss.backward()
             model.clip_grad_norm_(1.0)
             optimizer.step()
             scheduler.step()
@@ -87,7 +108,7 @@ def main() -> None:
     outer = getattr(model, "outer_step", None)
     if px.is_main():
         Path(args.out).write_text(json.dumps({
-            "mode": args.mode, "seed": args.seed, "args": vars(args), "world": px.world_size(),
+            "mode": args.mode, "seed": args.seed, "args": vars(args), "world": px.world_size(), "live": live,
             "curve": curve, "outer_steps": getattr(outer, "outer_steps", 0),
             "bytes_across_hosts": getattr(outer, "bytes_across_hosts", 0)}))
     px.shutdown()

@@ -18,6 +18,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from ..diagnose import progress, recorder
 from ..errors import CheckpointError, explain
 from ..log import logger
@@ -79,6 +82,9 @@ class Checkpointer:
         self._background = BackgroundSaves(self.directory) if self.async_save else None
         self._trail = AuditTrail(self)  # the saves the replica audit vouches for, or sets aside
         progress.checkpointer(str(self.directory))
+        self._agree_after = 0  # live recovery: the ranks left start their stop agreement past this step count
+        if generation.live_recovery():
+            generation.on_regroup(self._onto_generation)
         if every is not None:  # the loop will call step(): a stop request can wait for it
             stop.listen()
             progress.listening()
@@ -211,6 +217,8 @@ class Checkpointer:
         regroup, and this step is no stop. Their new agreement starts at the next step on every one of them,
         whether a rank found the loss here or in the next step's exchange: its reads must fall on the same
         steps everywhere, or one rank would stop a step before another."""
+        if self.steps <= self._agree_after:  # this rank met the loss a step before another (_onto_generation)
+            return False
         try:
             return self._agreement_of_the_ranks().at_step()
         except RuntimeError as lost:
@@ -218,6 +226,20 @@ class Checkpointer:
                 raise
             generation.recover(lost)
             return False
+
+    def _onto_generation(self, survivors) -> None:
+        """Live recovery, collective over the new generation: its ranks start their stop agreement at the same step,
+        past the highest step count any of them had. A rank can meet a loss one step before another when hosts
+        exchange apart (DiLoCo): in that step's own exchange, which it redoes, while the others met it at that
+        step's agreement; the first rank then sits that step's agreement out, or the two would stop a step apart."""
+        group = world.control_group()
+        if group is None:  # a world of one
+            self._agree_after = self.steps
+            return
+        steps = torch.tensor([self.steps], dtype=torch.int64)
+        work = dist.all_reduce(steps, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        generation.wait_for(work, "the ranks' step counts after a regroup")
+        self._agree_after = int(steps.item())
 
     def _agreement_of_the_ranks(self) -> StopAgreement:
         if self._agreement is None or self._agreement.generation != world.live_generation():  # ranks were lost

@@ -7,7 +7,8 @@ parallelism keeps every replica's state bitwise equal after each step, so the te
 stripe per rank that trains, each sent by that rank: a joiner receives from all of them at once, and the
 transfer takes about the state's size over the joiners' link, not over one sender's. The layout (the
 entries with their tensors left empty, their shapes, the step count) comes from the first rank, serialized
-with torch.save and loaded with weights_only=True like a checkpoint file. A sharded optimizer's state is on no
+with torch.save and loaded with weights_only=True like a checkpoint file. Replicas that differ between hosts
+(DiLoCo in mid-period) are handed over by the first rank alone, whole. A sharded optimizer's state is on no
 rank whole: its entry holds the param groups and the layout only (ShardedOptimizer.handover_state_dict), and the
 regroup that takes the joiners in cuts the state for them.
 Both ends of it are here: `take_in_joiners` on the ranks that train (Checkpointer.step(), at a step their stop
@@ -109,9 +110,13 @@ def send(state: dict, steps: int, members: tuple[int, ...], joiners: tuple[int, 
     started = time.monotonic()
     group, device = world.live_group(), world.collective_device()
     senders = [rank for rank in members if rank not in joiners]
+    if _replicas_differ(state):  # one rank's state whole, not stripes of several hosts' (DiLoCo's mid-period)
+        senders = senders[:1]
     me = dist.get_rank()
+    if me not in senders:
+        return 0, time.monotonic() - started
     tensors: list = []
-    layout = {"format": FORMAT, "entries": _hollow(_entries(state), tensors), "steps": steps,
+    layout = {"format": FORMAT, "entries": _hollow(_entries(state), tensors), "steps": steps, "senders": len(senders),
               "shapes": [list(t.shape) for t in tensors], "random_states": random_state.capture(world.device())}
     total = sum(_as_bytes(t).numel() for t in tensors)
     works = []
@@ -150,6 +155,7 @@ def receive(state: dict, members: tuple[int, ...], joiners: tuple[int, ...]) -> 
         raise CheckpointError(explain("the state handed over by the ranks that train is of another format",
                                       rank=dist.get_rank(), seen=repr(layout.get("format")), expected=repr(FORMAT),
                                       fix="Run the same phalanx version on every node."))
+    senders = senders[:layout.get("senders", len(senders))]
     data = torch.empty(total, dtype=torch.uint8, device=device)
     works = []
     for sender, (start, end) in zip(senders, _stripes(total, len(senders))):
@@ -218,6 +224,12 @@ def _received(work) -> None:
     """A receive of the handover, watched: a sender lost (its process gone, its host silent) is PeerDiedError, not
     a wait until the group's timeout. Waited aside: Gloo unbinds a receive whose timed wait expires."""
     generation.wait_for(work, "the state's handover from the ranks that train", aside=True)
+
+
+def _replicas_differ(state: dict) -> bool:
+    """Whether the replicas' state differs between hosts now: a model with across_hosts=DiLoCo(...) on several hosts
+    (each host's parameters and inner optimizer state are its own between outer steps)."""
+    return any(getattr(getattr(value, "outer_step", value), "spans_hosts", False) is True for value in state.values())
 
 
 def _numel(shape) -> int:

@@ -51,7 +51,7 @@ def _sync_off(model, world_size: int, rank: int):
     """The context that keeps `model` from exchanging gradients in a backward (None: the caller does it)."""
     if model is None:
         return nullcontext
-    group = getattr(model, "process_group", None)
+    group = getattr(model, "samples_group", getattr(model, "process_group", None))  # DiLoCo's: every host's
     if group is not None and dist.is_available() and dist.is_initialized() and \
             dist.get_world_size(group) != world_size:
         raise DataConfigError(explain(

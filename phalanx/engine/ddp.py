@@ -146,6 +146,8 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._has_buffers = bool(synced_buffers(module, self._ignored))
         self._divide_by_initial_world_size = True
         self._build_engine()
+        if getattr(self.outer_step, "live", None) is not None:  # DiLoCo under live recovery
+            self._agree_on_commits(self.samples_group)
         self._follow_generations()
 
     def _build_engine(self) -> None:
@@ -170,7 +172,7 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._named_params = named
         if self._audit is None:
             self._audit = ReplicaAudit(self, *self._audit_settings)
-            if self.outer_step is not None and self.outer_step.spans_hosts:
+            if self.outer_step is not None:
                 self._audit.listeners.append(self.outer_step)  # counts the model's optimizer steps
         self._reducer.set_check(self._audit.check)
         if self.shard != "none" and self._reducer.exchange.defers_gathers:
@@ -313,6 +315,12 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
             return torch.nn.utils.clip_grad_norm_([p for _, p in self._named_params], max_norm, norm_type,
                                                   error_if_nonfinite, foreach)
         return clip_sharded_grad_norm_(self._reducer.exchange, max_norm, norm_type, error_if_nonfinite)
+
+    @property
+    def samples_group(self):
+        """The ranks a step's samples are dealt over: the model's process group; with across_hosts= every host's
+        ranks (the world that trains), each host stepping on its own ranks' part."""
+        return (live_group() or dist.group.WORLD) if self.outer_step is not None else self.process_group
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -18,9 +18,11 @@ class PicklingMixin:
 
     def __getstate__(self):
         """Everything but the process group and the engine, which belong to this process."""
-        if getattr(getattr(self, "outer_step", None), "spans_hosts", False):
+        outer = getattr(self, "outer_step", None)
+        if outer is not None and (outer.spans_hosts or getattr(outer, "live", None) is not None):
             raise DDPPickleError(explain(
-                "a model with across_hosts=DiLoCo(...) on several hosts is not copied", rank=dist.get_rank(),
+                "a model with across_hosts=DiLoCo(...) on several hosts, or under live recovery, is not copied",
+                rank=dist.get_rank(),
                 seen="its outer step, on this run's host and cross-host groups", expected="across_hosts=None",
                 fix="Copy or save the inner model (`model.module`) instead."))
         if self.process_group is not _default_group():

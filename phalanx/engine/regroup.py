@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from ..bucket.shard_levels import unsupported_with_sharding
@@ -77,7 +78,12 @@ class RegroupMixin:
             generation.on_regroup(self._onto_generation)
 
     def _onto_generation(self, survivors) -> None:
-        self.regroup(survivors.group)
+        if self.outer_step is None:
+            self.regroup(survivors.group)
+            return
+        # across_hosts=DiLoCo: the host's ranks in the new world, its outer step's groups made again (diloco/live.py)
+        self.regroup(self.outer_step.regroup(survivors))
+        self._agree_on_commits(survivors.group)
 
     def _live_sharding(self):
         """For shard_optimizer(): what a ShardedOptimizer needs to follow the generations (the model's ranks by
@@ -100,8 +106,24 @@ class RegroupMixin:
     def _steps_settle_alike(self) -> bool:
         """Whether the coming step's collectives end the same way on every rank (live recovery then needs no
         per-step commit): a shared-memory exchange, after the one-time rebuild (whose broadcast is Gloo's), and
-        no map of used parameters (a Gloo all-reduce after the exchange)."""
+        no map of used parameters (a Gloo all-reduce after the exchange). Under DiLoCo the commit is the whole
+        world's while each host exchanges alone: every rank answers alike (_agree_on_commits)."""
         reducer = self._reducer
+        if getattr(self, "_hosts_settle", None) is not None:  # asked once a step (its last backward)
+            fresh, self._engine_fresh = self._engine_fresh, False
+            return reducer is not None and self._hosts_settle and not fresh
         return (reducer is not None and reducer.rebuilt and not reducer.tolerate_unused
                 and reducer.exchange.settles_alike)
+
+    def _agree_on_commits(self, group) -> None:
+        """DiLoCo under live recovery, collective over `group` (the world that trains), once the engine was built:
+        whether the steps commit, the same answer on every rank. Each host's exchange is its own (one rank: nothing
+        to exchange), so they answer alike only if all settle alike; the first step after a build commits on
+        every rank (shared memory's one-time rebuild broadcasts over Gloo)."""
+        reducer = self._reducer
+        alike = not reducer.tolerate_unused and (self.process_group.size() == 1 or reducer.exchange.settles_alike)
+        flag = torch.tensor([int(alike)], dtype=torch.int32, device=collective_device(group, self._control_device))
+        generation.wait_for(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True),
+                            "DiLoCo's agreement on per-step commits")
+        self._hosts_settle, self._engine_fresh = bool(flag.item()), True
 

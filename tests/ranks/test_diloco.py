@@ -214,3 +214,25 @@ def test_resume_at_another_host_count_goes_on_from_host_0(results):
         assert out["one_host_restored"]
         assert all(torch.equal(a, b) for a, b in zip(out["one_host_resumed"], results[0]["at_save"]))
     assert not all(torch.equal(a, b) for a, b in zip(results[0]["at_save"], results[2]["at_save"]))
+
+
+def _live_cases(rank: int) -> dict:
+    os.environ["GROUP_RANK"] = str(rank)  # 2 hosts of 1 rank
+    out = {}
+    try:
+        px.DistributedDataParallel(_net(), across_hosts=px.DiLoCo(every=4, delay=1))
+        out["delay"] = None
+    except Exception as exc:  # the type is what the test checks
+        out["delay"] = (type(exc).__name__, str(exc))
+    model = px.DistributedDataParallel(_net(), across_hosts=px.DiLoCo(every=4, fragments=2))
+    out["fragments"] = (type(model.outer_step).__name__, model.outer_step.hosts, model.outer_step.fragments)
+    return out
+
+
+def test_live_recovery_refuses_a_delay_and_takes_fragments():
+    """World size 2 (2 hosts x 1) under live recovery: delay>0 is refused (an average on its way when a host is
+    lost could be merged on some hosts only); fragments with delay=0 follow live recovery."""
+    for out in run_ranks(_live_cases, 2, min_world_size=2, timeout=120):
+        kind, message = out["delay"]
+        assert kind == "AcrossHostsError" and "delay=1 with live recovery on" in message and "delay=0" in message
+        assert out["fragments"] == ("OuterStep", 2, [[0], [1, 2, 3]])

@@ -16,7 +16,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from ...world import generation
 from .codec import codec
+
+WHAT = "DiLoCo's outer step across hosts"  # a wait watched for a lost peer under live recovery (generation.wait_for)
 
 
 class Exact:
@@ -30,7 +33,7 @@ class Exact:
         return 2 * (self.hosts - 1) * chunk.numel() * chunk.element_size() // self.hosts
 
     def average(self, chunk: torch.Tensor, key: str) -> torch.Tensor:
-        dist.all_reduce(chunk, group=self.network)
+        generation.wait_for(dist.all_reduce(chunk, group=self.network, async_op=True), WHAT)
         return chunk.div_(self.hosts)
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -68,7 +71,8 @@ class Compressed:
         wire = torch.cat(encoded)
         wire = wire.cpu() if self.on_cpu else wire
         received = torch.empty_like(wire)
-        dist.all_to_all_single(received, wire, group=self.network)  # host k gets every host's piece k
+        # host k gets every host's piece k
+        generation.wait_for(dist.all_to_all_single(received, wire, group=self.network, async_op=True), WHAT)
         parts = [code.decode(received[h * size:(h + 1) * size], piece, dtype).to(x.device) for h in range(hosts)]
         total = parts[0]
         for part in parts[1:]:  # in host order on every host: the same bits everywhere
@@ -78,7 +82,7 @@ class Compressed:
         self.residuals[f"{key}/mean"] = mean - code.decode(mine, piece, dtype)
         mine = mine.cpu() if self.on_cpu else mine
         gathered = [torch.empty_like(mine) for _ in range(hosts)]
-        dist.all_gather(gathered, mine, group=self.network)
+        generation.wait_for(dist.all_gather(gathered, mine, group=self.network, async_op=True), WHAT)
         means = torch.cat([code.decode(g, piece, dtype) for g in gathered])
         return means[:n].to(device=chunk.device, dtype=chunk.dtype)
 

@@ -13,6 +13,7 @@ from ...world import generation
 from ...world.topology import HostGroups, host_topology
 from . import fragments
 from .config import DiLoCo
+from .live import LiveOuter, make_groups
 from .outer import OuterStep
 
 
@@ -42,23 +43,38 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
             "across_hosts=DiLoCo(...) builds its groups from the whole world", rank=rank,
             seen="a process_group of the user's", expected="process_group=None",
             fix="Leave process_group unset: phalanx makes the host and cross-host groups itself."))
-    if generation.live_recovery():
+    live = generation.live_recovery()
+    if live and config.delay:
         raise AcrossHostsError(explain(
-            "across_hosts=DiLoCo(...) does not follow live recovery yet", rank=rank,
-            seen="live recovery on", expected="a fixed world (restarts resume from the checkpoint)",
-            fix="Turn live recovery off for this job, or use across_hosts=None."))
+            "across_hosts=DiLoCo(delay>0) does not follow live recovery: a fragment's average on its way when a host "
+            "is lost could be merged on some hosts and not on others", rank=rank,
+            seen=f"delay={config.delay} with live recovery on", expected="delay=0 (fragments= may stay)",
+            fix="Pass delay=0 under live recovery, or turn live recovery off (a lost host then restarts the run "
+                "from its newest checkpoint)."))
     topology = host_topology(group)
     if not topology.spans_hosts:
         logger.info("across_hosts=%s on one host: exact DDP, no outer step", config)
-        return group, OneHost(config)
+        if not live:
+            return group, OneHost(config)
+        # Under live recovery an outer step that waits for hosts to come (a joiner starts in a world of its own).
+        outer = OuterStep(config, params, buffers, group, None, 1, topology.local, topology.local_size)
+        outer.live = LiveOuter((), generation.current(), topology)
+        return group, outer
     if not topology.uniform:
         raise AcrossHostsError(explain(
             "across_hosts=DiLoCo(...) needs the same number of ranks on every host", rank=rank,
             seen=f"ranks per host {[len(r) for r in topology.hosts]}", expected="e.g. 2 hosts x 4 ranks",
             fix="Start as many ranks on every node (--nproc-per-node)."))
-    hosts = HostGroups(topology, group).build()
     logger.info("across_hosts=%s: exact DDP inside each of %s, an outer step across hosts every %d optimizer "
                 "steps; the replica audit compares the ranks of a host", config, topology.describe(), config.every)
+    if live:  # groups made by name, as after a regroup (live.py)
+        now = generation.current()
+        host, network, chunks = make_groups(topology, now.members, now.number)
+        outer = OuterStep(config, params, buffers, host, network, len(topology.hosts), topology.local,
+                          topology.local_size, chunks)
+        outer.live = LiveOuter((host, network), now, topology)
+        return host, outer
+    hosts = HostGroups(topology, group).build()
     return hosts.host, OuterStep(config, params, buffers, hosts.host, hosts.network, len(topology.hosts),
                                  topology.local, topology.local_size)
 
@@ -78,3 +94,9 @@ class OneHost:
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to load: the outer momentum and the synced parameters have no use on one host."""
+
+    def before_optimizer_step(self, optimizer) -> None:
+        """Nothing to count on one host."""
+
+    def after_optimizer_step(self) -> None:
+        """No outer step on one host."""

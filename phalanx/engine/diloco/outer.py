@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ...diagnose import step_clock
 from ...errors import AcrossHostsError, explain
 from ...log import logger
-from ...world import step_count
+from ...world import generation, step_count
 from . import fragments
 from .config import DiLoCo
 from .exchange import Link, exchange
@@ -48,14 +48,15 @@ class OuterStep:
     outer optimizer, the step count and the averages on their way; each host's own parameters, inner optimizer
     state and compression residuals ride in the per-rank part."""
 
-    spans_hosts = True
-
     def __init__(self, config: DiLoCo, params: list[torch.Tensor], buffers: list[torch.Tensor], host, network,
-                 hosts: int, local: int, local_size: int):
+                 hosts: int, local: int, local_size: int, chunks: int | None = None):
         self.config = config
         self.params, self.buffers = params, buffers
         self.host, self.network = host, network
         self.hosts, self.local, self.local_size = hosts, local, local_size
+        # The pseudo-gradient is cut into `chunks` (the fewest ranks on a host: a loss may leave hosts unequal);
+        # local rank j < chunks averages chunk j across hosts, the others of its host only gather.
+        self.chunks = local_size if chunks is None else chunks
         self.synced = [p.detach().clone() for p in params]  # the outer optimizer's parameters
         momentum = config.momentum
         self.outer = torch.optim.SGD(self.synced, lr=config.outer_lr, momentum=momentum,
@@ -70,7 +71,14 @@ class OuterStep:
         self.inner_optimizers: list = []  # the optimizers that stepped the model, in the order they first did
         self._pending: dict[int, dict] = {}  # a restored host's inner optimizer state, applied at its first step
         self._loaded = None  # the outer state a restore brought: "hosts", "one host" (OneHost's), None
+        self._handed = False  # an outer state was loaded, not yet followed by its restore: a joiner's, at its regroup
+        self.live = None  # live recovery (live.py): how the outer step is redone after a loss, the groups remade
         step_count.follow(self)
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the model's hosts are several now (under live recovery a world of one host has no outer step)."""
+        return self.hosts > 1
 
     def before_optimizer_step(self, optimizer) -> None:
         """An optimizer of the model is about to step: known from now on (its state is this host's, in the
@@ -85,7 +93,12 @@ class OuterStep:
         """One optimizer step of the model ended (each synchronized iteration once): the fragments due are sent,
         the averages due are merged (with delay 0, those just sent)."""
         self.steps += 1
+        if self.hosts == 1:  # under live recovery, the world fell to one host: exact DDP until a host returns
+            return
         for k in fragments.due(self.steps, self.config.every, self.config.fragments):
+            if self.live is not None:  # delay=0 (hosts.py): sent and merged now, redone on the hosts left on a loss
+                self.live.sync_now(self, k)
+                continue
             self._send(k)
         while self.in_flight and self.in_flight[0].due <= self.steps:
             self._merge(self.in_flight.pop(0))
@@ -97,8 +110,12 @@ class OuterStep:
         results, sizes, sent = [], [], 0
         for g, group in enumerate(groups):
             flat = torch.cat([(self.synced[i] - self.params[i]).reshape(-1) for i in group])
-            chunk = -(-flat.numel() // self.local_size)
+            chunk = -(-flat.numel() // self.chunks)
             mine = flat.new_zeros(chunk)
+            if self.local >= self.chunks:  # a host left with more ranks than another: its chunk comes from a peer
+                results.append(self.link.submit(lambda zeros: zeros, mine))
+                sizes.append(flat.numel())
+                continue
             mine[:max(0, min(chunk, flat.numel() - self.local * chunk))] = flat[self.local * chunk:][:chunk]
             sent += self.exchange.wire_bytes(mine)
             results.append(self.link.submit(self.exchange.average, mine, f"{k}/{g}"))
@@ -114,7 +131,7 @@ class OuterStep:
             sync.arrived = True
 
     @torch.no_grad()
-    def _merge(self, sync: Sync) -> None:
+    def _merge(self, sync: Sync, buffers: bool = True) -> None:
         """The outer step of one fragment: its average into the outer optimizer (the other fragments have no
         gradient: it skips them), and the host's replica set to the result. With a delay the host's own progress
         since the send is kept on top: the inner steps that overlapped the exchange are not thrown away."""
@@ -131,10 +148,14 @@ class OuterStep:
             p, s = self.params[i], self.synced[i]
             p.copy_(s if sent is None else s + (p - sent))
             s.grad = None
-        if sync.fragment == 0 and self.buffers:  # once per period: every host takes host 0's (BatchNorm's stats)
+        if buffers and sync.fragment == 0 and self.buffers and self.network is not None:  # host 0's, once a period
             self.link.submit(self._broadcast_buffers).result()
         self.outer_steps += 1
         step_clock.add_outer_step(sync.nbytes)  # StepLog's outer_steps, bytes_across_hosts
+
+    def regroup(self, survivors):
+        """Live recovery: generation `survivors` is the world now; the host group the model trains on in it."""
+        return self.live.regroup(self, survivors)
 
     def _broadcast_buffers(self) -> None:
         source = dist.get_global_rank(self.network, 0)
@@ -156,8 +177,9 @@ class OuterStep:
             return mine[:n]
         padded = mine.new_empty(mine.numel() * self.local_size)
         chunks = list(padded.split(mine.numel()))
-        dist.all_gather(chunks, mine, group=self.host)
-        return padded[:n]
+        gathered = dist.all_gather(chunks, mine, group=self.host, async_op=True)
+        generation.wait_for(gathered, "DiLoCo's gather in the host")
+        return padded[:n]  # the first `chunks` chunks hold the whole average
 
     # -- the checkpoint -----------------------------------------------------------------------------
 
@@ -172,8 +194,10 @@ class OuterStep:
                 fix="Save through px.Checkpointer (state['outer'] = model.outer_step)."))
         in_flight = [{"fragment": sync.fragment, "due": sync.due, "bytes": sync.nbytes,
                       "average": [a.detach().clone() for a in sync.results]} for sync in self.in_flight]
+        # On one host (live recovery) the model is exact DDP: its parameters are where the next period starts from.
+        synced = self.synced if self.hosts > 1 else self.params
         return {"every": self.config.every, "hosts": self.hosts, "steps": self.steps, "outer_steps": self.outer_steps,
-                "synced": [s.detach().clone() for s in self.synced], "outer": self.outer.state_dict(),
+                "synced": [s.detach().clone() for s in synced], "outer": self.outer.state_dict(),
                 "fragments": self.config.fragments, "in_flight": in_flight}
 
     @torch.no_grad()
@@ -206,12 +230,13 @@ class OuterStep:
             Sync(entry["fragment"], int(entry["due"]), self._by_dtype(self.fragments[entry["fragment"]]),
                  [a.numel() for a in entry["average"]], [a.to(device) for a in entry["average"]], True, None,
                  int(entry["bytes"])) for entry in in_flight]
-        self._loaded = "hosts"
+        self._loaded, self._handed = "hosts", True
 
     @torch.no_grad()
     def follow_restore(self, step: int) -> None:
         """A Checkpointer restored the run. Without this object in its state the synced parameters would be the
         ones this model started with, and the next outer step would undo the restored progress: sync here."""
+        self._handed = False
         if self._loaded == "hosts":
             for sync in self.in_flight:  # saved at another host count: the progress since the send counts from here
                 if self.config.delay and sync.snapshot is None:
