@@ -83,6 +83,13 @@ def run(hosts: int, worker_args: list[str], timeout: float, min_world: int | Non
         raise SystemExit(f"host {failed[0]} failed:\n{outputs[failed[0]][-4000:]}")
 
 
+def training(args, seed: str) -> list[str]:
+    """The worker's arguments that both modes and every variant share."""
+    return ["--seed", seed, "--steps", str(args.steps), "--every", str(args.every), "--compress", args.compress,
+            "--val-every", str(args.val_every), "--outer-lr", str(args.outer_lr), "--momentum", str(args.momentum),
+            "--lr", str(args.lr)]
+
+
 def draw(runs: dict, path: str, label: str) -> None:
     import matplotlib
 
@@ -116,6 +123,7 @@ def main() -> None:
     parser.add_argument("--compress", default="int8", help="int8, fp16 or none")
     parser.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer_lr")
     parser.add_argument("--momentum", type=float, default=0.9, help="DiLoCo's outer momentum (Nesterov)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="the inner AdamW's peak lr, both modes alike")
     parser.add_argument("--val-every", type=int, default=50, help="a multiple of --every, or a divisor of it")
     parser.add_argument("--figure", default=None, help="write the curve here (PNG)")
     parser.add_argument("--json", default=None, help="write the figures and every curve here")
@@ -133,10 +141,7 @@ def main() -> None:
         for seed in args.seeds.split(","):
             for mode in runs:
                 out = os.path.join(scratch, f"{mode}-{seed}.json")
-                run(args.hosts, ["--mode", mode, "--seed", seed, "--steps", str(args.steps), "--every",
-                                 str(args.every), "--compress", args.compress, "--val-every", str(args.val_every),
-                                 "--outer-lr", str(args.outer_lr), "--momentum", str(args.momentum),
-                                 "--out", out], args.timeout)
+                run(args.hosts, ["--mode", mode, *training(args, seed), "--out", out], args.timeout)
                 runs[mode].append(json.loads(Path(out).read_text()))
                 print(f"seed {seed} {mode}: validation loss {runs[mode][-1]['curve'][-1]['val_loss']:.4f} "
                       f"({time.monotonic() - started:.0f} s)", flush=True)
@@ -147,7 +152,7 @@ def main() -> None:
     relative = mean["diloco"] / mean["exact"] - 1
     samples = runs["exact"][0]["curve"][-1]["samples"]
     print(f"\nexamples/gpt, {args.hosts} hosts x 1 rank, {args.steps} steps ({samples} samples), DiLoCo H={args.every} "
-          f"compress={args.compress}")
+          f"compress={args.compress}, inner lr {args.lr}, outer lr {args.outer_lr} momentum {args.momentum}")
     print(f"  {'mode':8} {'seeds':>26} {'mean':>8} {'stdev':>7} {'max-min':>8}")
     for mode in runs:
         print(f"  {mode:8} {' '.join(f'{v:.4f}' for v in final[mode]):>26} {mean[mode]:8.4f} {stdev[mode]:7.4f} "
@@ -177,9 +182,7 @@ def live_recovery(args) -> None:
             for variant in runs:
                 out = os.path.join(scratch, f"{variant}-{seed}.json")
                 kill = ["--kill-host", str(args.kill_host), "--kill-at-step", str(args.kill_at_step)]
-                run(args.hosts, ["--mode", "diloco", "--seed", seed, "--steps", str(args.steps), "--every",
-                                 str(args.every), "--compress", args.compress, "--val-every", str(args.val_every),
-                                 "--outer-lr", str(args.outer_lr), "--momentum", str(args.momentum), "--out", out,
+                run(args.hosts, ["--mode", "diloco", *training(args, seed), "--out", out,
                                  *(kill if variant == "killed" else [])], args.timeout, min_world,
                     (args.kill_host, out + ".kill") if variant == "killed" else None)
                 runs[variant].append(json.loads(Path(out).read_text()))
