@@ -13,7 +13,8 @@ end or the wait outlast the membership timeout. The watch's threads write throug
 the rank's own may be held by that blocking wait.
 
 Setting a watch up reads the identities of this rank's host block and of one other host's, in a thread: O(ranks per
-host) store reads per rank and generation. A peer whose watcher is lost too (two hosts lost together) is found by the
+host) store reads per rank and generation; it also opens the host block's board, on which its ranks agree on each
+step's commit (generations/host_board.py). A peer whose watcher is lost too (two hosts lost together) is found by the
 survivors' agreement (generation.py), which probes the members it still misses.
 """
 
@@ -26,11 +27,13 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from ..log import logger
+from .generations.host_board import BOARD_WAIT, HostBoard, open_board
 from .liveness import KeptWatch, PeerWatch, identity_host, same_host_gone
 
 TROUBLE, GONE = "trouble", "gone"
 WHO_WAIT = 30.0  # seconds the set-up waits for a member to say who it is (one lost before it could is found otherwise)
 LOOK_EVERY = 0.05  # seconds between a blocked rank's looks at the pids of its host and at its deadline
+SET_UP_WAIT = 2 * WHO_WAIT + BOARD_WAIT  # seconds the first commit waits for the set-up (its own waits are bounded)
 
 
 class GenerationWatch:
@@ -52,6 +55,9 @@ class GenerationWatch:
         self._probes = PeerWatch()  # a regroup's probes of members nobody watches any more
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        self._board: HostBoard | None = None  # this host's board for the commit (host_board.py), once set up
+        self._board_taken = False  # the commit asked for it: a board set up later stays unused
+        self._set_up_done = threading.Event()
         threading.Thread(target=self._set_up, name="phalanx-watch-setup", daemon=True).start()
 
     # -- what a rank asks ------------------------------------------------------------------------
@@ -122,12 +128,25 @@ class GenerationWatch:
                 return
             time.sleep(LOOK_EVERY)
 
+    def board(self, wait: bool = True) -> HostBoard | None:
+        """This host's board for the step's commit (None: this rank commits for itself alone), once the set-up
+        ended (`wait`; else as it is now). What the first ask reads stays the answer for the generation: a board
+        made after a rank gave up waiting goes unused (its leader's first commit then waits in vain and fails,
+        bounded)."""
+        if wait:
+            self._set_up_done.wait(SET_UP_WAIT)
+        with self._lock:
+            self._board_taken = True
+            return self._board
+
     def close(self) -> None:
         self._closed.set()
         self._awake.set()
         with self._lock:
             if self._kept is not None:
                 self._kept.close()
+            if self._board is not None:
+                self._board.close()
 
     # -- set-up and verdicts -----------------------------------------------------------------------
 
@@ -151,7 +170,21 @@ class GenerationWatch:
 
     def _set_up(self) -> None:
         try:
+            self._set_up_watch()
+        finally:
+            self._set_up_done.set()
+
+    def _set_up_watch(self) -> None:
+        try:
             self.block, watched, host = ring_place(self.members, self.me, self._host_of)
+            board = open_board(self.key, self.block, self.me, self.who, self._side_store(),
+                               lambda: self._closed.is_set() or self._board_taken)
+            with self._lock:
+                if self._board_taken or self._closed.is_set():
+                    if board is not None:
+                        board.close()
+                else:
+                    self._board = board
             if watched is None:
                 return  # one host: its peers are checked by pid
             address = self._identity(watched).split()[3]
