@@ -7,14 +7,14 @@ and a StepLog of every step (`directory/steplog/steps.jsonl`: steplog_records())
 step `at` = (epoch, step) at `moment`: "forward" (before its first forward of the step), "exchange" (from a gradient
 hook in its last backward: with a bucket per parameter, some buckets are in flight), or "optimizer" (after its backward,
 before its optimizer step; the step was committed, so its samples are logged as applied), "commit" or "committed" (in
-the step's commit, before its add to the store or right after it: its samples logged as applied then; rank 0 over Gloo
-on one host is the host's leader, world/generations/host_board.py); with a sharded model also "clip" (before
-`model.clip_grad_norm_`, whose all-reduce the others are then in), or "save" (in a background save, once the others
-handed their parts to their writers: its own never reaches its writer). Every rank appends `[epoch, step, ids]` per
-applied step to `ids-<rank>.jsonl` in `directory`: the ids its part of the step averaged, and the time (`time.time()`);
-a doomed rank writes the time it dies in `died-at`. `then`: a second rank lost later, (rank, (epoch, step)), at the same
-moment. The survivors report the process groups of the generations before their last that are still alive in them (none:
-each is freed once its collectives ended).
+the step's commit as its host's leader, rank 0 over Gloo on one host, world/generations/host_board.py: once it decided,
+before it tells the others or right after it: its samples logged as applied then); with a sharded model also "clip"
+(before `model.clip_grad_norm_`, whose all-reduce the others are then in), or "save" (in a background save, once the
+others handed their parts to their writers: its own never reaches its writer). Every rank appends `[epoch, step, ids]`
+per applied step to `ids-<rank>.jsonl` in `directory`: the ids its part of the step averaged, and the time
+(`time.time()`); a doomed rank writes the time it dies in `died-at`. `then`: a second rank lost later, (rank, (epoch,
+step)), at the same moment. The survivors report the process groups of the generations before their last that are still
+alive in them (none: each is freed once its collectives ended).
 """
 
 from __future__ import annotations
@@ -130,22 +130,22 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
 
 
 def _die_in_commit(directory: str, log, in_commit: list, moment: str) -> None:
-    """Die in the doomed step's commit, before this rank's add to the step's counter ("commit") or right after it
-    ("committed": its samples logged as applied, as the others apply the step)."""
-    from phalanx.world.generations.commit import StepCommit
+    """Die in the doomed step's commit as its host's leader, once it decided: before it tells the others ("commit")
+    or right after ("committed": its samples logged as applied, as the others apply the step)."""
+    from phalanx.world.generations.host_board import HostBoard
 
-    commit_for = StepCommit._commit_for
+    say = HostBoard.say
 
-    def dying(self, store, number, weight):
-        if in_commit[0] is None:
-            return commit_for(self, store, number, weight)
+    def dying(self, number, yes):
+        if in_commit[0] is None or not self.leads:
+            return say(self, number, yes)
         if moment == "committed":
-            store.add(self._counter(number)[0], weight)
+            say(self, number, yes)
             log.write(json.dumps([*in_commit[0], time.time()]) + "\n")
             log.flush()
         _die(directory)
 
-    StepCommit._commit_for = dying
+    HostBoard.say = dying
 
 
 def check_world_views(results: list) -> None:

@@ -10,7 +10,8 @@ add knows at once and sets the step's `done` key; the others block on that key i
 counter once woken. Whatever can end a step wakes them too: a rank that gives it up sets the key, a watcher that finds
 a member gone sets the keys of the steps in flight, and a rank's own watch sets its key when a peer on its host ends
 or the membership timeout passes (watch.py). Healthy, that is three store round trips per host and step (an add, the
-wait, a read; the last host: an add, a set, a delete), whatever the world, and none for a follower. The counters are
+wait, a read; the last host: an add, a set, a delete), whatever the world, none for a follower, and none at all when
+one host holds the whole generation (its board's outcome is the step's: over Gloo on one host). The counters are
 reused every COMMIT_SLOTS steps (they add up); one given up ends the generation, never reused.
 """
 
@@ -39,8 +40,8 @@ class StepCommit:
             return applied if applied is not None else self.fail_commit(store, number)
         deadline, watch = time.monotonic() + membership_timeout(), self.watch(store)
         votes = board.votes(number, deadline, lambda: watch.troubled())
-        if all(votes):
-            applied = self._commit_for(store, number, board.weight)
+        if all(votes):  # a host alone is the whole generation: what its ranks agreed is the outcome
+            applied = board.weight == self.world_size or self._commit_for(store, number, board.weight)
         else:  # a follower that could not apply the step gave it up in the store itself; one gone did not
             applied = False if False in votes else self.fail_commit(store, number)
         board.say(number, applied)

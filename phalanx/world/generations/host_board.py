@@ -80,7 +80,8 @@ class HostBoard:
                 return value == wanted + 1
             now = time.monotonic()
             if now >= deadline or (now - looked >= LOOK_EVERY and self._look_says_stop(j, give_up)):
-                return None
+                value = word.value  # what it said just before it ended stands: the others may have read it
+                return value == wanted + 1 if value >= wanted else None
             if now - looked >= LOOK_EVERY:
                 looked = now
             futex_wait(ctypes.addressof(word), value, max(0.001, min(LOOK_EVERY, deadline - now)))
