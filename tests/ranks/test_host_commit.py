@@ -6,7 +6,8 @@ the generation's watch groups the members by): 2 hosts of 2 ranks, or 1 host of 
 (generation.commit_step, as a global-batch step calls it), each rank's store operations counted. Then a host's leader
 is SIGKILLed inside a commit, before its add to the store or right after it: the ranks left (its host's follower and
 the other host) read the same outcome for that step, within a bounded time: not applied when the leader's add never
-came, applied when the add filled the step's counter.
+came, applied when the add filled the step's counter. On one host, whose board decides without the store, a follower
+behind a leader that still runs but says nothing stops with a typed error, bounded.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import time
 
 import pytest
 
+from phalanx.errors import MembershipError
 from phalanx.testing import run_ranks
 from phalanx.world import generation, liveness
 from phalanx.world import group as world
+from phalanx.world.generations.host_board import HostBoard
 
 STEPS = 20
 
@@ -98,3 +101,28 @@ def test_a_host_leader_lost_in_its_commit_leaves_the_others_one_outcome(when):
     assert last is (when == "after"), f"the step's outcome, the leader dead {when} its add: {last}"
     for rank in (0, 1, 3):  # found by the pid on its host, by its watcher's kept connection on the other
         assert results[rank]["last"] < 10, f"rank {rank} took {results[rank]['last']:.1f} s to learn the outcome"
+
+
+def _behind_a_stuck_leader(rank: int) -> str:
+    liveness._host = lambda: "emulated-host-0"  # one host: its board decides without the store
+    generation.announce()
+    board = generation.current().watch(world.store()).board()
+    if rank == 0:  # stopped as it is about to tell its follower the outcome (rank 1 ends it)
+        HostBoard.say = lambda self, number, yes: os.kill(os.getpid(), signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        generation.commit_step()
+        return "applied"
+    except MembershipError as error:
+        os.kill(int(board.who[0].split()[1]), signal.SIGKILL)
+        return f"{time.monotonic() - started:.1f} s: {error}"
+
+
+def test_a_follower_behind_a_leader_that_still_runs_but_says_nothing_stops_with_a_typed_error():
+    """One host of 2: its leader decides without the store, so a follower cannot read the outcome elsewhere while the
+    leader runs: it waits twice the membership timeout (1 s here), then raises MembershipError naming the leader."""
+    results = run_ranks(_behind_a_stuck_leader, 2, min_world_size=1, timeout=60,
+                        env={"PHALANX_MEMBERSHIP_TIMEOUT": "1"})
+    assert results[0] is None
+    assert "rank 0, which speaks for this host" in results[1] and "still running after 2 s" in results[1], results[1]
+    assert float(results[1].split(" s:")[0]) < 10, results[1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 
+from ...errors import MembershipError, explain
 from .settings import membership_timeout
 
 COMMIT_SLOTS = 4  # the per-step commit's counters, reused: step n's is slot n % 4's (a member is at most 1 step ahead)
@@ -36,7 +37,16 @@ class StepCommit:
             return self._commit_for(store, number, 1)
         if not board.leads:  # its leader speaks for it; should the leader be gone, the store says what it said
             board.say(number, True)
-            applied = board.hear(0, number, time.monotonic() + 2 * membership_timeout())
+            waited = 2 * membership_timeout()  # the leader's own waits end within one each
+            applied = board.hear(0, number, time.monotonic() + waited)
+            if applied is None and board.weight == self.world_size and not board.ended(0):
+                # One host decides without the store: a leader that still runs may yet say "applied"
+                raise MembershipError(explain(
+                    f"rank {board.block[0]}, which speaks for this host in the per-step commit, said nothing of "
+                    f"step {number} of generation {self.number}", rank=board.block[board.index],
+                    seen=f"its process still running after {waited:g} s", expected="its word within that time",
+                    fix=f"Rank {board.block[0]} is stuck outside phalanx's bounded waits (a debugger, SIGSTOP?): "
+                        "see its stack (py-spy dump). The run ends rather than guess the step's outcome."))
             return applied if applied is not None else self.fail_commit(store, number)
         deadline, watch = time.monotonic() + membership_timeout(), self.watch(store)
         votes = board.votes(number, deadline, lambda: watch.troubled())

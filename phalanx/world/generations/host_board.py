@@ -86,8 +86,12 @@ class HostBoard:
                 looked = now
             futex_wait(ctypes.addressof(word), value, max(0.001, min(LOOK_EVERY, deadline - now)))
 
+    def ended(self, j: int) -> bool:
+        """Whether member j's process ended."""
+        return same_host_gone(self.who[self.block[j]])
+
     def _look_says_stop(self, j: int, give_up) -> bool:
-        return same_host_gone(self.who[self.block[j]]) or give_up()
+        return self.ended(j) or give_up()
 
     def votes(self, number: int, deadline: float, give_up) -> list[bool | None]:
         """The leader: every follower's vote on step `number` (see hear). Once all voted, the board's name goes
