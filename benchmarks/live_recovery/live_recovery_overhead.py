@@ -8,8 +8,9 @@ or Gloo's (`--transport`). With `--per-host L`, hosts of L ranks are emulated (e
 as tests/ranks/test_host_commit.py does): the commit's ranks agree per host and one per host goes to the store
 (world/generations/host_board.py); `--per-host 1` is a commit per rank. The commit's store operations per rank and
 step are counted. Blocks of steps interleave live recovery on (PHALANX_MIN_WORLD_SIZE=1: every
-wait on a collective watches for a step given up, and each step commits through the store after its exchange
-where a global-batch step does: not over shared memory, whose exchange ends alike on every rank) and off, so the
+wait on a collective watches for a step given up, and each step commits after its exchange where a global-batch
+step does: not over shared memory, whose exchange ends alike on every rank; a host's ranks agree in shared memory, a
+leader per host goes to the store when the generation spans hosts) and off, so the
 machine's drift hits both alike. Prints the median step time of the slowest rank per setting and their ratio;
 and, since on a shared machine that ratio moves by more than the cost measured, the commit's own cost: its
 wall time per step on the main thread (store round trips, which a busy machine stretches too) and its CPU time,

@@ -177,24 +177,32 @@ class GenerationWatch:
     def _set_up_watch(self) -> None:
         try:
             self.block, watched, host = ring_place(self.members, self.me, self._host_of)
-            board = open_board(self.key, self.block, self.me, self.who, self._side_store(),
-                               lambda: self._closed.is_set() or self._board_taken)
-            with self._lock:
-                if self._board_taken or self._closed.is_set():
-                    if board is not None:
-                        board.close()
-                else:
-                    self._board = board
-            if watched is None:
-                return  # one host: its peers are checked by pid
-            address = self._identity(watched).split()[3]
-            with self._lock:
-                if not self._closed.is_set():
-                    self.watched = watched
-                    self._kept = KeptWatch(address, lambda why: self._watch_ended(watched, host, why))
-        except Exception as exc:  # the store gone with the run: nothing to watch
+            if watched is not None:  # else one host: its peers are checked by pid
+                self._keep_watching(watched, host)
+        except Exception as exc:  # the store gone with the run, or the watched peer lost before it said who it is
             if not self._closed.is_set():
                 logger.debug("the generation's watch was not set up: %s", exc)
+        if not self.block:
+            return
+        try:  # after the watch: a follower may wait here for its leader to name the board
+            board = open_board(self.key, self.block, self.me, self.who, self._side_store(),
+                               lambda: self._closed.is_set() or self._board_taken)
+        except Exception as exc:  # the store gone with the run: each rank commits for itself, if at all
+            logger.debug("rank %d opened no host board: %s", self.me, exc)
+            return
+        with self._lock:
+            if self._board_taken or self._closed.is_set():
+                if board is not None:
+                    board.close()
+            else:
+                self._board = board
+
+    def _keep_watching(self, watched: int, host: tuple[int, ...]) -> None:
+        address = self._identity(watched).split()[3]
+        with self._lock:
+            if not self._closed.is_set():
+                self.watched = watched
+                self._kept = KeptWatch(address, lambda why: self._watch_ended(watched, host, why))
 
     def _watch_ended(self, watched: int, host: tuple[int, ...], why: str) -> None:
         """The kept watch ended: its peer's process is gone ("closed"), or its host is silent, and with it every
