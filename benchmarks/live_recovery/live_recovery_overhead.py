@@ -39,12 +39,13 @@ from phalanx.testing import run_ranks
 from phalanx.tools.bench_block import run_block
 from phalanx.tools.bench_compare import add_json_flag, interleave, median_of_steps, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
-from phalanx.world import generation, liveness
+from phalanx.world import generation
 from phalanx.world import group as world
+from tests.helpers.emulated_hosts import emulate_host
 
 
 def _rank(rank: int, names: list[str], blocks: int, steps: int, shard: str, per_host: int) -> dict:
-    liveness._host = lambda: f"emulated-host-{rank // per_host}"  # before this rank says who it is
+    emulate_host(rank, per_host)  # before this rank says who it is
     return {name: _measure(name, rank, blocks, steps, shard) for name in names}
 
 

@@ -13,9 +13,11 @@ end or the wait outlast the membership timeout. The watch's threads write throug
 the rank's own may be held by that blocking wait.
 
 Setting a watch up reads the identities of this rank's host block and of one other host's, in a thread: O(ranks per
-host) store reads per rank and generation; it also opens the host block's board, on which its ranks agree on each
-step's commit (generations/host_board.py). A peer whose watcher is lost too (two hosts lost together) is found by the
-survivors' agreement (generation.py), which probes the members it still misses.
+host) store reads per rank and generation, which nothing waits for. A peer whose watcher is lost too (two hosts lost
+together) is found by the survivors' agreement (generation.py), which probes the members it still misses. Apart from
+it, the board on which the ranks its launcher started on this host agree on each step's commit
+(generations/host_board.py) is made by their leader as the watch starts and mapped by the others at their first
+commit: it asks nothing of another host, so that a member lost there as a generation starts delays no commit.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from ..log import logger
-from .generations.host_board import BOARD_WAIT, HostBoard, open_board
+from .generations.host_board import HostBoard, attach_board, create_board, host_block
+from .generations.settings import membership_timeout
 from .liveness import KeptWatch, PeerWatch, identity_host, same_host_gone
+from .process.identity import launch_spec
 
 TROUBLE, GONE = "trouble", "gone"
 WHO_WAIT = 30.0  # seconds the set-up waits for a member to say who it is (one lost before it could is found otherwise)
 LOOK_EVERY = 0.05  # seconds between a blocked rank's looks at the pids of its host and at its deadline
-SET_UP_WAIT = 2 * WHO_WAIT + BOARD_WAIT  # seconds the first commit waits for the set-up (its own waits are bounded)
 
 
 class GenerationWatch:
@@ -55,10 +58,17 @@ class GenerationWatch:
         self._probes = PeerWatch()  # a regroup's probes of members nobody watches any more
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        self._board: HostBoard | None = None  # this host's board for the commit (host_board.py), once set up
-        self._board_taken = False  # the commit asked for it: a board set up later stays unused
-        self._set_up_done = threading.Event()
-        threading.Thread(target=self._set_up, name="phalanx-watch-setup", daemon=True).start()
+        spec = launch_spec()
+        self.host = host_block(members, me, spec.local_rank, spec.local_world_size) if spec else (me,)
+        self._board: HostBoard | None = None  # this host's board for the commit (host_board.py)
+        self._board_asked = False  # a follower maps it once, at its first commit: that answer stays
+        if len(self.host) > 1 and me == self.host[0]:
+            self._board_asked = True
+            try:
+                self._board = create_board(key, self.host, me, self.peer, store)
+            except Exception as exc:  # the store gone with the run: the launcher ends it
+                logger.debug("rank %d made no host board: %s", me, exc)
+        threading.Thread(target=self._set_up_watch, name="phalanx-watch-setup", daemon=True).start()
 
     # -- what a rank asks ------------------------------------------------------------------------
 
@@ -129,15 +139,21 @@ class GenerationWatch:
             time.sleep(LOOK_EVERY)
 
     def board(self, wait: bool = True) -> HostBoard | None:
-        """This host's board for the step's commit (None: this rank commits for itself alone), once the set-up
-        ended (`wait`; else as it is now). What the first ask reads stays the answer for the generation: a board
-        made after a rank gave up waiting goes unused (its leader's first commit then waits in vain and fails,
-        bounded)."""
-        if wait:
-            self._set_up_done.wait(SET_UP_WAIT)
-        with self._lock:
-            self._board_taken = True
+        """This host's board for the step's commit (None: this rank commits for itself alone). A follower maps it at
+        its first ask (`wait`: for its leader to name it, bounded by the membership timeout, its leader's end and
+        the generation's); that answer stays the generation's."""
+        if self._board_asked or not wait or len(self.host) < 2:
             return self._board
+        self._board_asked = True
+        deadline = time.monotonic() + membership_timeout()
+        board = attach_board(self.key, self.host, self.me, self.peer, self.store, deadline, self.troubled)
+        with self._lock:
+            if self._closed.is_set():
+                if board is not None:
+                    board.close()
+                return None
+            self._board = board
+        return board
 
     def close(self) -> None:
         self._closed.set()
@@ -164,15 +180,14 @@ class GenerationWatch:
             self.who[member] = store.get(key).decode()
         return self.who[member]
 
+    def peer(self, member: int) -> str | None:
+        """`member`'s identity if it said who it is (the board's looks at the members of this host), waiting for
+        nobody."""
+        return self._identity(member, wait=False)
+
     def _host_of(self, member: int) -> str | None:
         who = self._identity(member)
         return identity_host(who) if who is not None else None
-
-    def _set_up(self) -> None:
-        try:
-            self._set_up_watch()
-        finally:
-            self._set_up_done.set()
 
     def _set_up_watch(self) -> None:
         try:
@@ -182,20 +197,6 @@ class GenerationWatch:
         except Exception as exc:  # the store gone with the run, or the watched peer lost before it said who it is
             if not self._closed.is_set():
                 logger.debug("the generation's watch was not set up: %s", exc)
-        if not self.block:
-            return
-        try:  # after the watch: a follower may wait here for its leader to name the board
-            board = open_board(self.key, self.block, self.me, self.who, self._side_store(),
-                               lambda: self._closed.is_set() or self._board_taken)
-        except Exception as exc:  # the store gone with the run: each rank commits for itself, if at all
-            logger.debug("rank %d opened no host board: %s", self.me, exc)
-            return
-        with self._lock:
-            if self._board_taken or self._closed.is_set():
-                if board is not None:
-                    board.close()
-            else:
-                self._board = board
 
     def _keep_watching(self, watched: int, host: tuple[int, ...]) -> None:
         address = self._identity(watched).split()[3]

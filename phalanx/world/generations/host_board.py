@@ -1,12 +1,15 @@
 """The ranks of one host agreeing on a step's commit in shared memory, so that one of them speaks for all of them in
 the store (commit.py): the store's work per step grows with the hosts, not with the ranks.
 
-A board is a small segment per host and generation: one cache line per member of the host's block (watch.py), each
-written by its member only. Its first member, the leader, creates it and names it in the store; the others map it.
-A follower writes its vote on step n in its line, the leader the host's outcome in its own, both as one 32-bit word:
-2 (n + 1) + 1 for "ready" / "applied", 2 (n + 1) for "not". One word is one store, so nothing else needs ordering.
-A waiter spins a moment (the others finish the same exchange within microseconds), then sleeps in futex(2) on the
-word it waits for, and between sleeps checks that the member it waits for still runs and its own deadline.
+A board is a small segment per host and generation: one cache line per member of the host's block (host_block: the
+members its launcher started, known without asking anyone), each written by its member only. Its first member, the
+leader, creates it and names it in the store as its generation starts; the others map it at their first commit, by
+when the leader, whose exchange they just shared, has named it. A follower writes its vote on step n in its line, the
+leader the host's outcome in its own, both as one 32-bit word: 2 (n + 1) + 1 for "ready" / "applied", 2 (n + 1) for
+"not". One word is one store, so nothing else needs ordering. A waiter spins a moment (the others finish the same
+exchange within microseconds), then sleeps in futex(2) on the word it waits for, and between sleeps checks that the
+member it waits for still runs and its own deadline. No wait reads another host's member: a host lost as a generation
+starts costs no commit anything.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..topology import host_key
 ATTACHED = 1  # a follower's word once it mapped the board (below every vote: the leader may unlink the name)
 SPIN = 20e-6  # seconds of polling before a wait sleeps
 LOOK_EVERY = 0.1  # seconds between a sleeping waiter's looks at the member it waits for and at its deadline
-BOARD_WAIT = 60.0  # seconds a follower waits for its leader to name the board (it names one, or none, at its set-up)
+NAME_POLL = 0.002  # seconds before a follower reads its board's name again (then twice that, up to LOOK_EVERY)
 
 
 class _Word(ctypes.Structure):
@@ -35,11 +38,23 @@ def _said(number: int, yes: bool) -> int:
     return 2 * (number + 1) + int(yes)
 
 
+def host_block(members: tuple[int, ...], me: int, local_rank: int, local_world_size: int) -> tuple[int, ...]:
+    """The members on `me`'s host: the ranks its launcher started there, `local_world_size` contiguous ones from
+    `me - local_rank` (a launcher numbers its node's workers so, and draws a joining node's so), still in `members`.
+
+    >>> host_block((0, 1, 3, 4, 5), 4, 1, 3), host_block((0, 1, 2), 1, 0, 1)
+    ((3, 4, 5), (1,))
+    """
+    first = me - local_rank
+    return tuple(member for member in members if first <= member < first + local_world_size)
+
+
 class HostBoard:
     """One host's board in one generation: `block`, the generation's members on this host (the leader first);
-    `who`, their identities (liveness.identity), to tell a slow member from one gone."""
+    `who(member)`, a member's identity (liveness.identity) or None if not said yet, to tell a slow member from one
+    gone."""
 
-    def __init__(self, segment: Segment, block: tuple[int, ...], me: int, who: dict[int, str]):
+    def __init__(self, segment: Segment, block: tuple[int, ...], me: int, who):
         self.segment, self.block, self.who = segment, block, who
         self.index = block.index(me)
         self._words = [_Word.from_buffer(segment.memory, j * LINE_BYTES) for j in range(len(block))]
@@ -87,8 +102,9 @@ class HostBoard:
             futex_wait(ctypes.addressof(word), value, max(0.001, min(LOOK_EVERY, deadline - now)))
 
     def ended(self, j: int) -> bool:
-        """Whether member j's process ended."""
-        return same_host_gone(self.who[self.block[j]])
+        """Whether member j's process ended (one that never said who it is never reached a commit: not ended)."""
+        who = self.who(self.block[j])
+        return who is not None and same_host_gone(who)
 
     def _look_says_stop(self, j: int, give_up) -> bool:
         return self.ended(j) or give_up()
@@ -116,34 +132,43 @@ class HostBoard:
                 pass
 
 
-def open_board(key, block: tuple[int, ...], me: int, who: dict[int, str], store, stop) -> HostBoard | None:
-    """This host's board in the generation whose keys `key(*parts)` names: made and named in the store by the
-    leader (block[0]), mapped by the others. None: one rank on its host, or no board (the leader could not make one,
-    or is gone, or `stop()` said so first): the rank then commits for itself alone. The leader always names one,
-    or none, so that its followers do not wait on it."""
-    if len(block) < 2:
-        return None
-    name_key, size = key("board", block[0]), LINE_BYTES * len(block)
-    if me == block[0]:
-        segment = None
-        try:
-            if not stop():
-                segment = Segment.create(size, host_key())
-        except (OSError, ValueError) as exc:
-            logger.debug("rank %d made no host board (its host's ranks commit one by one): %s", me, exc)
-        finally:
-            store.set(name_key, segment.name if segment is not None else "")
-        return HostBoard(segment, block, me, who) if segment is not None else None
-    deadline = time.monotonic() + BOARD_WAIT
-    while not store.check([name_key]):
-        if stop() or same_host_gone(who[block[0]]) or time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
+def create_board(key, block: tuple[int, ...], me: int, who, store) -> HostBoard | None:
+    """The leader (block[0]), as its generation starts: its host's board, made and named in the store under
+    `key("board", me)`. It always names one, or none (""), so that no follower waits on it."""
+    segment = None
+    try:
+        segment = Segment.create(LINE_BYTES * len(block), host_key())
+    except (OSError, ValueError) as exc:
+        logger.debug("rank %d made no host board (its host's ranks commit one by one): %s", me, exc)
+    store.set(key("board", me), segment.name if segment is not None else "")
+    return HostBoard(segment, block, me, who) if segment is not None else None
+
+
+def attach_board(key, block: tuple[int, ...], me: int, who, store, deadline: float, give_up) -> HostBoard | None:
+    """A follower, at its first commit: its leader's board, mapped. None (the rank then commits for itself alone):
+    the leader named none, or ended, or `give_up()` (asked between looks) or `deadline` (time.monotonic) came first
+    (the leader's first commit then waits for this rank's vote in vain and gives the step up, bounded)."""
+    leader, name_key = block[0], key("board", block[0])
+    looked, pause = time.monotonic(), NAME_POLL
+    while not store.check([name_key]):  # named as the leader's generation started: found at once when healthy
+        now = time.monotonic()
+        if now - looked >= LOOK_EVERY:
+            looked = now
+            leader_who = who(leader)
+            why = ("its process ended" if leader_who is not None and same_host_gone(leader_who) else
+                   "the membership timeout passed" if now >= deadline else
+                   "the generation is ending" if give_up() else None)
+            if why is not None:
+                logger.warning("rank %d: rank %d, which speaks for this host in the per-step commit, named no board "
+                               "(%s): this rank commits for itself", me, leader, why)
+                return None
+        time.sleep(pause)
+        pause = min(LOOK_EVERY, 2 * pause)
     name = store.get(name_key).decode()
-    if not name or stop():
+    if not name:
         return None
     try:
-        board = HostBoard(Segment.attach(name, size), block, me, who)
+        board = HostBoard(Segment.attach(name, LINE_BYTES * len(block)), block, me, who)
     except (OSError, ValueError) as exc:  # its leader's votes then wait in vain: that step fails, bounded
         logger.warning("rank %d could not map its host's board %s: %s", me, name, exc)
         return None
