@@ -4,11 +4,11 @@
         [--transport shm|gloo] [--shard gradients|optimizer] [--ranks N] [--per-host L]
 
 Two CPU ranks (`--ranks`; 1 thread each) train phalanx DDP on `phalanx bench`'s models, over the shared-memory exchange
-or Gloo's (`--transport`). With `--per-host L`, hosts of L ranks are emulated (each rank's identity names its host,
-as tests/ranks/test_host_commit.py does): the commit's ranks agree per host and one per host goes to the store
-(world/generations/host_board.py); `--per-host 1` is a commit per rank. The commit's store operations per rank and
-step are counted. Blocks of steps interleave live recovery on (PHALANX_MIN_WORLD_SIZE=1: every
-wait on a collective watches for a step given up, and each step commits after its exchange where a global-batch
+or Gloo's (`--transport`). With `--per-host L`, hosts of L ranks are emulated (tests/helpers/emulated_hosts.py): the
+commit's ranks agree per host and one per host goes to the store (world/generations/host_board.py); `--per-host 1` is
+a commit per rank. The commit's store operations per rank and step are counted (a follower's 2 reads that map its
+host's board, once per generation, left out). Blocks of steps interleave live recovery on (PHALANX_MIN_WORLD_SIZE=1:
+every wait on a collective watches for a step given up, and each step commits after its exchange where a global-batch
 step does: not over shared memory, whose exchange ends alike on every rank; a host's ranks agree in shared memory, a
 leader per host goes to the store when the generation spans hosts) and off, so the
 machine's drift hits both alike. Prints the median step time of the slowest rank per setting and their ratio;
@@ -94,6 +94,7 @@ def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
         copies._finish_refresh = _timed(copies_wall, copies._finish_refresh)  # their end, after the all-gather's
     batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
     generation.announce()
+    generation.current().watch(world.store()).board()  # a follower maps its host's board: once per generation
     generation.say_mode(True, "a benchmark's loop")  # as a global-batch loader says it: the copies are made
     wall: list[float] = []
     cpu: list[float] = []

@@ -22,6 +22,7 @@ commit: it asks nothing of another host, so that a member lost there as a genera
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from ..log import logger
-from .generations.host_board import HostBoard, attach_board, create_board, host_block
+from .generations.host_board import HostBoard, attach_board, create_board, host_block, launched_here
 from .generations.settings import membership_timeout
 from .liveness import KeptWatch, PeerWatch, identity_host, same_host_gone
 from .process.identity import launch_spec
@@ -59,7 +60,9 @@ class GenerationWatch:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         spec = launch_spec()
-        self.host = host_block(members, me, spec.local_rank, spec.local_world_size) if spec else (me,)
+        gtids = os.environ.get("SLURM_GTIDS") if spec is not None and spec.source == "slurm" else None
+        self.host = host_block(members, launched_here(me, spec.local_rank, spec.local_world_size, gtids)
+                               if spec is not None else {me})
         self._board: HostBoard | None = None  # this host's board for the commit (host_board.py)
         self._board_asked = False  # a follower maps it once, at its first commit: that answer stays
         if len(self.host) > 1 and me == self.host[0]:

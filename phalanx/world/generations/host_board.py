@@ -2,7 +2,7 @@
 the store (commit.py): the store's work per step grows with the hosts, not with the ranks.
 
 A board is a small segment per host and generation: one cache line per member of the host's block (host_block: the
-members its launcher started, known without asking anyone), each written by its member only. Its first member, the
+members its launcher started there, known without asking anyone), each written by its member only. Its first member, the
 leader, creates it and names it in the store as its generation starts; the others map it at their first commit, by
 when the leader, whose exchange they just shared, has named it. A follower writes its vote on step n in its line, the
 leader the host's outcome in its own, both as one 32-bit word: 2 (n + 1) + 1 for "ready" / "applied", 2 (n + 1) for
@@ -38,15 +38,26 @@ def _said(number: int, yes: bool) -> int:
     return 2 * (number + 1) + int(yes)
 
 
-def host_block(members: tuple[int, ...], me: int, local_rank: int, local_world_size: int) -> tuple[int, ...]:
-    """The members on `me`'s host: the ranks its launcher started there, `local_world_size` contiguous ones from
-    `me - local_rank` (a launcher numbers its node's workers so, and draws a joining node's so), still in `members`.
+def launched_here(me: int, local_rank: int, local_world_size: int, slurm_gtids: str | None = None) -> set[int]:
+    """The launch ranks started on `me`'s host: under srun as slurmstepd lists them (SLURM_GTIDS, whatever srun's
+    distribution); else the `local_world_size` from `me - local_rank` on (phalanx run and torchrun number a node's
+    workers so, and a joining node's ranks are drawn so).
 
-    >>> host_block((0, 1, 3, 4, 5), 4, 1, 3), host_block((0, 1, 2), 1, 0, 1)
+    >>> sorted(launched_here(4, 1, 3)), sorted(launched_here(5, 1, 2, "1,5"))
+    ([3, 4, 5], [1, 5])
+    """
+    if slurm_gtids:
+        return {int(rank) for rank in slurm_gtids.split(",")}
+    return set(range(me - local_rank, me - local_rank + local_world_size))
+
+
+def host_block(members: tuple[int, ...], here: set[int]) -> tuple[int, ...]:
+    """The members on this host (`here`: launched_here), in rank order: the first leads.
+
+    >>> host_block((0, 1, 3, 4, 5), {3, 4, 5}), host_block((0, 1, 2), {1})
     ((3, 4, 5), (1,))
     """
-    first = me - local_rank
-    return tuple(member for member in members if first <= member < first + local_world_size)
+    return tuple(member for member in members if member in here)
 
 
 class HostBoard:
