@@ -151,7 +151,12 @@ def create_board(key, block: tuple[int, ...], me: int, who, store) -> HostBoard 
         segment = Segment.create(LINE_BYTES * len(block), host_key())
     except (OSError, ValueError) as exc:
         logger.debug("rank %d made no host board (its host's ranks commit one by one): %s", me, exc)
-    store.set(key("board", me), segment.name if segment is not None else "")
+    try:
+        store.set(key("board", me), segment.name if segment is not None else "")
+    except Exception:  # the store gone with the run: leave no segment behind
+        if segment is not None:
+            segment.unlink()
+        raise
     return HostBoard(segment, block, me, who) if segment is not None else None
 
 
