@@ -3,6 +3,7 @@ step (store operations, connections, segments), the store's load, the time to na
 
     sudo PYTHONPATH=. python benchmarks/control_plane/control_plane_model.py [--units FILE | --unit-hosts 2 4 8 16]
         [--measured benchmarks/results/control_plane_before.json] [--per-host 8] [--pause 0.15] [--step 0.17]
+        [--design today|new|new-host]
 
 The unit costs come from benchmarks/control_plane/control_plane_units.py (namespace hosts; `--units FILE` reads a
 saved set): a store operation's round trip `rtt` and the store's CPU per operation `s` (its service time: one thread
@@ -27,8 +28,10 @@ Per rank and step, healthy:
           connections K = f c (P - L)
           segments   S = seg_op O + seg_ack (1 + f c) + q K
   new     X = rtt (one read of the generation's trouble counter; the watch is the kernel's)
-          O = u (1 + 2) + f c, u = 1 (a commit per rank) or 1/L (one per host, its ranks agreeing in shared memory):
-          the commit's add, then one wait the store answers once the last rank adds, then one read of the counter
+          O = u (1 + 2) + f c, u = 1 (a commit per rank) or 1/L (one per host, its ranks agreeing in shared memory:
+          what phalanx does, world/generations/host_board.py): the commit's add, then one wait the store answers once
+          the last rank (host) adds, then one read of the counter; the namespace runs count one rank's own store
+          connection on local rank 0, its host's leader (u = 1 there)
           K = 0
           S = seg_op O + seg_ack (u + f c) + 2 T / TICK   (one kept watch per rank: it sends a byte every TICK =
           0.25 s and acknowledges the byte of the rank that watches it)
@@ -227,8 +230,9 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
         add = row["added"]
         if design != "today":
             got = per_step(units, design, ranks, per_host, waits, step)
-            u = 1.0 if design == "new" else 1.0 / per_host
-            store_model = units.seg_op * got["ops"] + units.seg_ack * (u + (ranks - 1) / ranks * got["looks"])
+            # the runs count local rank 0's store connection: its own commit, or its host's as the leader
+            looks = (ranks - 1) / ranks * got["looks"]
+            store_model = units.seg_op * (1 + WAITED_COMMIT + looks) + units.seg_ack * (1 + looks)
             lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
                          f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
                          f"{store_model:.1f} ({_agreement(store_model, row['on']['rank_store'])}) | "
@@ -283,9 +287,10 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=8, help="ranks per host in the extrapolation (default 8)")
     parser.add_argument("--pause", type=float, default=0.15, help="the slow rank's lead per step (default 0.15 s)")
     parser.add_argument("--step", type=float, default=0.17, help="the step time (default 0.17 s)")
-    parser.add_argument("--design", choices=["today", "new"], default="today",
-                        help="the design the --measured runs ran: 'today' (the commit polled, a probe per peer) or "
-                             "'new' (the kept watch, the commit waited for)")
+    parser.add_argument("--design", choices=["today", "new", "new-host"], default="today",
+                        help="the design the --measured runs ran: 'today' (the commit polled, a probe per peer), "
+                             "'new' (the kept watch, the commit waited for, one per rank) or 'new-host' (one per "
+                             "host, its ranks agreeing in shared memory)")
     from phalanx.tools.bench_compare import add_json_flag, write_figures
 
     add_json_flag(parser)

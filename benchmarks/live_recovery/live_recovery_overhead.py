@@ -1,12 +1,16 @@
 """What live recovery costs a healthy training step: the per-step commit and the watched waits, an A/B.
 
     PYTHONPATH=. python benchmarks/live_recovery/live_recovery_overhead.py [deep wide gpt ...] [--blocks N] [--steps N]
-        [--transport shm|gloo] [--shard gradients|optimizer]
+        [--transport shm|gloo] [--shard gradients|optimizer] [--ranks N] [--per-host L]
 
-Two CPU ranks (1 thread each) train phalanx DDP on `phalanx bench`'s models, over the shared-memory exchange
-or Gloo's (`--transport`). Blocks of steps interleave live recovery on (PHALANX_MIN_WORLD_SIZE=1: every
-wait on a collective watches for a step given up, and each step commits through the store after its exchange
-where a global-batch step does: not over shared memory, whose exchange ends alike on every rank) and off, so the
+Two CPU ranks (`--ranks`; 1 thread each) train phalanx DDP on `phalanx bench`'s models, over the shared-memory exchange
+or Gloo's (`--transport`). With `--per-host L`, hosts of L ranks are emulated (tests/helpers/emulated_hosts.py): the
+commit's ranks agree per host and one per host goes to the store (world/generations/host_board.py); `--per-host 1` is
+a commit per rank. The commit's store operations per rank and step are counted (a follower's 2 reads that map its
+host's board, once per generation, left out). Blocks of steps interleave live recovery on (PHALANX_MIN_WORLD_SIZE=1:
+every wait on a collective watches for a step given up, and each step commits after its exchange where a global-batch
+step does: not over shared memory, whose exchange ends alike on every rank; a host's ranks agree in shared memory, a
+leader per host goes to the store when the generation spans hosts) and off, so the
 machine's drift hits both alike. Prints the median step time of the slowest rank per setting and their ratio;
 and, since on a shared machine that ratio moves by more than the cost measured, the commit's own cost: its
 wall time per step on the main thread (store round trips, which a busy machine stretches too) and its CPU time,
@@ -36,10 +40,28 @@ from phalanx.tools.bench_block import run_block
 from phalanx.tools.bench_compare import add_json_flag, interleave, median_of_steps, write_figures
 from phalanx.tools.bench_models import MODELS, make_batches
 from phalanx.world import generation
+from phalanx.world import group as world
+from tests.helpers.emulated_hosts import emulate_host
 
 
-def _rank(rank: int, names: list[str], blocks: int, steps: int, shard: str) -> dict:
+def _rank(rank: int, names: list[str], blocks: int, steps: int, shard: str, per_host: int) -> dict:
+    emulate_host(rank, per_host)  # before this rank says who it is
     return {name: _measure(name, rank, blocks, steps, shard) for name in names}
+
+
+class _CountingStore:
+    """The store, its operations counted (the commit's only: it is handed in around the commit)."""
+
+    def __init__(self, store):
+        self.store, self.ops = store, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            self.ops += 1
+            return method(*args, **kwargs)
+        return counted
 
 
 def _timed(record: list, method):
@@ -72,16 +94,23 @@ def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
         copies._finish_refresh = _timed(copies_wall, copies._finish_refresh)  # their end, after the all-gather's
     batches = make_batches(bench_model, 4, 0, rank, torch.device("cpu"))
     generation.announce()
+    generation.current().watch(world.store()).board()  # a follower maps its host's board: once per generation
     generation.say_mode(True, "a benchmark's loop")  # as a global-batch loader says it: the copies are made
     wall: list[float] = []
     cpu: list[float] = []
     spans: list[tuple[float, float]] = []  # each commit's entry and exit, on the machine's monotonic clock
     live_step = live_optimizer.step
+    store = world.store
+    counting = _CountingStore(store())
 
     def commit_then_step(*args, **kwargs):
         started, started_cpu = time.monotonic(), time.thread_time()
-        if not model._steps_settle_alike() and not generation.commit_step():  # as a global-batch step does
-            raise RuntimeError("a healthy step did not commit")
+        world.store = lambda: counting
+        try:
+            if not model._steps_settle_alike() and not generation.commit_step():  # as a global-batch step does
+                raise RuntimeError("a healthy step did not commit")
+        finally:
+            world.store = store
         spans.append((started, time.monotonic()))
         wall.append(spans[-1][1] - started)
         cpu.append(time.thread_time() - started_cpu)
@@ -102,7 +131,7 @@ def _measure(name: str, rank: int, blocks: int, steps: int, shard: str) -> dict:
         held = [t for packed in live_optimizer._copies.copies.values() for t in packed.tensors()]
         copies_bytes = sum(t.numel() * t.element_size() for t in held)
     return {**{s: median_of_steps(v) for s, v in times.items()}, "commit_ms": 1e3 * statistics.median(wall),
-            "commit_cpu_ms": 1e3 * statistics.median(cpu), "spans": spans,
+            "commit_cpu_ms": 1e3 * statistics.median(cpu), "spans": spans, "store_ops": counting.ops / len(wall),
             "copies_ms": 1e3 * sum(copies_wall) / len(wall) if copies_wall else 0.0,  # per step, on average
             "copies_mb": copies_bytes / 1e6,
             "model_mb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6}
@@ -118,11 +147,16 @@ def main() -> None:
                              "every rank, no commit) or Gloo's all-reduce (PHALANX_SHM=0: a commit per step)")
     parser.add_argument("--shard", choices=("none", "optimizer", "gradients"), default="none",
                         help="shard the model (AdamW): the shard copies' cost besides the commits")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks on this machine (default 2)")
+    parser.add_argument("--per-host", type=int, default=0,
+                        help="emulated ranks per host for the commit (default: all on one host)")
     add_json_flag(parser)
     args = parser.parse_args()
     figures = {}
     env = {"PHALANX_SHM": "1" if args.transport == "shm" else "0"}
-    ranks = run_ranks(_rank, 2, (args.models, args.blocks, args.steps, args.shard), timeout=3600, env=env)
+    per_host = args.per_host or args.ranks
+    ranks = run_ranks(_rank, args.ranks, (args.models, args.blocks, args.steps, args.shard, per_host), timeout=3600,
+                      env=env)
     results = ranks[0]
     for name, r in results.items():
         steps = zip(*(rank[name]["spans"] for rank in ranks))  # the same commits, in order, on every rank
@@ -131,9 +165,14 @@ def main() -> None:
               f"on/off {r['on'] / r['off']:.4f};   commit per step: {r['commit_ms']:.3f} ms wall "
               f"({100 * r['commit_ms'] / r['off']:.2f} % of a step), {r['commit_cpu_ms']:.3f} ms CPU "
               f"({100 * r['commit_cpu_ms'] / r['off']:.2f} %); its delay to the step: {1e3 * delay:.3f} ms "
-              f"({100e3 * delay / r['off']:.2f} %)")
+              f"({100e3 * delay / r['off']:.2f} %); the store: "
+              f"{statistics.mean(rank[name]['store_ops'] for rank in ranks):.2f} ops per rank and step "
+              f"({args.ranks // per_host} host(s) of {per_host})")
         figures.update({f"{name} on/off": round(r["on"] / r["off"], 3),
-                        f"{name} commit % of a step": round(100 * r["commit_ms"] / r["off"], 2)})
+                        f"{name} commit % of a step": round(100 * r["commit_ms"] / r["off"], 2),
+                        f"{name} delay % of a step": round(100e3 * delay / r["off"], 2),
+                        f"{name} store ops / rank / step": round(
+                            statistics.mean(rank[name]["store_ops"] for rank in ranks), 2)})
         if args.shard != "none":
             print(f"{'':<6} shard={args.shard}: copies {r['copies_ms']:.3f} ms per step "
                   f"({100 * r['copies_ms'] / r['off']:.2f} % of a step), holding {r['copies_mb']:.1f} MB per rank "

@@ -53,7 +53,8 @@ def futex_supported() -> bool:
     return _syscall is not None
 
 
-def _futex_wait(address: int, expected: int, seconds: float) -> None:
+def futex_wait(address: int, expected: int, seconds: float) -> None:
+    """Sleep while the shared 32-bit word at `address` holds `expected`, at most `seconds`."""
     # Returns at once if the word no longer holds `expected` (so a wake-up between our check and
     # the sleep cannot be lost), on a wake-up, or after `seconds`; the caller re-checks in every case.
     timeout = _Timespec(int(seconds), int((seconds % 1.0) * 1e9))
@@ -61,7 +62,8 @@ def _futex_wait(address: int, expected: int, seconds: float) -> None:
              ctypes.c_uint32(expected), ctypes.byref(timeout), None, ctypes.c_int(0))
 
 
-def _futex_wake(address: int) -> None:
+def futex_wake(address: int) -> None:
+    """Wake every process sleeping on the shared word at `address`."""
     _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(_FUTEX_WAKE),
              ctypes.c_int(_WAKE_ALL), None, None, ctypes.c_int(0))
 
@@ -94,7 +96,7 @@ class PhaseBarrier:
                 setattr(self.own, name, value)
         self.phase = (self.phase + 1) & 0xFFFFFFFF
         self.own.phase = self.phase  # after the data and the description: TSO keeps this order
-        _futex_wake(self.addresses[self.rank])
+        futex_wake(self.addresses[self.rank])
         return self.phase
 
     def wait_all(self, phase: int, what: str, spin: float = 0.0, timeout: float | None = None) -> None:
@@ -128,7 +130,7 @@ class PhaseBarrier:
                 self._check_alive(j, what)
                 if now - start > timeout:
                     self._raise_timeout(phase, what, timeout)
-            _futex_wait(address, value, min(LIVENESS_INTERVAL, max(0.001, start + timeout - now)))
+            futex_wait(address, value, min(LIVENESS_INTERVAL, max(0.001, start + timeout - now)))
 
     def _check_aborts(self, awaited: int, what: str) -> None:
         for j, line in enumerate(self.lines):
@@ -176,4 +178,4 @@ class PhaseBarrier:
         """Tell the peers this rank gives up, and wake every waiter so they notice at once."""
         self.own.abort = 1
         for address in self.addresses:
-            _futex_wake(address)
+            futex_wake(address)

@@ -6,7 +6,7 @@ the process (stop.py).
 `group.py` holds `init()` / `shutdown()` and the rank helpers that `phalanx` re-exports (their parts: process/);
 `generation.py`, live recovery's generations (their parts: generations/).
 
-May import: diagnose, allocator, errors, log.
+May import: diagnose, allocator, shm, errors, log.
 """
 
 from .group import (

@@ -13,12 +13,16 @@ end or the wait outlast the membership timeout. The watch's threads write throug
 the rank's own may be held by that blocking wait.
 
 Setting a watch up reads the identities of this rank's host block and of one other host's, in a thread: O(ranks per
-host) store reads per rank and generation. A peer whose watcher is lost too (two hosts lost together) is found by the
-survivors' agreement (generation.py), which probes the members it still misses.
+host) store reads per rank and generation, which nothing waits for. A peer whose watcher is lost too (two hosts lost
+together) is found by the survivors' agreement (generation.py), which probes the members it still misses. Apart from
+it, the board on which the ranks its launcher started on this host agree on each step's commit
+(generations/host_board.py) is made by their leader as the watch starts and mapped by the others at their first
+commit: it asks nothing of another host, so that a member lost there as a generation starts delays no commit.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -26,7 +30,10 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from ..log import logger
+from .generations.host_board import HostBoard, attach_board, create_board, host_block, launched_here
+from .generations.settings import membership_timeout
 from .liveness import KeptWatch, PeerWatch, identity_host, same_host_gone
+from .process.identity import launch_spec
 
 TROUBLE, GONE = "trouble", "gone"
 WHO_WAIT = 30.0  # seconds the set-up waits for a member to say who it is (one lost before it could is found otherwise)
@@ -52,7 +59,19 @@ class GenerationWatch:
         self._probes = PeerWatch()  # a regroup's probes of members nobody watches any more
         self._closed = threading.Event()
         self._lock = threading.Lock()
-        threading.Thread(target=self._set_up, name="phalanx-watch-setup", daemon=True).start()
+        spec = launch_spec()
+        gtids = os.environ.get("SLURM_GTIDS") if spec is not None and spec.source == "slurm" else None
+        self.host = host_block(members, launched_here(me, spec.local_rank, spec.local_world_size, gtids)
+                               if spec is not None else {me})
+        self._board: HostBoard | None = None  # this host's board for the commit (host_board.py)
+        self._board_asked = False  # a follower maps it once, at its first commit: that answer stays
+        if len(self.host) > 1 and me == self.host[0]:
+            self._board_asked = True
+            try:
+                self._board = create_board(key, self.host, me, self.peer, store)
+            except Exception as exc:  # the store gone with the run: the launcher ends it
+                logger.debug("rank %d made no host board: %s", me, exc)
+        threading.Thread(target=self._set_up_watch, name="phalanx-watch-setup", daemon=True).start()
 
     # -- what a rank asks ------------------------------------------------------------------------
 
@@ -122,12 +141,31 @@ class GenerationWatch:
                 return
             time.sleep(LOOK_EVERY)
 
+    def board(self, wait: bool = True) -> HostBoard | None:
+        """This host's board for the step's commit (None: this rank commits for itself alone). A follower maps it at
+        its first ask (`wait`: for its leader to name it, bounded by the membership timeout, its leader's end and
+        the generation's); that answer stays the generation's."""
+        if self._board_asked or not wait or len(self.host) < 2:
+            return self._board
+        self._board_asked = True
+        deadline = time.monotonic() + membership_timeout()
+        board = attach_board(self.key, self.host, self.me, self.peer, self.store, deadline, self.troubled)
+        with self._lock:
+            if self._closed.is_set():
+                if board is not None:
+                    board.close()
+                return None
+            self._board = board
+        return board
+
     def close(self) -> None:
         self._closed.set()
         self._awake.set()
         with self._lock:
             if self._kept is not None:
                 self._kept.close()
+            if self._board is not None:
+                self._board.close()
 
     # -- set-up and verdicts -----------------------------------------------------------------------
 
@@ -145,23 +183,30 @@ class GenerationWatch:
             self.who[member] = store.get(key).decode()
         return self.who[member]
 
+    def peer(self, member: int) -> str | None:
+        """`member`'s identity if it said who it is (the board's looks at the members of this host), waiting for
+        nobody."""
+        return self._identity(member, wait=False)
+
     def _host_of(self, member: int) -> str | None:
         who = self._identity(member)
         return identity_host(who) if who is not None else None
 
-    def _set_up(self) -> None:
+    def _set_up_watch(self) -> None:
         try:
             self.block, watched, host = ring_place(self.members, self.me, self._host_of)
-            if watched is None:
-                return  # one host: its peers are checked by pid
-            address = self._identity(watched).split()[3]
-            with self._lock:
-                if not self._closed.is_set():
-                    self.watched = watched
-                    self._kept = KeptWatch(address, lambda why: self._watch_ended(watched, host, why))
-        except Exception as exc:  # the store gone with the run: nothing to watch
+            if watched is not None:  # else one host: its peers are checked by pid
+                self._keep_watching(watched, host)
+        except Exception as exc:  # the store gone with the run, or the watched peer lost before it said who it is
             if not self._closed.is_set():
                 logger.debug("the generation's watch was not set up: %s", exc)
+
+    def _keep_watching(self, watched: int, host: tuple[int, ...]) -> None:
+        address = self._identity(watched).split()[3]
+        with self._lock:
+            if not self._closed.is_set():
+                self.watched = watched
+                self._kept = KeptWatch(address, lambda why: self._watch_ended(watched, host, why))
 
     def _watch_ended(self, watched: int, host: tuple[int, ...], why: str) -> None:
         """The kept watch ended: its peer's process is gone ("closed"), or its host is silent, and with it every

@@ -221,7 +221,7 @@ def test_a_host_that_comes_back_joins_the_workers_in_progress_without_a_restart(
                 kill_node(process)
     for process, output in zip(launchers[:2], outputs):
         assert process.returncode == 0, output
-        assert "joined in-process: 3 node(s) now" in output, output
+        assert "joined in-process: 3 node(s) now" in output, f"{output}\n== the joiner's launcher:\n{joiner_output}"
         assert "restart" not in output.lower(), output
         assert re.search(r"rank\(s\) \[3\] joined in-process: world size 2 -> 3, taken in after step \d+, regrouped "
                          r"in [\d.]+ s, [\d.]+ MB of state healed in [\d.]+ s, no step redone", output), output

@@ -2,18 +2,19 @@
 (phalanx.spawn) and tests/e2e/jobs/live_recovery_job.py (`phalanx run --min-world-size`).
 
 The run of tests/helpers/global_batch_cases.py (a global batch of 26 in micro-batches of 4, two epochs, SGD with
-momentum) with a Checkpointer saving every 2 steps, the step's loss summed over the ranks that train after
-each step, and a StepLog of every step (`directory/steplog/steps.jsonl`: steplog_records()). The doomed rank
-SIGKILLs itself in step `at` = (epoch, step) at `moment`: "forward" (before its first forward of the step),
-"exchange" (from a gradient hook in its last backward: with a bucket per parameter, some buckets are in flight), or
-"optimizer" (after its backward, before its optimizer step; the step was committed, so its samples are logged as
-applied); with a sharded model also "clip" (before `model.clip_grad_norm_`, whose all-reduce the others are then
-in), or "save" (in a background save, once the others handed their parts to their writers: its own never
-reaches its writer). Every rank appends `[epoch, step, ids]` per applied step to `ids-<rank>.jsonl` in
-`directory`: the ids its part of the step averaged, and the time (`time.time()`); a doomed rank writes the time
-it dies in `died-at`. `then`: a second rank lost later, (rank, (epoch, step)), at the same moment. The survivors
-report the process groups of the generations before their last that are still alive in them (none: each is
-freed once its collectives ended).
+momentum) with a Checkpointer saving every 2 steps, the step's loss summed over the ranks that train after each step,
+and a StepLog of every step (`directory/steplog/steps.jsonl`: steplog_records()). The doomed rank SIGKILLs itself in
+step `at` = (epoch, step) at `moment`: "forward" (before its first forward of the step), "exchange" (from a gradient
+hook in its last backward: with a bucket per parameter, some buckets are in flight), or "optimizer" (after its backward,
+before its optimizer step; the step was committed, so its samples are logged as applied), "commit" or "committed" (in
+the step's commit as its host's leader, rank 0 over Gloo on one host, world/generations/host_board.py: once it decided,
+before it tells the others or right after it: its samples logged as applied then); with a sharded model also "clip"
+(before `model.clip_grad_norm_`, whose all-reduce the others are then in), or "save" (in a background save, once the
+others handed their parts to their writers: its own never reaches its writer). Every rank appends `[epoch, step, ids]`
+per applied step to `ids-<rank>.jsonl` in `directory`: the ids its part of the step averaged, and the time
+(`time.time()`); a doomed rank writes the time it dies in `died-at`. `then`: a second rank lost later, (rank, (epoch,
+step)), at the same moment. The survivors report the process groups of the generations before their last that are still
+alive in them (none: each is freed once its collectives ended).
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     generation.on_regroup(groups.regrouped)
     first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
     first_layer.register_hook(lambda grad: _die(directory) if armed[0] else None)
+    in_commit: list = [None]  # the doomed step's ids, during its last backward (and so its commit)
     with open(os.path.join(directory, f"ids-{rank}.jsonl"), "a") as log, _groups_made() as groups_made:
+        if doomed and moment in ("commit", "committed"):
+            _die_in_commit(directory, log, in_commit, moment)
         for epoch in range(EPOCHS):
             loader.set_epoch(epoch)
             for step in loader:
@@ -91,6 +95,8 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                     if here and moment == "forward":
                         _die(directory)
                     armed[0] = here and moment == "exchange" and j == step.num_micro_batches - 1
+                    last = here and j == step.num_micro_batches - 1
+                    in_commit[0] = [epoch, step.index, ids + index.tolist()] if last else None
                     step.backward(F.mse_loss(model(x), y))
                     if step.weight:
                         ids += index.tolist()
@@ -121,6 +127,25 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
             "params": parameters(model), "losses": losses, "main": px.is_main(), "groups_made": groups_made,
             "older_groups_alive": groups.older_alive(current.number), "views": sorted(views)}
+
+
+def _die_in_commit(directory: str, log, in_commit: list, moment: str) -> None:
+    """Die in the doomed step's commit as its host's leader, once it decided: before it tells the others ("commit")
+    or right after ("committed": its samples logged as applied, as the others apply the step)."""
+    from phalanx.world.generations.host_board import HostBoard
+
+    say = HostBoard.say
+
+    def dying(self, number, yes):
+        if in_commit[0] is None or not self.leads:
+            return say(self, number, yes)
+        if moment == "committed":
+            say(self, number, yes)
+            log.write(json.dumps([*in_commit[0], time.time()]) + "\n")
+            log.flush()
+        _die(directory)
+
+    HostBoard.say = dying
 
 
 def check_world_views(results: list) -> None:

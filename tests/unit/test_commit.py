@@ -23,6 +23,10 @@ class _Watch:
     def __init__(self, found: set[int], trouble: list, store):
         self.found, self.trouble, self.store = found, trouble, store
 
+    def board(self, wait: bool = True):
+        """No host board: each member commits for itself in the store (the protocol a board's leader speaks)."""
+        return None
+
     @contextmanager
     def awaiting(self, key: str, seconds: float):
         waiting = threading.Event()

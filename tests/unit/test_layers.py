@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 # The parts of phalanx from the bottom layer up; a part imports only from layers below its own.
 # errors and log know nobody; diagnose (the record of collectives) only them, so every layer above
 # can record into it; allocator too (the workers' C allocator: the launchers preload it, init() and
-# the sharded fronts tell what a process has); shm, world and nn know only those. The DDP engine is
+# the sharded fronts tell what a process has), and shm (segments and futex barriers between the ranks
+# of a host); world and nn know only those. The DDP engine is
 # three layers: bucket/ (the bucket, its per-rank cut and the step guard: what the exchange and the
 # engine share), then
 # exchange/ (how a bucket becomes its average), then sharding/ (optimizers on the owned chunks), then
@@ -23,8 +24,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 # face on everything the library holds; the bundled tools on the face; the command on the tools.
 LAYERS = [
     {"errors", "log", "hooks"},
-    {"diagnose", "allocator"},
-    {"shm", "world", "nn"},
+    {"diagnose", "allocator", "shm"},
+    {"world", "nn"},
     {"bucket"},
     {"exchange"},
     {"sharding"},
@@ -46,7 +47,7 @@ ALLOWED = {
     "diagnose": {"errors", "log"},
     "allocator": {"errors", "log"},
     "shm": {"errors", "log"},
-    "world": {"errors", "log", "diagnose", "allocator"},
+    "world": {"errors", "log", "diagnose", "allocator", "shm"},  # shm: the ranks of a host agree on a commit
     "nn": {"errors"},
     "bucket": {"errors", "world", "diagnose"},  # diagnose: the step clock the step guard's waits add to
     "exchange": {"errors", "log", "diagnose", "shm", "bucket"},

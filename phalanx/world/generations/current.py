@@ -98,7 +98,7 @@ def fail_step() -> None:
     """This rank's exchange of the step failed: no member applies it (see commit_step)."""
     global _commits
     number, _commits = _commits, _commits + 1
-    current().fail_commit(world.store(), number)
+    current().fail_step(world.store(), number)
 
 
 def next_admission() -> int:
