@@ -67,8 +67,9 @@ SCENARIOS: tuple[Scenario, ...] = (
       "DiLoCo H=50 int8 streaming on 2 namespace hosts x 2: bytes on host 0's port per step and samples/s, against "
       "exact DDP, torch DDP and an unshaped link", 66, SHAPED),
     S("diloco.quality", _script("hosts/diloco_quality.py", "--hosts", "2", "--seeds", "0", "--steps", "100",
-                                "--every", "50"),
-      "examples/gpt's validation loss after the same samples, exact DDP against DiLoCo H=50 int8", 34),
+                                "--every", "50", "--lr", "2e-3", "--outer-lr", "1", "--momentum", "0.5"),
+      "examples/gpt's validation loss after the same samples, exact DDP against DiLoCo H=50 int8 (outer lr 1, "
+      "momentum 0.5)", 34),
     S("diloco.live_recovery", _script("hosts/diloco_quality.py", "--hosts", "3", "--seeds", "0", "--steps", "100",
                                       "--every", "50", "--kill-host", "1", "--kill-at-step", "75"),
       "examples/gpt's validation loss, DiLoCo H=50 on 3 hosts with one SIGKILLed in mid-period under live recovery, "
