@@ -22,9 +22,13 @@ and closes, as liveness.py's did); for each count N, N clients, one per namespac
 - `agree[N]`: rounds of the survivors' agreement as generation.py makes it (each says it is alive, then every 10 ms
   checks the decision and each member's alive key, until all are there; the first proposal stored wins), without
   its probes; `agree_counter[N]`: the same agreement through one counter (each adds 1, then reads it every 10 ms);
-- `group[N]`: a Gloo process group among the N clients (as a regroup makes two: the main and the control group):
-  its time, connections opened and segments sent, all clients together, and the segments on their connections to
-  the store (ss's per-socket counters), both ways.
+- `group[N]`: a regroup's two Gloo groups among the N clients as the survivors make them (each polls the agreement's
+  decision every 20 ms; once it is set, each makes the main group, then the control group, on the one store): `first`,
+  from the decision to the last client's main group (the polls included), `second`, from there to the last one's
+  control group; one group's connections opened and segments sent, all clients together, and the segments on their
+  connections to the store (ss's per-socket counters), both ways;
+- `watch_end`: a kept watch's end (liveness.KeptWatch, in host 2) when the process it watches (a beacon in host 1) is
+  SIGKILLed: seconds from the kill to the watch's verdict (its thread woken, on this machine's load), median of 5.
 The clients share this machine's cores: with more clients than cores, their times include waiting for a core.
 """
 
@@ -47,6 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 29650
 EAGER_READS, LOOK_PAUSE = 4, 0.01  # generation.py's commit (4 reads back to back) and agreement (a look every 10 ms)
+AGREE_POLL = 0.02  # seconds between a survivor's looks at the agreement's decision, when another one decides
 
 
 def tcp_counters() -> dict[str, int]:
@@ -73,9 +78,8 @@ def serve(address: str, counts: list[int]) -> None:
             client.wait([f"mark/{count}/{mark}"])
             usage = resource.getrusage(resource.RUSAGE_SELF)
             client.set(f"cpu/{count}/{mark}", repr(usage.ru_utime + usage.ru_stime))
-    while True:  # until the harness ends it
+    while master:  # until the harness ends it
         time.sleep(60)
-    del master
 
 
 def _answer(beacon: socket.socket) -> None:
@@ -217,21 +221,34 @@ class Client:
             found.append((start, time.monotonic(), ops))
         return found
 
-    def groups(self, rounds: int) -> tuple[list[tuple[float, float, int, int, int]], object]:
-        """(start, done, connections opened, segments sent, store segments both ways) per Gloo group made among the
-        clients; and the last group, kept."""
-        found, group = [], None
-        for number in range(rounds):
-            start = self.start_together(f"group{number}")
+    def groups(self, rounds: int) -> tuple[list[tuple[float, float, float, int, int, int]], object]:
+        """(decided, main made, control made, connections opened, segments sent, store segments both ways) per round:
+        a regroup's two Gloo groups as the survivors make them (generations/current.py meet): each client polls the
+        agreement's decision every AGREE_POLL s, as the survivors that do not decide do; once client 0 sets it, each
+        makes the main group, then the control group, one after the other, on the one store. And the last control
+        group, kept."""
+        found, kept = [], []  # every group kept to the end: a group freed tears its pairs down, which a regroup
+        for number in range(rounds):  # does only after its followers (generations/release.py), not while meeting
+            self.barrier(f"group{number}")
+            decision = self.key("group", number, "decision")
+            if self.index == 0:
+                time.sleep(2 * AGREE_POLL)  # the others poll by then
+                self.store.set(decision, repr(time.monotonic()))
+            while not self.store.check([decision]):
+                time.sleep(AGREE_POLL)
+            decided = float(self.store.get(decision))
             before, store_before = tcp_counters(), self.store_segments()
-            group = self.dist.ProcessGroupGloo(self.dist.PrefixStore(self.key("group", number), self.store), self.index,
-                                               self.count, timedelta(seconds=120))
-            done = time.monotonic()
+            made = []
+            for name in ("main", "control"):
+                kept.append(self.dist.ProcessGroupGloo(self.dist.PrefixStore(self.key("group", number, name),
+                                                                             self.store),
+                                                       self.index, self.count, timedelta(seconds=120)))
+                made.append(time.monotonic())
             after, store_after = tcp_counters(), self.store_segments()
-            found.append((start, done, after["ActiveOpens"] - before["ActiveOpens"],
+            found.append((decided, *made, after["ActiveOpens"] - before["ActiveOpens"],
                           after["OutSegs"] - before["OutSegs"], store_after - store_before))
             self.barrier(f"group{number}-made")
-        return found, group
+        return found, kept[-1]
 
     def store_segments(self) -> int:
         """Segments both ways on this client's connection(s) to the store, so far (ss's per-socket counters)."""
@@ -259,6 +276,54 @@ def client(address: str, index: int, count: int, rounds: int) -> None:
     print(json.dumps(result), flush=True)
 
 
+def victim(address: str) -> None:
+    """A beacon (liveness.py's: accept, keep, read the watcher's bytes) that says its address, until killed."""
+    beacon = socket.create_server((address, 0), backlog=64)
+    print(f"{address}:{beacon.getsockname()[1]}", flush=True)
+    connection, _ = beacon.accept()
+    while connection.recv(64):
+        pass
+
+
+def watcher() -> None:
+    """For each beacon address read on stdin: a KeptWatch on it, "ready" once connected, then the time.time() of its
+    verdict."""
+    from phalanx.world.liveness import KeptWatch
+
+    for line in sys.stdin:
+        ended = threading.Event()
+        watch = KeptWatch(line.strip(), lambda why, ended=ended: (print(json.dumps({"at": time.time(), "why": why})),
+                                                                   ended.set()))
+        while watch._socket is None and not ended.is_set():
+            time.sleep(0.01)
+        print("ready", flush=True)
+        ended.wait()
+
+
+def watch_ends(hosts: list[dict], env: dict, me: list[str], rounds: int = 5) -> list[float]:
+    """Seconds from a SIGKILL of a watched process to its kept watch's verdict, `rounds` times."""
+    follower = subprocess.Popen(["ip", "netns", "exec", hosts[2]["ns"], *me, "--watcher"], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    found = []
+    try:
+        for _ in range(rounds):
+            watched = subprocess.Popen(["ip", "netns", "exec", hosts[1]["ns"], *me, "--victim", hosts[1]["addr"]],
+                                       env=env, stdout=subprocess.PIPE, text=True)
+            try:
+                follower.stdin.write(watched.stdout.readline())  # a line: sent at once (bufsize=1)
+                assert follower.stdout.readline().strip() == "ready"
+                time.sleep(1.0)  # a few ticks
+                struck = time.time()
+                watched.kill()
+                found.append(json.loads(follower.stdout.readline())["at"] - struck)
+            finally:
+                watched.kill()
+                watched.wait(timeout=30)
+    finally:
+        follower.kill()
+    return found
+
+
 # -- here: the hosts, the store, the clients --------------------------------------------------------------------------
 
 def measure(counts: list[int], rounds: int = 20) -> dict:
@@ -279,6 +344,8 @@ def measure(counts: list[int], rounds: int = 20) -> dict:
                     for i, host in enumerate(hosts[1:count + 1])]
                 results = [json.loads(c.communicate(timeout=900)[0].strip().splitlines()[-1]) for c in clients]
                 _gather(units, count, results)
+            ends = watch_ends(hosts, env, me)
+            units["watch_end"] = {"seconds": statistics.median(ends), "all": ends}
         finally:
             server.kill()
             server.wait(timeout=60)
@@ -298,11 +365,13 @@ def _gather(units: dict, count: int, results: list[dict]) -> None:
         rounds = list(zip(*(r[name] for r in results)))
         units[name][count] = {"seconds": statistics.median(max(done for _, done, _ in r) - r[0][0] for r in rounds),
                               "ops": statistics.mean(ops for r in rounds for _, _, ops in r)}
-    rounds = list(zip(*(r["group"] for r in results)))
-    units["group"][count] = {"seconds": statistics.median(max(g[1] for g in r) - r[0][0] for r in rounds),
-                             "connections": statistics.median(sum(g[2] for g in r) for r in rounds),
-                             "segs": statistics.median(sum(g[3] for g in r) for r in rounds),
-                             "store_segs": statistics.median(sum(g[4] for g in r) for r in rounds)}
+    rounds = list(zip(*(r["group"] for r in results)))  # per round, per client: (decided, main, control, ...)
+    units["group"][count] = {"first": statistics.median(max(g[1] for g in r) - r[0][0] for r in rounds),
+                             "second": statistics.median(max(g[2] for g in r) - max(g[1] for g in r) for r in rounds),
+                             "connections": statistics.median(sum(g[3] for g in r) for r in rounds) / 2,
+                             "segs": statistics.median(sum(g[4] for g in r) for r in rounds) / 2,
+                             "store_segs": statistics.median(sum(g[5] for g in r) for r in rounds) / 2,
+                             "rounds": [[max(g[1] for g in r) - r[0][0], max(g[2] - g[1] for g in r)] for r in rounds]}
 
 
 def main() -> None:
@@ -310,6 +379,10 @@ def main() -> None:
         return serve(sys.argv[2], [int(count) for count in sys.argv[3:]])
     if sys.argv[1:2] == ["--client"]:
         return client(sys.argv[2], *map(int, sys.argv[3:6]))
+    if sys.argv[1:2] == ["--victim"]:
+        return victim(sys.argv[2])
+    if sys.argv[1:2] == ["--watcher"]:
+        return watcher()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8, 16], help="client counts (default 2 4 8 16)")
     parser.add_argument("--rounds", type=int, default=20, help="commit rounds per count (default 20)")
