@@ -50,7 +50,7 @@ REGROUP_BOUND = 2.0  # seconds from the loss named to the regroup done
 def _median(runs: list[Figures]) -> Figures:
     return Figures(*(statistics.median(getattr(run, name) for run in runs)
                      for name in ("connections", "segments", "store_host_in", "step_seconds", "rank_store",
-                                  "rank_other", "rank_watch")))
+                                  "rank_other", "rank_watch", "rank_other_data")))
 
 
 def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, work: Path) -> dict:
@@ -66,6 +66,7 @@ def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, wo
             "on": asdict(on), "off": asdict(off), "added": asdict(on.minus(off)),
             "durations": {"on": [d for run in runs[True] for d in run.durations],
                           "off": [d for run in runs[False] for d in run.durations]},
+            "pairs": [{"on": asdict(a), "off": asdict(b)} for a, b in zip(runs[True], runs[False])],
             "seconds": time.monotonic() - started}
 
 
@@ -83,7 +84,7 @@ def _f(value: float | None, digits: int = 2) -> str:
 def steady_table(rows: list[dict]) -> str:
     lines = ["| hosts x ranks | connections opened: on / off / added | segments sent: on / off / added | "
              "store host's segments received per step: added | a rank's control plane (store, watch), segments both "
-             "ways | Gloo's, on / off | step time on / off (s) |",
+             "ways | Gloo's, on / off (of them data) | step time on / off (s) |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         on, off, add = row["on"], row["off"], row["added"]
@@ -92,7 +93,8 @@ def steady_table(rows: list[dict]) -> str:
                      f"**{add['segments']:.1f}** | {add['store_host_in']:.1f} | "
                      f"**{on['rank_store'] + on['rank_watch']:.1f}** ({on['rank_store']:.1f}, "
                      f"{on['rank_watch']:.1f}) | "
-                     f"{on['rank_other']:.1f} / {off['rank_other']:.1f} | {on['step_seconds']:.3f} / "
+                     f"{on['rank_other']:.1f} / {off['rank_other']:.1f} ({on['rank_other_data']:.1f} / "
+                     f"{off['rank_other_data']:.1f}) | {on['step_seconds']:.3f} / "
                      f"{off['step_seconds']:.3f} |")
     return "\n".join(lines)
 

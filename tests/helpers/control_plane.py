@@ -39,8 +39,9 @@ class Figures:
     (`durations`: each step's, launch rank 0's, in the window; none in a difference of two runs), and the segments
     both ways on one rank's own connections to the store (`rank_store`: its own and its watch's), on the kept watch it
     opened (`rank_watch`; the one its beacon accepted is its watcher's, counted there) and on the rest (`rank_other`:
-    Gloo's pairs), from local rank 0 of each host: `rank_store` + `rank_watch` is what the control plane itself sends
-    and receives per rank, each connection counted once, whatever Gloo does."""
+    Gloo's pairs; `rank_other_data`: those of them that carried data, pure ACKs not), from local rank 0 of each host:
+    `rank_store` + `rank_watch` is what the control plane itself sends and receives per rank, each connection counted
+    once, whatever Gloo does."""
 
     connections: float
     segments: float
@@ -49,13 +50,14 @@ class Figures:
     rank_store: float = 0.0
     rank_other: float = 0.0
     rank_watch: float = 0.0
+    rank_other_data: float = 0.0
     durations: tuple = ()
 
     def minus(self, other: Figures) -> Figures:
         return Figures(self.connections - other.connections, self.segments - other.segments,
                        self.store_host_in - other.store_host_in, self.step_seconds - other.step_seconds,
                        self.rank_store - other.rank_store, self.rank_other - other.rank_other,
-                       self.rank_watch - other.rank_watch)
+                       self.rank_watch - other.rank_watch, self.rank_other_data - other.rank_other_data)
 
 
 class Job:
@@ -141,7 +143,7 @@ def figures(job: Job, first: int, last: int) -> Figures:
     store_host_in = 0
     for i in range(len(job.hosts)):
         read = json.loads((job.run_dir / f"tcp-{i}.json").read_text())
-        for name in ("ActiveOpens", "OutSegs", "store", "other", "watch", "watched"):
+        for name in ("ActiveOpens", "OutSegs", "store", "other", "watch", "watched", "other_data"):
             totals[name] = totals.get(name, 0) + read[str(last)].get(name, 0) - read[str(first)].get(name, 0)
         if i == 0:
             store_host_in = read[str(last)]["InSegs"] - read[str(first)]["InSegs"]
@@ -151,6 +153,7 @@ def figures(job: Job, first: int, last: int) -> Figures:
     return Figures(totals["ActiveOpens"] / (job.ranks * steps), totals["OutSegs"] / (job.ranks * steps),
                    store_host_in / steps, (times[last] - times[first]) / steps, totals["store"] / (hosts * steps),
                    totals["other"] / (hosts * steps), totals["watch"] / (hosts * steps),
+                   totals["other_data"] / (hosts * steps),
                    tuple(times[step] - times[step - 1] for step in window))
 
 

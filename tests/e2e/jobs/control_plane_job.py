@@ -48,14 +48,15 @@ def socket_segments() -> dict[str, int]:
     """Segments both ways on this process's TCP connections (ss's per-socket counters): {"store": on its connections to
     the store (MASTER_ADDR:MASTER_PORT: its own and its watch's), "watch": on the kept watch it opened (to the beacon of
     the peer it watches), "watched": on the one its own beacon accepted (its watcher's), "other": on the rest (Gloo's
-    pairs)}. Connections opened and closed in between are not seen."""
+    pairs), "other_data": of those, the segments that carried data (pure ACKs not)}. Connections opened and closed in
+    between are not seen."""
     shown = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
     store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     watch = current()._watching.get("watch")  # live recovery on: this rank's watch (world/watch.py)
     beacon = identity().split()[3] if watch is not None else None
     watched = watch.who.get(watch.watched) if watch is not None and watch.watched is not None else None
     watched = watched.split()[3] if watched else None
-    found = {"store": 0, "watch": 0, "watched": 0, "other": 0}
+    found = {"store": 0, "watch": 0, "watched": 0, "other": 0, "other_data": 0}
     for entry in re.split(r"\n(?=\S)", shown):  # a socket: its line, then its counters' indented line
         fields = entry.split()
         if f"pid={os.getpid()}," not in entry or len(fields) < 5:
@@ -64,6 +65,8 @@ def socket_segments() -> dict[str, int]:
         local, peer = (re.sub(r"^\[(?:::ffff:)?(.*)\]:", r"\1:", field) for field in fields[3:5])  # [::ffff:a.b.c.d]
         kind = {store: "store", watched: "watch"}.get(peer) or ("watched" if local == beacon else "other")
         found[kind] += segments
+        if kind == "other":
+            found["other_data"] += sum(int(value) for value in re.findall(r"\bdata_segs_(?:in|out):(\d+)", entry))
     return found
 
 
