@@ -66,10 +66,11 @@ Where the namespace runs overlap (N <= 16 ranks), the model is evaluated with th
 step's time less the step's own work, the step time with live recovery off less the pause) and compared. The bar is
 taken on a rank's control-plane connections (its store connections and the kept watch it opened, ss's per-socket
 segments both ways): the kernel's on-minus-off, shown beside them, also holds Gloo's segments, which move with the
-on and off runs' step times. The runs' regroup is rank 0's (its "lost ranks" line, the launcher's summary): rank 0 is
-the slow rank, the last to enter, after its pause, so its line holds A + G2(S) and no E (the runs' regroup parts say
-so: its agreement starts last). Today's runs name a loss by rank 0's line, which comes only once rank 0 looks, after
-its pause: the model's figure there is pause + the worst case above; the new design's runs by the watcher's verdict.
+on and off runs' step times. The runs' regroup is rank 0's (its "lost ranks" line, the launcher's summary): rank 0
+decides, and waits for the last survivor to enter, up to a look (E: the worst case, as taken here); the runs' parts
+show that wait, then A, then each group. Today's runs name a loss by rank 0's line, which comes only once rank 0 looks,
+after its pause: the model's figure there is pause + the worst case above; the new design's runs by the watcher's
+verdict.
 """
 
 from __future__ import annotations
@@ -281,8 +282,8 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             losses.setdefault((row["hosts"], row["per_host"], row["how"]), []).append(row)
     if losses:
         lines += ["", "| hosts x ranks | lost | runs | named: measured / model (agreement) | regroup, rank 0's line: "
-                  "measured / model (agreement) | its agreement / main group / control group: measured / model | "
-                  "regroup with models and loaders: measured / model (agreement) |",
+                  "measured / model, worst (agreement) | its agreement, the last survivor awaited / main group / "
+                  "control group: measured / model | regroup with models and loaders: measured / model (agreement) |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for (hosts, per_host, how), rows in losses.items():
             ranks = hosts * per_host
@@ -294,7 +295,8 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
                 model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
             else:  # the runs read the watcher's verdict, the first rank to name it
                 model_named = named(units, design, ranks, per_host, how)[0]
-            _, *model_parts = regroup_parts(units, design, ranks, per_host, how)  # rank 0 enters last: no E
+            enter, agree, *groups = regroup_parts(units, design, ranks, per_host, how)
+            model_parts = [enter + agree, *groups]  # worst: rank 0 decides a look before the last survivor enters
             spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
             lines.append(f"| {hosts} x {per_host} | {how} | {len(rows)} | {detected:.3f} / {model_named:.3f} "
                          f"({_agreement(model_named, detected)}) | {line:.3f} / {sum(model_parts):.3f} "
