@@ -115,8 +115,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("control_plane.units", _script("control_plane/control_plane_units.py", "--hosts", "2", "4", "--rounds", "5"),
       "the control plane's unit costs: a store operation, a probe, a Gloo group", 34, HOSTS),
     S("control_plane.model", _script("control_plane/control_plane_model.py", "--units",
-                                     "benchmarks/results/control_plane_units.json", "--measured",
-                                     "benchmarks/results/control_plane_host_commit.json", "--design", "new-host"),
+                                     "benchmarks/results/control_plane_units-2026-11-29.json", "--measured",
+                                     "benchmarks/results/control_plane-2026-11-29.json", "--design", "new-host"),
       "the control plane's scale model to thousands of ranks, from saved unit costs", 2),
     # -- checkpoints and stops
     S("checkpoints.stop_overhead", _script("checkpoints/stop_overhead.py", "deep", "wide", "gpt", "--blocks", "3",

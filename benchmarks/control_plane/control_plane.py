@@ -12,16 +12,18 @@ hosts but one) and off (`--min-world-size 0`), `--rounds` times each, alternatin
 and step, the TCP connections opened (ActiveOpens) and segments sent (OutSegs) with it on and off and what it adds,
 the segments host 0 (the store's) received per step, and the mean step time on / off.
 
-`--kill` / `--cut`: at each N, live recovery on, the last host's launcher and workers are SIGKILLed (tests/e2e/
-test_elastic.py kill_node), or its link is set down (its processes run on, unreachable), after its 8th step. The table
-says when the ranks left named the loss (a watcher's "found rank R gone" record when phalanx logs one, at DEBUG;
-else the "lost ranks [...] ... regrouped in X s" line less X), their regroup (that line's X; and the run summary's,
-models and loaders included), and their next step, all from the moment of the kill or the cut, against the issue's
+`--kill` / `--cut`: at each N, live recovery on, the last host's launcher and workers are SIGKILLed (by pid,
+together), or its link is set down (its processes run on, unreachable), after its 8th step. The table says when the
+ranks left named the loss (a watcher's "found rank R gone" record when phalanx logs one, at DEBUG; else the "lost
+ranks [...] ... regrouped in X s" line less X), their regroup (that line's X, rank 0's; and the run summary's, models
+and loaders included), the last survivor on the new groups and done with its models and loaders (from the regroup's
+parts, timed on every survivor), and their next step, all from the moment of the kill or the cut, against the issue's
 bounds at N = 16: a process gone named within 1 s, a host cut off within the heartbeat window + 1 s (5 s), the
 regroup done within 2 s of that. `--json FILE`: the figures appended to FILE (a JSON list), for
 benchmarks/control_plane/control_plane_model.py to compare against; besides the table's, each run's step times and
-the segments per step on one rank's own connection to the store (`rank_store`, both ways) and on its other kept
-connections (`rank_other`: Gloo's pairs, a kept watch), from ss's per-socket counters.
+the segments per step on one rank's own connections to the store (`rank_store`, both ways), on the kept watch it
+opened (`rank_watch`) and on its other connections (`rank_other`: Gloo's pairs), from ss's per-socket counters; a
+loss's regroup parts (`parts`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ REGROUP_BOUND = 2.0  # seconds from the loss named to the regroup done
 def _median(runs: list[Figures]) -> Figures:
     return Figures(*(statistics.median(getattr(run, name) for run in runs)
                      for name in ("connections", "segments", "store_host_in", "step_seconds", "rank_store",
-                                  "rank_other")))
+                                  "rank_other", "rank_watch", "rank_other_data")))
 
 
 def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, work: Path) -> dict:
@@ -64,6 +66,7 @@ def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, wo
             "on": asdict(on), "off": asdict(off), "added": asdict(on.minus(off)),
             "durations": {"on": [d for run in runs[True] for d in run.durations],
                           "off": [d for run in runs[False] for d in run.durations]},
+            "pairs": [{"on": asdict(a), "off": asdict(b)} for a, b in zip(runs[True], runs[False])],
             "seconds": time.monotonic() - started}
 
 
@@ -80,26 +83,36 @@ def _f(value: float | None, digits: int = 2) -> str:
 
 def steady_table(rows: list[dict]) -> str:
     lines = ["| hosts x ranks | connections opened: on / off / added | segments sent: on / off / added | "
-             "store host's segments received per step: added | step time on / off (s) |",
-             "| --- | --- | --- | --- | --- |"]
+             "store host's segments received per step: added | a rank's control plane (store, watch), segments both "
+             "ways | Gloo's, on / off (of them data) | step time on / off (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         on, off, add = row["on"], row["off"], row["added"]
         lines.append(f"| {row['hosts']} x {row['per_host']} | {on['connections']:.2f} / {off['connections']:.2f} / "
                      f"**{add['connections']:.2f}** | {on['segments']:.1f} / {off['segments']:.1f} / "
-                     f"**{add['segments']:.1f}** | {add['store_host_in']:.1f} | {on['step_seconds']:.3f} / "
+                     f"**{add['segments']:.1f}** | {add['store_host_in']:.1f} | "
+                     f"**{on['rank_store'] + on['rank_watch']:.1f}** ({on['rank_store']:.1f}, "
+                     f"{on['rank_watch']:.1f}) | "
+                     f"{on['rank_other']:.1f} / {off['rank_other']:.1f} ({on['rank_other_data']:.1f} / "
+                     f"{off['rank_other_data']:.1f}) | {on['step_seconds']:.3f} / "
                      f"{off['step_seconds']:.3f} |")
     return "\n".join(lines)
 
 
 def loss_table(rows: list[dict]) -> str:
     lines = ["| hosts x ranks | lost | named after (s) | read from | regroup (s) | regroup, models and loaders "
-             "too (s) | next step after (s) | bounds at N = 16: named, regroup |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "too (s) | all survivors regrouped, and done with models and loaders, after named (s) | next step "
+             "after (s) | bounds at N = 16: named, regroup |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         what = "SIGKILL, launcher and workers" if row["how"] == "kill" else "link down"
-        lines.append(f"| {row['hosts']} x {row['per_host']} | {what} | {_f(row['detected'])} | {row['detected_by']} | "
-                     f"{_f(row['regroup'], 3)} | {_f(row['regroup_summary'], 3)} | {_f(row['next_step'])} | "
-                     f"<= {BOUNDS[row['how']]:g} s, <= {REGROUP_BOUND:g} s |")
+        parts, named = row.get("parts") or {}, row["detected"]
+        done = [parts[part][3] - named if part in parts and named is not None else None
+                for part in ("meet", "followers")]
+        lines.append(f"| {row['hosts']} x {row['per_host']} | {what} | {_f(named)} | {row['detected_by']} | "
+                     f"{_f(row['regroup'], 3)} | {_f(row['regroup_summary'], 3)} | {_f(done[0], 3)}, "
+                     f"{_f(done[1], 3)} | {_f(row['next_step'])} | <= {BOUNDS[row['how']]:g} s, "
+                     f"<= {REGROUP_BOUND:g} s |")
     return "\n".join(lines)
 
 
@@ -150,7 +163,9 @@ def main() -> None:
         kept = json.loads(args.json.read_text()) if args.json.exists() else []
         kept += [{"kind": "steady", "commit": commit, **row, "figures": {
             f"{row['hosts']} hosts segments added": round(row["added"]["segments"], 1),
-            f"{row['hosts']} hosts connections added": round(row["added"]["connections"], 2)}} for row in steady]
+            f"{row['hosts']} hosts connections added": round(row["added"]["connections"], 2),
+            f"{row['hosts']} hosts control plane segments": round(row["on"]["rank_store"] + row["on"]["rank_watch"],
+                                                                  1)}} for row in steady]
         kept += [{"kind": "loss", "commit": commit, **row, "figures": {
             f"{row['how']} @{row['hosts']} named s": row["detected"] and round(row["detected"], 2),
             f"{row['how']} @{row['hosts']} regroup s": row["regroup"] and round(row["regroup"], 3),

@@ -10,12 +10,16 @@ saved set): a store operation's round trip `rtt` and the store's CPU per operati
 serves every operation in turn), TCP segments per operation (`seg_op` back to back, plus `seg_ack` for the delayed
 ACK that closes a burst of them), a connection probe (`t_p`, `q` segments), an idle kept connection's keepalive
 segments per second (`keep`), the commit's reads per rank `r` (rounds among N <= 16 clients, each after a small Gloo
-all-reduce), a Gloo group among N (`G(N)`). With `--measured` (benchmarks/control_plane/control_plane.py's --json),
-`r` is read from the namespace runs instead: a rank's own store connection's segments per step, less the rest of the
-formula below (the runs' ranks come to the commit further apart than the rounds' clients: more reads); the extrapolation
-takes the largest run's. phalanx's own constants: a waiting rank looks every WATCH = 0.1 s, the heartbeat
-window WINDOW = 4 s, a silent probe waits PROBE_TIMEOUT = 0.1 s, the kept watch's keepalives KEEP_IDLE = 1 s,
-KEEP_INTERVAL = 1 s, KEEP_COUNT = 4, the agreement polls every POLL = 0.01 s.
+all-reduce), a regroup's two Gloo groups among N (`G2(N)`: made as the survivors make them, after the agreement's
+decision, one after the other), a kept watch's end after a SIGKILL (`t_end`: the killed process's sockets closed, the
+watcher's thread woken: this machine's scheduling, under its load). With `--measured`
+(benchmarks/control_plane/control_plane.py's --json), `r` is read from the namespace runs instead: a rank's own store
+connection's segments per step, less the rest of the formula below (the runs' ranks come to the commit further apart
+than the rounds' clients: more reads); the extrapolation takes the largest run's. phalanx's own constants: a waiting
+rank looks every WATCH = 0.1 s, the heartbeat window WINDOW = 4 s, a silent probe waits PROBE_TIMEOUT = 0.1 s, a kept
+watch ticks every TICK = 0.25 s and ends when a tick stays unacknowledged for WINDOW (TCP_USER_TIMEOUT), the deciding
+survivor of an agreement makes AGREE_OPS = 8 store operations once every survivor is listed (its append, a check for
+a decision, a read of the list, 3 for the verdicts, its proposal, a read of the decision).
 
 P ranks, L per host; launch rank 0 leads every step by w seconds (`--pause`: the benchmark's slow rank), a step takes
 T; f = (P - 1) / P of the ranks wait on it. A look takes X; a waiting rank looks c = max{k : k WATCH + (k - 1) X <= w}
@@ -41,24 +45,35 @@ Named (worst case, from the loss to the first rank that names it; then to every 
   today, process gone   WATCH + X                   (a look's scan reaches its beacon, refused; a Gloo peer that
                                                      sees the reset gives the step up: the others see it at a look)
   today, host cut off   WINDOW + WATCH + X + L PROBE_TIMEOUT   (silent probes, each waiting out its timeout)
-  new, process gone     2 rtt                       (its watcher's connection ends at once; the verdict: 2 store ops)
-  new, host cut off     KEEP_IDLE + KEEP_COUNT KEEP_INTERVAL + 2 rtt   (4 unanswered keepalives; 4 s at best)
+  new, process gone     t_end + 2 rtt               (its watcher's connection ends: the kernel closes the killed
+                                                     process's sockets, the watcher's thread wakes; the verdict: 2
+                                                     store ops; the runs read the watcher's line, just before them)
+  new, host cut off     WINDOW + TICK + t_end + 2 rtt  (a tick sent within TICK of the cut stays unacknowledged)
   new: every waiting rank knows it WATCH + rtt later (its next look); today each rank finds it by its own look.
-Regroup (from the loss named to the ranks left training on new groups):
-  R = A + 2 G(P) + F
-  A, today  WATCH + P rtt + P^2 s + (P - L) t_p     (the survivors enter within a look of each other; each polls
-                                                     every member's key, P of them at once at the store, and probes;
-                                                     a host cut off: + L PROBE_TIMEOUT, its ranks' silent probes)
-  A, new    WATCH + POLL + 2 rtt + P s              (assumed: one counter of the ranks alive and the `gone` key)
-  G(P)      g0 + g1 (P - 1) + k_g P (P - 1) s       (a Gloo group: each rank reads the P - 1 others' addresses from
-                                                     the store, k_g ops each, and connects to them; k_g from the
-                                                     segments on the store's connections, g0 and g1 fitted at N <= 16
-                                                     to the rest: with more clients than cores, g1 is this machine's)
-  F         the models and loaders rebuilt (measured: the run summary's regroup less the workers' line's)
+Regroup (from the loss named to the ranks left training on new groups; what world/generations/ does):
+  R = E + A + G2(S) + F, S = P - L survivors (a host lost)
+  E         WATCH + rtt: the last survivor enters at its next look (one blocked in the commit's wait is woken at once,
+            by the `done` keys the watcher sets)
+  A, today  P rtt + P^2 s + (P - L) t_p             (each polls every member's key, P of them at once at the store,
+                                                     and probes; a host cut off: + L PROBE_TIMEOUT, silent probes)
+  A, new    AGREE_OPS rtt + S s                     (the survivor that decides, the first in rank order, once every
+                                                     survivor is listed; the store serves the S appends)
+  G2(S)     the main group, then the control group (generations/current.py meet: two ProcessGroupGloo, one after the
+            other, on the one store, each connecting every pair): from the units' `first` (the decision, its 20 ms
+            polls, the main group) and `second`, each fitted g0 + g1 (S - 1) + k_g S (S - 1) s (each rank reads the
+            S - 1 others' addresses from the store, k_g ops each: from the segments on the store's connections; g0
+            and g1 at N <= 16: with more clients than cores, g1 is this machine's, CPU shared)
+  F         the models and loaders rebuilt (the DDP model's regroup is most of it; measured: the run summary's regroup
+            less the workers' line's)
 Where the namespace runs overlap (N <= 16 ranks), the model is evaluated with their own wait per step (w = each
-step's time less the step's own work, the step time with live recovery off less the pause) and compared. The runs
-name a loss by rank 0's line, and rank 0 (the slow rank) looks only once it waits, after its pause: the model's
-figure there is pause + the worst case above.
+step's time less the step's own work, the step time with live recovery off less the pause) and compared. The bar is
+taken on a rank's control-plane connections (its store connections and the kept watch it opened, ss's per-socket
+segments both ways): the kernel's on-minus-off, shown beside them, also holds Gloo's segments, which move with the
+on and off runs' step times. The runs' regroup is rank 0's (its "lost ranks" line, the launcher's summary): rank 0
+decides, and waits for the last survivor to enter, up to a look (E: the worst case, as taken here); the runs' parts
+show that wait, then A, then each group. Today's runs name a loss by rank 0's line, which comes only once rank 0 looks,
+after its pause: the model's figure there is pause + the worst case above; the new design's runs by the watcher's
+verdict.
 """
 
 from __future__ import annotations
@@ -68,9 +83,9 @@ import json
 import statistics
 from pathlib import Path
 
-WATCH, WINDOW, PROBE_TIMEOUT, POLL = 0.1, 4.0, 0.1, 0.01
-KEEP_IDLE, KEEP_INTERVAL, KEEP_COUNT = 1.0, 1.0, 4
+WATCH, WINDOW, PROBE_TIMEOUT = 0.1, 4.0, 0.1
 TICK = 0.25  # seconds between a kept watch's bytes (world/liveness.py)
+AGREE_OPS = 8  # the deciding survivor's store operations once every survivor is listed (generations/agreement.py)
 WAITED_COMMIT = 2.0  # the new commit's store operations after its add: one blocking wait, one read of the counter
 F_DEFAULT = 0.15  # seconds for the models and loaders, when no loss run was measured
 
@@ -91,12 +106,19 @@ class Units:
         largest = max(groups)
         # store operations per rank and peer in a group's making (2 segments an op, back to back)
         self.k_g = groups[largest]["store_segs"] / 2 / (largest * (largest - 1))
-        xs = [n - 1 for n in groups]
-        ys = [v["seconds"] - self.k_g * n * (n - 1) * self.s for n, v in groups.items()]  # less the store's part
+        # a saved set from before the units made the regroup's two groups holds one group's `seconds` from a start
+        self.g_first = self._fit({n: v.get("first", v.get("seconds")) for n, v in groups.items()})
+        self.g_second = self._fit({n: v.get("second", v.get("seconds")) for n, v in groups.items()})
+        self.t_end = raw.get("watch_end", {}).get("seconds", 0.0)
+
+    def _fit(self, seconds: dict[int, float]) -> tuple[float, float]:
+        """(g0, g1) of a group's time g0 + g1 (N - 1) + k_g N (N - 1) s, least squares over the counts measured."""
+        xs = [n - 1 for n in seconds]
+        ys = [v - self.k_g * n * (n - 1) * self.s for n, v in seconds.items()]  # less the store's part
         mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
         spread = sum((x - mean_x) ** 2 for x in xs)
-        self.g1 = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0)
-        self.g0 = max(0.0, mean_y - self.g1 * mean_x)
+        g1 = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0)
+        return max(0.0, mean_y - g1 * mean_x), g1
 
     def r(self, ranks: int) -> float:
         """The commit's reads per rank: as measured at the nearest count (beyond the largest: as there)."""
@@ -112,8 +134,10 @@ class Units:
         ops = (row["on"]["rank_store"] - self.seg_ack * (1 + f * c)) / self.seg_op
         return max(0.0, ops - 1 - f * c)
 
-    def group(self, ranks: int) -> float:
-        return self.g0 + self.g1 * (ranks - 1) + self.k_g * ranks * (ranks - 1) * self.s
+    def groups(self, ranks: int) -> tuple[float, float]:
+        """A regroup's main group (from the decision) and control group (after it) among `ranks`."""
+        store = self.k_g * ranks * (ranks - 1) * self.s
+        return tuple(g0 + g1 * (ranks - 1) + store for g0, g1 in (self.g_first, self.g_second))
 
 
 def looks(wait: float, look: float) -> int:
@@ -159,19 +183,25 @@ def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tup
         return first, first
     if not others:  # one host: its ranks check each other's pids at their looks
         return WATCH, WATCH
-    first = 2 * units.rtt + (KEEP_IDLE + KEEP_COUNT * KEEP_INTERVAL if how == "cut" else 0.0)
+    first = units.t_end + 2 * units.rtt + (WINDOW + TICK if how == "cut" else 0.0)
     return first, first + WATCH + units.rtt
 
 
-def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill") -> float:
-    others = ranks - per_host
+def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill") -> tuple[float, ...]:
+    """(E, A, main group, control group): the regroup's parts, from the loss named (see the module docstring)."""
+    survivors = ranks - per_host  # a host lost; its members on other hosts, each probed today
+    enter = WATCH + units.rtt
     if design == "today":
-        agree = WATCH + ranks * units.rtt + ranks * ranks * units.s + others * units.t_p
+        agree = ranks * units.rtt + ranks * ranks * units.s + survivors * units.t_p
         if how == "cut":  # its poll probes the silent host's ranks, each waiting out the probe's timeout
             agree += per_host * PROBE_TIMEOUT
     else:
-        agree = WATCH + POLL + 2 * units.rtt + ranks * units.s
-    return agree + 2 * units.group(ranks) + followers
+        agree = AGREE_OPS * units.rtt + survivors * units.s
+    return (enter, agree, *units.groups(max(1, survivors)))
+
+
+def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill") -> float:
+    return sum(regroup_parts(units, design, ranks, per_host, how)) + followers
 
 
 DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, a commit per host"}  # --design
@@ -221,9 +251,10 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
              "| --- | --- | --- | --- | --- | --- |"]
     if design != "today":
         lines = ["| hosts x ranks | connections added: measured / model (agreement) | a rank's store segments: "
-                 "measured / model (agreement) | segments added: measured / model (agreement) | looks per waiting "
-                 "rank and step |",
-                 "| --- | --- | --- | --- | --- |"]
+                 "measured / model (agreement) | a rank's control plane, its store connections and its watch, "
+                 "segments both ways: measured / model (agreement) | segments added, the kernel's on - off: "
+                 "measured / model (agreement) | looks per waiting rank and step |",
+                 "| --- | --- | --- | --- | --- | --- |"]
     for row in (r for r in measured if r["kind"] == "steady" and "rank_store" in r["on"]):
         ranks, per_host = row["hosts"] * row["per_host"], row["per_host"]
         waits, step = _waits(row), row["on"]["step_seconds"]
@@ -233,9 +264,11 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             # the runs count local rank 0's store connection: its own commit, or its host's as the leader
             looks = (ranks - 1) / ranks * got["looks"]
             store_model = units.seg_op * (1 + WAITED_COMMIT + looks) + units.seg_ack * (1 + looks)
+            own = row["on"]["rank_store"] + row["on"].get("rank_watch", float("nan"))  # nan: not counted then
             lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
                          f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
                          f"{store_model:.1f} ({_agreement(store_model, row['on']['rank_store'])}) | "
+                         f"{own:.1f} / {got['segments']:.1f} ({_agreement(got['segments'], own)}) | "
                          f"{add['segments']:.1f} / {got['segments']:.1f} "
                          f"({_agreement(got['segments'], add['segments'])}) | {got['looks']:.2f} |")
             continue
@@ -252,22 +285,37 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
         if row["kind"] == "loss" and row.get("detected") is not None:
             losses.setdefault((row["hosts"], row["per_host"], row["how"]), []).append(row)
     if losses:
-        lines += ["", "| hosts x ranks | lost | runs | named: measured / model, worst (agreement) | regroup "
-                  "with models and loaders: measured / model (agreement) |", "| --- | --- | --- | --- | --- |"]
+        lines += ["", "| hosts x ranks | lost | runs | named: measured / model (agreement) | regroup, rank 0's line: "
+                  "measured / model, worst (agreement) | its agreement, the last survivor awaited / main group / "
+                  "control group: measured / model | regroup with models and loaders: measured / model (agreement) |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for (hosts, per_host, how), rows in losses.items():
             ranks = hosts * per_host
             detected = statistics.median(r["detected"] for r in rows)
-            measured_regroup = statistics.median(r.get("regroup_summary") or r["regroup"] for r in rows)
+            line = statistics.median(r["regroup"] for r in rows)
+            summary = statistics.median(r.get("regroup_summary") or r["regroup"] for r in rows)
             if design == "today":
                 # the runs read it from rank 0's line, and rank 0 (the slow rank) looks only after its pause
                 model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
             else:  # the runs read the watcher's verdict, the first rank to name it
                 model_named = named(units, design, ranks, per_host, how)[0]
-            model_regroup = regroup(units, design, ranks, per_host, followers, how)
-            lines.append(f"| {hosts} x {per_host} | {how} | {len(rows)} | {detected:.2f} / {model_named:.2f} "
-                         f"({_agreement(model_named, detected)}) | {measured_regroup:.3f} / {model_regroup:.3f} "
-                         f"({_agreement(model_regroup, measured_regroup)}) |")
+            enter, agree, *groups = regroup_parts(units, design, ranks, per_host, how)
+            model_parts = [enter + agree, *groups]  # worst: rank 0 decides a look before the last survivor enters
+            spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
+            lines.append(f"| {hosts} x {per_host} | {how} | {len(rows)} | {detected:.3f} / {model_named:.3f} "
+                         f"({_agreement(model_named, detected)}) | {line:.3f} / {sum(model_parts):.3f} "
+                         f"({_agreement(sum(model_parts), line)}) | "
+                         f"{' / '.join(f'{m:.3f}' for m in spans)} / {' / '.join(f'{m:.3f}' for m in model_parts)} "
+                         f"| {summary:.3f} / {sum(model_parts) + followers:.3f} "
+                         f"({_agreement(sum(model_parts) + followers, summary)}) |")
     return "\n".join(lines)
+
+
+def _rank0_span(rows: list[dict], part: str) -> float:
+    """The median seconds rank 0 spent in `part` of the regroup (control_plane.py's `parts`), nan if not timed."""
+    timed = [(r.get("parts") or {}).get("rank0", {}).get(part) for r in rows]
+    spans = [span[1] - span[0] for span in timed if span]
+    return statistics.median(spans) if spans else float("nan")
 
 
 def followers_seconds(measured: list[dict]) -> float:
@@ -311,9 +359,11 @@ def main() -> None:
     print(f"units: store op {1e6 * units.rtt:.0f} us round trip, {1e6 * units.s:.1f} us of the store's CPU, "
           f"{units.seg_op:.1f} + {units.seg_ack:.1f} segments; probe {1e6 * units.t_p:.0f} us, {units.q:.1f} "
           f"segments; keepalive {units.keep:.1f} segments/s; commit reads per rank "
-          f"{', '.join(f'{n}: {v:.1f}' for n, v in sorted(units.reads.items()))}; Gloo group "
-          f"{1e3 * units.g0:.1f} ms + {1e3 * units.g1:.2f} ms per peer + {units.k_g:.2f} store ops per rank and "
-          f"peer; models and loaders {followers:.3f} s\n")
+          f"{', '.join(f'{n}: {v:.1f}' for n, v in sorted(units.reads.items()))}; a regroup's Gloo groups "
+          f"{1e3 * units.g_first[0]:.1f} ms + {1e3 * units.g_first[1]:.2f} ms per peer (the main one, from the "
+          f"decision), then {1e3 * units.g_second[0]:.1f} ms + {1e3 * units.g_second[1]:.2f} ms per peer (the "
+          f"control one), + {units.k_g:.2f} store ops per rank and peer; a kept watch's end after a kill "
+          f"{1e3 * units.t_end:.1f} ms; models and loaders {followers:.3f} s\n")
     reads = (f"the commit's reads per rank as the run at {largest['hosts']} x {largest['per_host']} shows them "
              f"({r_scale:.1f})" if largest else "the commit's reads per rank as the rounds show them")
     print(f"extrapolated: {args.per_host} ranks per host, the slow rank {args.pause} s ahead, steps of {args.step} s, "

@@ -1,8 +1,7 @@
 """The unit costs of live recovery's control plane, measured on namespace hosts: what
 benchmarks/control_plane/control_plane_model.py extrapolates from.
 
-    sudo PYTHONPATH=. python benchmarks/control_plane/control_plane_units.py [--hosts 2 4 8 16] [--rounds 20]
-        [--json FILE]
+    sudo PYTHONPATH=. python benchmarks/control_plane/control_plane_units.py [--hosts 2 4 8 16] [--rounds 20] [--json F]
 
 A TCPStore (torch's, libuv) in host 0's network namespace, with a beacon beside it (a listening socket that accepts
 and closes, as liveness.py's did); for each count N, N clients, one per namespace host 1..N, each a process of its own:
@@ -15,16 +14,19 @@ and closes, as liveness.py's did); for each count N, N clients, one per namespac
   (liveness.py's KeptWatch: idle 1 s, interval 1 s);
 - `store_cpu_per_op`: the store's own CPU time per operation (its process's CPU over a second in which every client
   sends adds back to back, over the operations served): its service time, which serializes the clients' operations;
-- `commit[N]`: rounds of the per-step commit as generation.py makes it, each right after a small all-reduce over Gloo
-  as a step's exchange ends (every client adds 1 to a counter, then reads it, 4 reads back to back then pauses
-  growing from 20 us, until it is full): its time (from the last client's arrival to the last one knowing) and the
-  reads per client;
+- `commit[N]`: rounds of the per-step commit as generation.py made it, each right after a small Gloo all-reduce (each
+  client adds 1 to a counter, then reads it, 4 reads back to back then pauses growing from 20 us, until it is full):
+  its time (from the last client's arrival to the last one knowing) and the reads per client;
 - `agree[N]`: rounds of the survivors' agreement as generation.py makes it (each says it is alive, then every 10 ms
   checks the decision and each member's alive key, until all are there; the first proposal stored wins), without
   its probes; `agree_counter[N]`: the same agreement through one counter (each adds 1, then reads it every 10 ms);
-- `group[N]`: a Gloo process group among the N clients (as a regroup makes two: the main and the control group):
-  its time, connections opened and segments sent, all clients together, and the segments on their connections to
-  the store (ss's per-socket counters), both ways.
+- `group[N]`: a regroup's two Gloo groups as the survivors make them: `first`, from the decision to the last client's
+  main group, `second`, from there to its control group (medians of 5); one group's connections opened and segments
+  sent, all clients together, and the segments on their store connections (ss's per-socket counters), both ways;
+- `watch_end`: seconds from a SIGKILL of a process (a beacon in host 1, torch imported, as in a worker) to its kept
+  watch's verdict (liveness.KeptWatch, in host 2), median of 5. The kernel closes a killed process's sockets only
+  once its address space is torn down (do_exit: exit_mm, then exit_files): here ~2 ms for a bare Python, 46-72 ms
+  with torch imported, 110-123 ms with 300 MB of tensors more (loopback, load 9).
 The clients share this machine's cores: with more clients than cores, their times include waiting for a core.
 """
 
@@ -47,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 29650
 EAGER_READS, LOOK_PAUSE = 4, 0.01  # generation.py's commit (4 reads back to back) and agreement (a look every 10 ms)
+AGREE_POLL = 0.02  # seconds between a survivor's looks at the agreement's decision, when another one decides
 
 
 def tcp_counters() -> dict[str, int]:
@@ -73,9 +76,8 @@ def serve(address: str, counts: list[int]) -> None:
             client.wait([f"mark/{count}/{mark}"])
             usage = resource.getrusage(resource.RUSAGE_SELF)
             client.set(f"cpu/{count}/{mark}", repr(usage.ru_utime + usage.ru_stime))
-    while True:  # until the harness ends it
+    while master:  # until the harness ends it
         time.sleep(60)
-    del master
 
 
 def _answer(beacon: socket.socket) -> None:
@@ -217,21 +219,36 @@ class Client:
             found.append((start, time.monotonic(), ops))
         return found
 
-    def groups(self, rounds: int) -> tuple[list[tuple[float, float, int, int, int]], object]:
-        """(start, done, connections opened, segments sent, store segments both ways) per Gloo group made among the
-        clients; and the last group, kept."""
-        found, group = [], None
-        for number in range(rounds):
-            start = self.start_together(f"group{number}")
-            before, store_before = tcp_counters(), self.store_segments()
-            group = self.dist.ProcessGroupGloo(self.dist.PrefixStore(self.key("group", number), self.store), self.index,
-                                               self.count, timedelta(seconds=120))
-            done = time.monotonic()
-            after, store_after = tcp_counters(), self.store_segments()
-            found.append((start, done, after["ActiveOpens"] - before["ActiveOpens"],
-                          after["OutSegs"] - before["OutSegs"], store_after - store_before))
+    def groups(self, rounds: int) -> tuple[list[tuple], tuple, object]:
+        """(decided, main made, control made) per round: a regroup's two groups as the survivors make them (each polls
+        the decision every AGREE_POLL s, then makes the main group, then the control group, on the one store); then an
+        untimed round's (connections opened, segments sent, store segments both ways): `ss`'s start in every client
+        takes the CPU from the groups. Groups are kept to the end: one freed tears its pairs down (a regroup's, after
+        its followers: generations/release.py). And the last one."""
+        found, kept, counts = [], [], ()
+        for number in range(rounds + 1):
+            self.barrier(f"group{number}")
+            decision = self.key("group", number, "decision")
+            if number == rounds:
+                before, store_before = tcp_counters(), self.store_segments()
+            if self.index == 0:
+                time.sleep(2 * AGREE_POLL)  # the others poll by then
+                self.store.set(decision, repr(time.monotonic()))
+            while not self.store.check([decision]):
+                time.sleep(AGREE_POLL)
+            decided, made = float(self.store.get(decision)), []
+            for name in ("main", "control"):
+                kept.append(self.dist.ProcessGroupGloo(self.dist.PrefixStore(self.key("group", number, name),
+                                                                             self.store),
+                                                       self.index, self.count, timedelta(seconds=120)))
+                made.append(time.monotonic())
+            if number == rounds:
+                after, store_after = tcp_counters(), self.store_segments()
+                counts = (after["ActiveOpens"] - before["ActiveOpens"], after["OutSegs"] - before["OutSegs"],
+                          store_after - store_before)
+            found += [(decided, *made)][:rounds - number]  # the timed rounds'
             self.barrier(f"group{number}-made")
-        return found, group
+        return found, counts, kept[-1]
 
     def store_segments(self) -> int:
         """Segments both ways on this client's connection(s) to the store, so far (ss's per-socket counters)."""
@@ -250,13 +267,60 @@ def client(address: str, index: int, count: int, rounds: int) -> None:
     result["ops"] = me.throughput()
     result["agree"] = me.agree(max(3, rounds // 2), counter=False)
     result["agree_counter"] = me.agree(max(3, rounds // 2), counter=True)
-    result["group"], group = me.groups(3)
+    result["group"], result["group_counts"], group = me.groups(5)
     result["commit"] = me.commit(rounds, group)
     me.barrier("end")
     if index == 0:
         result["store_cpu"] = float(me.store.get(f"cpu/{count}/end")) - float(me.store.get(f"cpu/{count}/begin"))
         result["ops_total"] = me.store.add(me.key("ops"), 0)
     print(json.dumps(result), flush=True)
+
+
+def victim(address: str) -> None:
+    """A beacon (liveness.py's: accept, keep, read the watcher's bytes) that says its address, until killed."""
+    import torch  # noqa: F401 - a worker's address space: a killed process's sockets close only once it is torn down
+    beacon = socket.create_server((address, 0), backlog=64)
+    print(f"{address}:{beacon.getsockname()[1]}", flush=True)
+    connection, _ = beacon.accept()
+    while connection.recv(64):
+        pass
+
+
+def watcher() -> None:
+    """Per beacon address on stdin: a KeptWatch on it, "ready" once connected, then the time.time() of its verdict."""
+    from phalanx.world.liveness import KeptWatch
+
+    for line in sys.stdin:
+        ended = threading.Event()
+        watch = KeptWatch(line.strip(), lambda why, ended=ended: (print(json.dumps({"at": time.time(), "why": why})),
+                                                                   ended.set()))
+        while watch._socket is None and not ended.is_set():
+            time.sleep(0.01)
+        print("ready", flush=True)
+        ended.wait()
+
+
+def watch_ends(hosts: list[dict], env: dict, me: list[str], rounds: int = 5) -> list[float]:
+    """Seconds from a SIGKILL of a watched process to its kept watch's verdict, `rounds` times."""
+    follower = subprocess.Popen(["ip", "netns", "exec", hosts[2]["ns"], *me, "--watcher"], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    found = []
+    try:
+        for _ in range(rounds):
+            watched = subprocess.Popen(["ip", "netns", "exec", hosts[1]["ns"], *me, "--victim", hosts[1]["addr"]],
+                                       env=env, stdout=subprocess.PIPE, text=True)
+            try:
+                follower.stdin.write(watched.stdout.readline())  # a line: sent at once (bufsize=1)
+                assert follower.stdout.readline().strip() == "ready"
+                time.sleep(1.0)  # a few ticks
+                struck = time.time()
+            finally:
+                watched.kill()
+                watched.wait(timeout=30)
+            found.append(json.loads(follower.stdout.readline())["at"] - struck)
+    finally:
+        follower.kill()
+    return found
 
 
 # -- here: the hosts, the store, the clients --------------------------------------------------------------------------
@@ -279,6 +343,7 @@ def measure(counts: list[int], rounds: int = 20) -> dict:
                     for i, host in enumerate(hosts[1:count + 1])]
                 results = [json.loads(c.communicate(timeout=900)[0].strip().splitlines()[-1]) for c in clients]
                 _gather(units, count, results)
+            units["watch_end"] = {"seconds": statistics.median(ends := watch_ends(hosts, env, me)), "all": ends}
         finally:
             server.kill()
             server.wait(timeout=60)
@@ -298,11 +363,14 @@ def _gather(units: dict, count: int, results: list[dict]) -> None:
         rounds = list(zip(*(r[name] for r in results)))
         units[name][count] = {"seconds": statistics.median(max(done for _, done, _ in r) - r[0][0] for r in rounds),
                               "ops": statistics.mean(ops for r in rounds for _, _, ops in r)}
-    rounds = list(zip(*(r["group"] for r in results)))
-    units["group"][count] = {"seconds": statistics.median(max(g[1] for g in r) - r[0][0] for r in rounds),
-                             "connections": statistics.median(sum(g[2] for g in r) for r in rounds),
-                             "segs": statistics.median(sum(g[3] for g in r) for r in rounds),
-                             "store_segs": statistics.median(sum(g[4] for g in r) for r in rounds)}
+    rounds = list(zip(*(r["group"] for r in results)))  # per round, per client: (decided, main, control)
+    units["group"][count] = {"first": statistics.median(max(g[1] for g in r) - r[0][0] for r in rounds),
+                             "second": statistics.median(max(g[2] for g in r) - max(g[1] for g in r) for r in rounds),
+                             "connections": sum(r["group_counts"][0] for r in results) / 2,
+                             "segs": sum(r["group_counts"][1] for r in results) / 2,
+                             "store_segs": sum(r["group_counts"][2] for r in results) / 2,
+                             "rounds": [[max(g[1] for g in r) - r[0][0], max(g[2] for g in r) - max(g[1] for g in r)]
+                                        for r in rounds]}
 
 
 def main() -> None:
@@ -310,6 +378,10 @@ def main() -> None:
         return serve(sys.argv[2], [int(count) for count in sys.argv[3:]])
     if sys.argv[1:2] == ["--client"]:
         return client(sys.argv[2], *map(int, sys.argv[3:6]))
+    if sys.argv[1:2] == ["--victim"]:
+        return victim(sys.argv[2])
+    if sys.argv[1:2] == ["--watcher"]:
+        return watcher()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8, 16], help="client counts (default 2 4 8 16)")
     parser.add_argument("--rounds", type=int, default=20, help="commit rounds per count (default 20)")

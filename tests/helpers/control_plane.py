@@ -12,7 +12,9 @@ named the loss, how long they took to regroup, and when their next step came.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from phalanx.diagnose.stacks import stat_fields
 from phalanx.testing import free_port
 from tests.conftest import ROOT
 from tests.e2e.test_elastic import job_env, kill_node
@@ -34,8 +37,11 @@ class Figures:
     """One run's window, per rank and step: TCP connections opened (ActiveOpens), segments sent (OutSegs), segments the
     store's host received per step (InSegs of host 0, whose launcher holds the store), the mean step time
     (`durations`: each step's, launch rank 0's, in the window; none in a difference of two runs), and the segments
-    both ways on one rank's own connections to the store (`rank_store`) and on its other kept connections
-    (`rank_other`: Gloo's, a watch's), from local rank 0 of each host."""
+    both ways on one rank's own connections to the store (`rank_store`: its own and its watch's), on the kept watch it
+    opened (`rank_watch`; the one its beacon accepted is its watcher's, counted there) and on the rest (`rank_other`:
+    Gloo's pairs; `rank_other_data`: those of them that carried data, pure ACKs not), from local rank 0 of each host:
+    `rank_store` + `rank_watch` is what the control plane itself sends and receives per rank, each connection counted
+    once, whatever Gloo does."""
 
     connections: float
     segments: float
@@ -43,12 +49,15 @@ class Figures:
     step_seconds: float
     rank_store: float = 0.0
     rank_other: float = 0.0
+    rank_watch: float = 0.0
+    rank_other_data: float = 0.0
     durations: tuple = ()
 
     def minus(self, other: Figures) -> Figures:
         return Figures(self.connections - other.connections, self.segments - other.segments,
                        self.store_host_in - other.store_host_in, self.step_seconds - other.step_seconds,
-                       self.rank_store - other.rank_store, self.rank_other - other.rank_other)
+                       self.rank_store - other.rank_store, self.rank_other - other.rank_other,
+                       self.rank_watch - other.rank_watch, self.rank_other_data - other.rank_other_data)
 
 
 class Job:
@@ -134,8 +143,8 @@ def figures(job: Job, first: int, last: int) -> Figures:
     store_host_in = 0
     for i in range(len(job.hosts)):
         read = json.loads((job.run_dir / f"tcp-{i}.json").read_text())
-        for name in ("ActiveOpens", "OutSegs", "store", "other"):
-            totals[name] = totals.get(name, 0) + read[str(last)][name] - read[str(first)][name]
+        for name in ("ActiveOpens", "OutSegs", "store", "other", "watch", "watched", "other_data"):
+            totals[name] = totals.get(name, 0) + read[str(last)].get(name, 0) - read[str(first)].get(name, 0)
         if i == 0:
             store_host_in = read[str(last)]["InSegs"] - read[str(first)]["InSegs"]
     steps = last - first
@@ -143,7 +152,9 @@ def figures(job: Job, first: int, last: int) -> Figures:
     hosts, window = len(job.hosts), range(first + 1, last + 1)
     return Figures(totals["ActiveOpens"] / (job.ranks * steps), totals["OutSegs"] / (job.ranks * steps),
                    store_host_in / steps, (times[last] - times[first]) / steps, totals["store"] / (hosts * steps),
-                   totals["other"] / (hosts * steps), tuple(times[step] - times[step - 1] for step in window))
+                   totals["other"] / (hosts * steps), totals["watch"] / (hosts * steps),
+                   totals["other_data"] / (hosts * steps),
+                   tuple(times[step] - times[step - 1] for step in window))
 
 
 def added(hosts: list[dict], run_dir: Path, *, per_host: int = 1, window: int = 20,
@@ -167,7 +178,8 @@ class Loss:
     worker line that says a rank was found gone, when there is one (`detected_by` "verdict"), else the line that names
     the lost ranks less the regroup it reports ("lost line")), the regroup (`regroup`: the agreement and the new
     groups, as that line says; `regroup_summary`: the launcher's run summary, the models and loaders too), and to the
-    first step every rank left applied in the generation after it (`next_step`)."""
+    first step every rank left applied in the generation after it (`next_step`); for a kill, when the victim's workers
+had exited (`died`), and the regroup's parts on every survivor (`parts`, regroup_parts)."""
 
     how: str
     detected: float | None
@@ -176,6 +188,8 @@ class Loss:
     regroup_summary: float | None
     next_step: float | None
     lost: list[int]
+    died: float | None = None  # a kill: seconds until the victim's workers had exited (their sockets closed)
+    parts: dict | None = None  # regroup_parts()
 
 
 def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, after: int = 8, steps: int = 30,
@@ -199,14 +213,67 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
             subprocess.run(["ip", "-n", hosts[victim]["ns"], "link", "set", "dev", hosts[victim]["dev"], "down"],
                            check=True, timeout=30)
         else:
+            # its launcher and workers by pid, together: kill_node's way goes through the warm launcher, which
+            # finds and kills them only once it notices (tens to hundreds of ms on a loaded machine: the harness's
+            # delay, not the control plane's)
+            pids = [int((run_dir / f"pid-{rank}.txt").read_text()) for rank in range(watched, watched + per_host)]
+            launchers = {int(stat_fields(pid)[1]) for pid in pids}
             struck = time.time()
+            for pid in [*launchers, *pids]:
+                os.kill(pid, signal.SIGKILL)
+            died = _dead_after(pids, struck)
             kill_node(job.launchers[victim])
         job.wait(range(victim))
     finally:
         job.stop()
     survivors = [rank for rank in range(job.ranks) if rank // per_host != victim]
     return Loss(how, *_named(job, survivors, struck), _summary_regroup(job.output(0)),
-                _next_step(job, survivors, struck), list(range(victim * per_host, job.ranks)))
+                _next_step(job, survivors, struck), list(range(victim * per_host, job.ranks)),
+                died if how == "kill" else None, regroup_parts(job, survivors, struck))
+
+
+def _dead_after(pids: list[int], struck: float, limit: float = 5.0) -> float | None:
+    """Seconds from `struck` until every process of `pids` has exited (gone, or a zombie: its sockets are closed by
+    then), polled every millisecond."""
+    while time.time() - struck < limit:
+        if all(_ended(pid) for pid in pids):
+            return time.time() - struck
+        time.sleep(0.001)
+    return None
+
+
+def _ended(pid: int) -> bool:
+    """Whether every thread of `pid` has exited: only then are its sockets closed (the group's leader is a zombie as
+    soon as it exits itself; the others leave /proc/<pid>/task as they exit)."""
+    fields = stat_fields(pid)
+    try:
+        return not fields or (fields[0] in ("Z", "X") and len(os.listdir(f"/proc/{pid}/task")) <= 1)
+    except OSError:
+        return True
+
+
+def regroup_parts(job: Job, survivors: list[int], struck: float) -> dict:
+    """When each part of the regroup began and ended, in seconds from `struck`, from the job's regroup-<rank>.txt:
+    {part: [earliest start, latest start, earliest end, latest end]} over the survivors, and the same of rank 0 alone
+    (the rank whose lines the run's regroup figures are) under "rank0"."""
+    spans: dict[str, list[tuple[float, float]]] = {}
+    first: dict[str, list[float]] = {}
+    for rank in survivors:
+        path = job.run_dir / f"regroup-{rank}.txt"
+        seen = set()
+        for line in path.read_text().splitlines() if path.exists() else ():
+            part, start, end = line.split()
+            if part in seen:  # a second regroup: only the first loss's parts
+                continue
+            seen.add(part)
+            span = (float(start) - struck, float(end) - struck)
+            spans.setdefault(part, []).append(span)
+            if rank == survivors[0]:
+                first[part] = [round(value, 4) for value in span]
+    parts = {part: [round(value, 4) for value in (min(s for s, _ in got), max(s for s, _ in got),
+                                                  min(e for _, e in got), max(e for _, e in got))]
+             for part, got in spans.items()}
+    return {**parts, "rank0": first}
 
 
 def _named(job: Job, survivors: list[int], struck: float) -> tuple[float | None, str, float | None]:

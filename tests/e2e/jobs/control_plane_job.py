@@ -12,7 +12,9 @@ the whole host's, launcher and store included) at the end of steps A and B and w
 with the segments on its own connections to the store and on its others (`store`, `other`: ss's per-socket counters):
 the window is the same steps on every host, whatever the harness's timing. Every rank writes phalanx's log records
 (INFO and above) to RUN_DIR/log-<launch rank>.txt, each line `time level message`: when a loss was named, and how
-long the regroup took, on the worker's own clock (`--debug`: DEBUG records too, in that file only).
+long the regroup took, on the worker's own clock (`--debug`: DEBUG records too, in that file only). `--debug` also
+times the regroup's parts (time_regroup) into RUN_DIR/regroup-<launch rank>.txt, and every rank writes its pid to
+RUN_DIR/pid-<launch rank>.txt, so that a loss run can SIGKILL the victim's workers themselves.
 """
 
 import argparse
@@ -28,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 import phalanx as px
+from phalanx.world.generations.current import current
 from phalanx.world.group import live_generation
+from phalanx.world.liveness import identity
 
 MICRO_BATCH = 4
 
@@ -42,19 +46,59 @@ def tcp_counters() -> dict[str, int]:
 
 def socket_segments() -> dict[str, int]:
     """Segments both ways on this process's TCP connections (ss's per-socket counters): {"store": on its connections to
-    the store (MASTER_ADDR:MASTER_PORT), "other": on the rest (Gloo's pairs, a watch)}. Connections opened and closed
-    in between are not seen."""
+    the store (MASTER_ADDR:MASTER_PORT: its own and its watch's), "watch": on the kept watch it opened (to the beacon of
+    the peer it watches), "watched": on the one its own beacon accepted (its watcher's), "other": on the rest (Gloo's
+    pairs), "other_data": of those, the segments that carried data (pure ACKs not)}. Connections opened and closed in
+    between are not seen."""
     shown = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
     store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    found = {"store": 0, "other": 0}
+    watch = current()._watching.get("watch")  # live recovery on: this rank's watch (world/watch.py)
+    beacon = identity().split()[3] if watch is not None else None
+    watched = watch.who.get(watch.watched) if watch is not None and watch.watched is not None else None
+    watched = watched.split()[3] if watched else None
+    found = {"store": 0, "watch": 0, "watched": 0, "other": 0, "other_data": 0}
     for entry in re.split(r"\n(?=\S)", shown):  # a socket: its line, then its counters' indented line
         fields = entry.split()
         if f"pid={os.getpid()}," not in entry or len(fields) < 5:
             continue
         segments = sum(int(value) for value in re.findall(r"\bsegs_(?:in|out):(\d+)", entry))
-        peer = re.sub(r"^\[(?:::ffff:)?(.*)\]:", r"\1:", fields[4])  # an IPv4 peer of an IPv6 socket: [::ffff:a.b.c.d]
-        found["store" if peer == store else "other"] += segments
+        local, peer = (re.sub(r"^\[(?:::ffff:)?(.*)\]:", r"\1:", field) for field in fields[3:5])  # [::ffff:a.b.c.d]
+        kind = {store: "store", watched: "watch"}.get(peer) or ("watched" if local == beacon else "other")
+        found[kind] += segments
+        if kind == "other":
+            found["other_data"] += sum(int(value) for value in re.findall(r"\bdata_segs_(?:in|out):(\d+)", entry))
     return found
+
+
+def time_regroup(path: Path) -> None:
+    """Append `part start end` (time.time()) to `path` for each part of a regroup, by wrapping the functions that make
+    it where their callers look them up: the survivors' agreement, each process group made (`main`, `control`), the
+    meeting on them, the DDP model's regroup, and all followers (`recover` starts where recover() started)."""
+    from phalanx.engine.regroup import RegroupMixin
+    from phalanx.world import joining
+    from phalanx.world.generations import agreement, recovery
+
+    def timed(owner, name, part):
+        inner = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            started = time.time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                label = part(args) if callable(part) else part
+                with open(path, "a") as out:
+                    out.write(f"{label} {started:.6f} {time.time():.6f}\n")
+                    if label == "followers":  # regroup_followers(number, members, lost, started, ...)
+                        now = time.time()
+                        out.write(f"recover {now - (time.monotonic() - args[3]):.6f} {now:.6f}\n")
+        setattr(owner, name, wrapper)
+
+    timed(agreement, "agree_on_survivors", "agree")
+    timed(agreement, "meet", "meet")
+    timed(joining, "make_group", lambda args: args[1].rsplit("/", 1)[-1])
+    timed(RegroupMixin, "regroup", "ddp")
+    timed(recovery, "regroup_followers", "followers")
 
 
 def main():
@@ -67,9 +111,12 @@ def main():
     parser.add_argument("--debug", action="store_true", help="phalanx's DEBUG records too, in RUN_DIR/log-<rank>.txt")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
+    if args.debug:
+        time_regroup(args.run_dir / f"regroup-{os.environ['RANK']}.txt")
     first, last = (int(part) for part in args.window.split(":"))
     px.init()
     rank, counts = px.world.launch_rank(), px.world.local_rank() == 0
+    (args.run_dir / f"pid-{rank}.txt").write_text(str(os.getpid()))
     record = logging.FileHandler(args.run_dir / f"log-{rank}.txt")
     record.setFormatter(logging.Formatter("%(created).6f %(levelname)s %(message)s"))
     phalanx_logger = logging.getLogger("phalanx")
