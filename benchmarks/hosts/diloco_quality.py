@@ -90,6 +90,22 @@ def training(args, seed: str) -> list[str]:
             "--lr", str(args.lr)]
 
 
+def runs_over_seeds(args, variants: tuple[str, ...], start) -> dict[str, list[dict]]:
+    """Every seed's run of every variant in turn, each a job `start(variant, seed, out)` whose rank 0 writes `out`;
+    the runs' JSON by variant."""
+    runs: dict[str, list[dict]] = {variant: [] for variant in variants}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as scratch:
+        for seed in args.seeds.split(","):
+            for variant in variants:
+                out = os.path.join(scratch, f"{variant}-{seed}.json")
+                start(variant, seed, out)
+                runs[variant].append(json.loads(Path(out).read_text()))
+                print(f"seed {seed} {variant}: validation loss {runs[variant][-1]['curve'][-1]['val_loss']:.4f}, "
+                      f"world {runs[variant][-1]['world']} at the end ({time.monotonic() - started:.0f} s)", flush=True)
+    return runs
+
+
 def draw(runs: dict, path: str, label: str) -> None:
     import matplotlib
 
@@ -135,16 +151,8 @@ def main() -> None:
     if args.kill_host is not None:
         live_recovery(args)
         return
-    runs = {"exact": [], "diloco": []}
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory() as scratch:
-        for seed in args.seeds.split(","):
-            for mode in runs:
-                out = os.path.join(scratch, f"{mode}-{seed}.json")
-                run(args.hosts, ["--mode", mode, *training(args, seed), "--out", out], args.timeout)
-                runs[mode].append(json.loads(Path(out).read_text()))
-                print(f"seed {seed} {mode}: validation loss {runs[mode][-1]['curve'][-1]['val_loss']:.4f} "
-                      f"({time.monotonic() - started:.0f} s)", flush=True)
+    runs = runs_over_seeds(args, ("exact", "diloco"), lambda mode, seed, out: run(
+        args.hosts, ["--mode", mode, *training(args, seed), "--out", out], args.timeout))
     final = {mode: [r["curve"][-1]["val_loss"] for r in rs] for mode, rs in runs.items()}
     mean = {mode: statistics.mean(v) for mode, v in final.items()}
     spread = {mode: (max(v) - min(v)) for mode, v in final.items()}
@@ -175,19 +183,10 @@ def live_recovery(args) -> None:
     if args.kill_at_step is None or args.kill_at_step % args.every == 0:
         raise SystemExit(f"--kill-at-step must be in mid-period: not a multiple of --every {args.every}")
     min_world = args.min_world_size or args.hosts - 1
-    runs = {"uninterrupted": [], "killed": []}
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory() as scratch:
-        for seed in args.seeds.split(","):
-            for variant in runs:
-                out = os.path.join(scratch, f"{variant}-{seed}.json")
-                kill = ["--kill-host", str(args.kill_host), "--kill-at-step", str(args.kill_at_step)]
-                run(args.hosts, ["--mode", "diloco", *training(args, seed), "--out", out,
-                                 *(kill if variant == "killed" else [])], args.timeout, min_world,
-                    (args.kill_host, out + ".kill") if variant == "killed" else None)
-                runs[variant].append(json.loads(Path(out).read_text()))
-                print(f"seed {seed} {variant}: validation loss {runs[variant][-1]['curve'][-1]['val_loss']:.4f}, "
-                      f"world {runs[variant][-1]['world']} at the end ({time.monotonic() - started:.0f} s)", flush=True)
+    kill = ["--kill-host", str(args.kill_host), "--kill-at-step", str(args.kill_at_step)]
+    runs = runs_over_seeds(args, ("uninterrupted", "killed"), lambda variant, seed, out: run(
+        args.hosts, ["--mode", "diloco", *training(args, seed), "--out", out, *(kill if variant == "killed" else [])],
+        args.timeout, min_world, (args.kill_host, out + ".kill") if variant == "killed" else None))
     final = {variant: [r["curve"][-1]["val_loss"] for r in rs] for variant, rs in runs.items()}
     relative = [k / u - 1 for k, u in zip(final["killed"], final["uninterrupted"])]
     worst = max(relative, key=abs)
