@@ -22,6 +22,7 @@ from .generations.current import (
     commit_step,
     current,
     fail_step,
+    generation_group,
     lost_among,
     lost_since,
     start_solo,
@@ -46,12 +47,13 @@ from .generations.waits import peer_gone, step_abandoned, timed_wait, wait_for, 
 from .process import lifecycle, live
 
 __all__ = [
-    "AGREE_READ_EVERY", "AWAITED_SAY_EVERY", "COMMIT_SLOTS", "GIVEN_UP", "MEMBERSHIP_MARGIN", "MEMBERSHIP_TIMEOUT_ENV",
-    "MIN_WORLD_ENV", "ORPHAN_AFTER", "REGROUP_CONNECT_SECONDS", "WAIT_THREADS", "WATCH_EVERY", "Generation",
-    "admit_joiners", "again_after_loss", "announce", "commit_step", "current", "fail_step", "forget", "is_loss",
-    "join_run", "live_recovery", "lost_since", "membership_timeout", "min_world_size", "next_generation", "on_regroup",
-    "peer_gone", "recover", "recovers_in_process", "regroup_followers", "say_mode", "start_solo", "step_abandoned",
-    "timed_wait", "undoing", "wait_for", "wait_watching", "waited_aside", "watch",
+    "AGREE_READ_EVERY", "AWAITED_SAY_EVERY", "COMMIT_SLOTS", "GIVEN_UP", "MEMBERSHIP_MARGIN",
+    "MEMBERSHIP_TIMEOUT_ENV", "MIN_WORLD_ENV", "ORPHAN_AFTER", "REGROUP_CONNECT_SECONDS", "WAIT_THREADS",
+    "WATCH_EVERY", "Generation", "admit_joiners", "again_after_loss", "announce", "commit_step", "current",
+    "fail_step", "forget", "generation_group", "is_loss", "join_run", "live_recovery", "lost_since",
+    "membership_timeout", "min_world_size", "next_generation", "on_regroup", "peer_gone", "recover",
+    "recovers_in_process", "regroup_followers", "say_mode", "start_solo", "step_abandoned", "timed_wait", "undoing",
+    "wait_for", "wait_watching", "waited_aside", "watch",
 ]
 
 

@@ -12,8 +12,6 @@ host that comes back starts a new period from that host's parameters.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
@@ -35,21 +33,15 @@ def make_groups(topology: Topology, members: tuple[int, ...], number: int):
     larger host past them has no cross-host group."""
     k = _made[number] = _made.get(number, 0) + 1
     name = f"phalanx/{world.attempt()}/generation{number}/diloco{k}"
-    host = _group([members[j] for j in topology.hosts[topology.host]], f"{name}/host{topology.host}")
+    # Made as the generation's own groups are (generation_group: its connect and collective timeouts).
+    host = generation.generation_group(sorted(members[j] for j in topology.hosts[topology.host]),
+                                       f"{name}/host{topology.host}")
     chunks = min(len(ranks) for ranks in topology.hosts)
     network = None
     if topology.local < chunks:
-        network = _group([members[ranks[topology.local]] for ranks in topology.hosts], f"{name}/local{topology.local}")
+        network = generation.generation_group(sorted(members[ranks[topology.local]] for ranks in topology.hosts),
+                                              f"{name}/local{topology.local}")
     return host, network, chunks
-
-
-def _group(ranks: list[int], name: str):
-    # As a generation's own groups (generations/current.py): made within the regroup's connect time, then given the
-    # membership timeout for their collectives.
-    connect = timedelta(seconds=min(generation.membership_timeout(), generation.REGROUP_CONNECT_SECONDS))
-    group = joining.make_group(sorted(ranks), name, connect)
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=generation.membership_timeout()), group)
-    return group
 
 
 class LiveOuter:

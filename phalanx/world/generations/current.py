@@ -121,23 +121,17 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     released after the regroup (release.py). `abandoned`: after a loss (a collective on them may still
     wait on the lost rank: shutdown() then leaves the groups not yet freed to the process's exit)."""
     global _current, _commits, _admissions
-    # The groups are made with a short timeout (every member agreed moments ago, so all are making them now), then
-    # given the membership timeout for their collectives: a member lost while they are made (a second loss within
-    # the regroup) would otherwise hold the others in Gloo's connection set-up, which cannot be watched, for that long.
-    connect = timedelta(seconds=min(membership_timeout(), REGROUP_CONNECT_SECONDS))
     name = f"phalanx/{world.attempt()}/generation{number}"
     try:
-        group = joining.make_group(members, f"{name}/main", connect)
-        control = joining.make_group(members, f"{name}/control", connect, backend="gloo")
+        group = generation_group(members, f"{name}/main")
+        control = generation_group(members, f"{name}/control", backend="gloo")
     except RuntimeError as exc:
         raise MembershipError(explain(
             f"{who} could not make generation {number}'s process group", rank=dist.get_rank(),
             seen=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (members {list(members)})",
-            expected=f"every member connected within {connect.total_seconds():g} s",
+            expected=f"every member connected within {_connect_time().total_seconds():g} s",
             fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
                 "checkpoint.")) from exc
-    for made in (group, control):
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), made)
     before = current()  # generation 0 registered its end-of-run reset
     release.set_aside((before.group, world.control_group()), abandoned)
     before.close_watch()
@@ -145,6 +139,20 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     world.set_live(_current.number, _current.members, group, control, abandoned)
     world.store().set(_current._key("who", dist.get_rank()), identity())
     _current.watch(world.store())
+
+
+def generation_group(members, name: str, backend: str | None = None):
+    """A process group of a generation's `members` (global ranks, ascending), made by `name` (joining.make_group).
+    Made with a short timeout (every member agreed moments ago, so all are making it now), then given the membership
+    timeout for its collectives: a member lost while it is made (a second loss within the regroup) would otherwise
+    hold the others in Gloo's connection set-up, which cannot be watched, for that long."""
+    group = joining.make_group(members, name, _connect_time(), backend)
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), group)
+    return group
+
+
+def _connect_time() -> timedelta:
+    return timedelta(seconds=min(membership_timeout(), REGROUP_CONNECT_SECONDS))
 
 
 def start_solo() -> None:
