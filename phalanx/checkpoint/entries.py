@@ -42,6 +42,12 @@ def _is_wrapper(model: torch.nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
+def differs_across_hosts(value) -> bool:
+    """Whether a state entry differs between hosts now: a model with `across_hosts=DiLoCo(...)` on several hosts, or
+    its `outer_step` (each host's parameters and inner optimizer state are its own between outer steps)."""
+    return getattr(getattr(value, "outer_step", value), "spans_hosts", False) is True
+
+
 def kind_of(name: str, value) -> str:
     if isinstance(value, torch.nn.Module):
         return "model"

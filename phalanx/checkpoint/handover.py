@@ -30,7 +30,7 @@ from ..log import logger
 from ..world import generation, step_count
 from ..world import group as world
 from . import random_state, restoring
-from .entries import check_plain, kind_of, unwrap
+from .entries import check_plain, differs_across_hosts, kind_of, unwrap
 
 FORMAT = 1
 _HEADER, _LAYOUT, _STRIPE = 1, 2, 3  # point-to-point tags: each message matched to its own receive
@@ -110,7 +110,7 @@ def send(state: dict, steps: int, members: tuple[int, ...], joiners: tuple[int, 
     started = time.monotonic()
     group, device = world.live_group(), world.collective_device()
     senders = [rank for rank in members if rank not in joiners]
-    if _replicas_differ(state):  # one rank's state whole, not stripes of several hosts' (DiLoCo's mid-period)
+    if any(differs_across_hosts(value) for value in state.values()):  # one rank's whole, not several hosts' stripes
         senders = senders[:1]
     me = dist.get_rank()
     if me not in senders:
@@ -224,12 +224,6 @@ def _received(work) -> None:
     """A receive of the handover, watched: a sender lost (its process gone, its host silent) is PeerDiedError, not
     a wait until the group's timeout. Waited aside: Gloo unbinds a receive whose timed wait expires."""
     generation.wait_for(work, "the state's handover from the ranks that train", aside=True)
-
-
-def _replicas_differ(state: dict) -> bool:
-    """Whether the replicas' state differs between hosts now: a model with across_hosts=DiLoCo(...) on several hosts
-    (each host's parameters and inner optimizer state are its own between outer steps)."""
-    return any(getattr(getattr(value, "outer_step", value), "spans_hosts", False) is True for value in state.values())
 
 
 def _numel(shape) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .entries import _is_wrapper
+from .entries import _is_wrapper, differs_across_hosts
 from .shard_files import PLACEHOLDER, dtensor_state, is_optimizer_view
 
 # Smaller tensors go whole to one rank: a piece on every rank would add more to each part's header
@@ -33,8 +33,7 @@ def replicated(state: dict, kinds: dict, unwrap, world_size: int) -> dict:
         return {}
     found, params = {}, set()
     for name, value in state.items():
-        # across_hosts=DiLoCo: the hosts' replicas differ between outer steps; rank 0 writes its host's whole
-        if getattr(getattr(value, "outer_step", None), "spans_hosts", False):
+        if differs_across_hosts(value):  # rank 0 writes its host's whole
             continue
         if kinds[name] == "model" and _is_wrapper(value) and dtensor_state(value, unwrap) is None:
             names = {key for key, _ in unwrap(value).named_parameters()}
