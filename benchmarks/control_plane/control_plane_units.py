@@ -23,10 +23,8 @@ and closes, as liveness.py's did); for each count N, N clients, one per namespac
 - `group[N]`: a regroup's two Gloo groups as the survivors make them: `first`, from the decision to the last client's
   main group, `second`, from there to its control group (medians of 5); one group's connections opened and segments
   sent, all clients together, and the segments on their store connections (ss's per-socket counters), both ways;
-- `watch_end`: seconds from a SIGKILL of a process (a beacon in host 1, torch imported, as in a worker) to its kept
-  watch's verdict (liveness.KeptWatch, in host 2), median of 5. The kernel closes a killed process's sockets only
-  once its address space is torn down (do_exit: exit_mm, then exit_files): here ~2 ms for a bare Python, 46-72 ms
-  with torch imported, 110-123 ms with 300 MB of tensors more (loopback, load 9).
+- `watch_end`: seconds from a SIGKILL of a worker (phalanx DDP over Gloo, in host 1) to its kept watch's verdict
+  (liveness.KeptWatch, in host 2), median of 5, with the worker's resident memory and threads: watch_end.py.
 The clients share this machine's cores: with more clients than cores, their times include waiting for a core.
 """
 
@@ -45,6 +43,8 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from benchmarks.control_plane.watch_end import watch_ends
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 29650
@@ -276,53 +276,6 @@ def client(address: str, index: int, count: int, rounds: int) -> None:
     print(json.dumps(result), flush=True)
 
 
-def victim(address: str) -> None:
-    """A beacon (liveness.py's: accept, keep, read the watcher's bytes) that says its address, until killed."""
-    import torch  # noqa: F401 - a worker's address space: a killed process's sockets close only once it is torn down
-    beacon = socket.create_server((address, 0), backlog=64)
-    print(f"{address}:{beacon.getsockname()[1]}", flush=True)
-    connection, _ = beacon.accept()
-    while connection.recv(64):
-        pass
-
-
-def watcher() -> None:
-    """Per beacon address on stdin: a KeptWatch on it, "ready" once connected, then the time.time() of its verdict."""
-    from phalanx.world.liveness import KeptWatch
-
-    for line in sys.stdin:
-        ended = threading.Event()
-        watch = KeptWatch(line.strip(), lambda why, ended=ended: (print(json.dumps({"at": time.time(), "why": why})),
-                                                                   ended.set()))
-        while watch._socket is None and not ended.is_set():
-            time.sleep(0.01)
-        print("ready", flush=True)
-        ended.wait()
-
-
-def watch_ends(hosts: list[dict], env: dict, me: list[str], rounds: int = 5) -> list[float]:
-    """Seconds from a SIGKILL of a watched process to its kept watch's verdict, `rounds` times."""
-    follower = subprocess.Popen(["ip", "netns", "exec", hosts[2]["ns"], *me, "--watcher"], env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-    found = []
-    try:
-        for _ in range(rounds):
-            watched = subprocess.Popen(["ip", "netns", "exec", hosts[1]["ns"], *me, "--victim", hosts[1]["addr"]],
-                                       env=env, stdout=subprocess.PIPE, text=True)
-            try:
-                follower.stdin.write(watched.stdout.readline())  # a line: sent at once (bufsize=1)
-                assert follower.stdout.readline().strip() == "ready"
-                time.sleep(1.0)  # a few ticks
-                struck = time.time()
-            finally:
-                watched.kill()
-                watched.wait(timeout=30)
-            found.append(json.loads(follower.stdout.readline())["at"] - struck)
-    finally:
-        follower.kill()
-    return found
-
-
 # -- here: the hosts, the store, the clients --------------------------------------------------------------------------
 
 def measure(counts: list[int], rounds: int = 20) -> dict:
@@ -343,7 +296,9 @@ def measure(counts: list[int], rounds: int = 20) -> dict:
                     for i, host in enumerate(hosts[1:count + 1])]
                 results = [json.loads(c.communicate(timeout=900)[0].strip().splitlines()[-1]) for c in clients]
                 _gather(units, count, results)
-            units["watch_end"] = {"seconds": statistics.median(ends := watch_ends(hosts, env, me)), "all": ends}
+            ends = watch_ends(hosts, env)
+            units["watch_end"] = {"seconds": statistics.median(ends["seconds"]), "all": ends["seconds"],
+                                  "rss_kb": ends["rss_kb"], "threads": ends["threads"]}
         finally:
             server.kill()
             server.wait(timeout=60)
@@ -378,10 +333,6 @@ def main() -> None:
         return serve(sys.argv[2], [int(count) for count in sys.argv[3:]])
     if sys.argv[1:2] == ["--client"]:
         return client(sys.argv[2], *map(int, sys.argv[3:6]))
-    if sys.argv[1:2] == ["--victim"]:
-        return victim(sys.argv[2])
-    if sys.argv[1:2] == ["--watcher"]:
-        return watcher()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8, 16], help="client counts (default 2 4 8 16)")
     parser.add_argument("--rounds", type=int, default=20, help="commit rounds per count (default 20)")
