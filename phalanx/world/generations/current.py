@@ -12,9 +12,11 @@ committed, its admissions) starts at 0 in each.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from ...errors import MembershipError, explain
@@ -24,7 +26,7 @@ from ..liveness import identity
 from ..watch import GenerationWatch
 from . import release
 from .commit import StepCommit
-from .settings import REGROUP_CONNECT_SECONDS, live_recovery, membership_timeout
+from .settings import REGROUP_CONNECT_SECONDS, WATCH_EVERY, live_recovery, membership_timeout
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     try:
         group = generation_group(members, f"{name}/main")
         control = generation_group(members, f"{name}/control", backend="gloo")
+    except MembershipError:
+        raise
     except RuntimeError as exc:
         raise MembershipError(explain(
             f"{who} could not make generation {number}'s process group", rank=dist.get_rank(),
@@ -143,12 +147,53 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
 
 def generation_group(members, name: str, backend: str | None = None):
     """A process group of a generation's `members` (global ranks, ascending), made by `name` (joining.make_group).
-    Made with a short timeout (every member agreed moments ago, so all are making it now), then given the membership
-    timeout for its collectives: a member lost while it is made (a second loss within the regroup) would otherwise
-    hold the others in Gloo's connection set-up, which cannot be watched, for that long."""
-    group = joining.make_group(members, name, _connect_time(), backend)
+    Connected with a short timeout (every member agreed moments ago, so all are making it now), then given the
+    membership timeout for its collectives: a member lost while it is made (a second loss within the regroup) would
+    otherwise hold the others in Gloo's connection set-up, which cannot be watched, for that long.
+
+    A Gloo group is made lazy (joining.gloo_lazy): a full mesh would cost the regroup O(members^2) store reads, where
+    each rank connects here only the peers of a ring all-reduce and of a broadcast from rank 0 (at most 2 + log2
+    members), the collectives phalanx runs on a generation's groups; any other pair connects at its first use."""
+    lazy = (backend or dist.get_backend()) == "gloo"
+    group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy)
+    if lazy:
+        _connect(group, members, name)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), group)
     return group
+
+
+def _connect(group, members, name: str) -> None:
+    """Connect a lazy group's pairs now, within the connect time: a member lost before then fails the regroup here,
+    named as soon as it is known gone, rather than at a first step's collective (whose set-up of a pair waits for a
+    lost peer five times the connect time: Gloo retries a refused connection)."""
+    flag = torch.zeros(1)
+    works = [group.allreduce([flag]), group.broadcast([flag], dist.BroadcastOptions())]
+    deadline = time.monotonic() + _connect_time().total_seconds()
+    seen = None
+    try:
+        for work in works:
+            while seen is None and not _waited(work, min(WATCH_EVERY, max(0.0, deadline - time.monotonic()))):
+                gone = current().gone(world.store()) & set(members)
+                if gone or time.monotonic() >= deadline:
+                    seen = f"member(s) {sorted(gone)} gone" if gone else f"members {list(members)} not all connected"
+    except RuntimeError as exc:  # Gloo's set-up failed: a peer's address never came, or its connection was refused
+        seen = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if seen is not None:
+        raise MembershipError(explain(
+            f"could not connect the process group {name}", rank=dist.get_rank(), seen=seen,
+            expected=f"every member of {list(members)} connected within {_connect_time().total_seconds():g} s",
+            fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
+                "checkpoint."))
+
+
+def _waited(work, seconds: float) -> bool:
+    """work.wait(seconds): True once it completed, False when `seconds` passed first."""
+    try:
+        return bool(work.wait(timedelta(seconds=max(0.001, seconds))))
+    except RuntimeError as exc:
+        if "timed out" in str(exc).lower() and not work.is_completed():
+            return False
+        raise
 
 
 def _connect_time() -> timedelta:
