@@ -173,7 +173,7 @@ def _connect(group, members, name: str) -> None:
     try:
         for work in works:
             while seen is None and not _waited(work, min(WATCH_EVERY, max(0.0, deadline - time.monotonic()))):
-                gone = current().gone(world.store()) & set(members)
+                gone = lost_among(members)
                 if gone or time.monotonic() >= deadline:
                     seen = f"member(s) {sorted(gone)} gone" if gone else f"members {list(members)} not all connected"
     except RuntimeError as exc:  # Gloo's set-up failed: a peer's address never came, or its connection was refused
