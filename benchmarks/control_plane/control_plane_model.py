@@ -61,9 +61,9 @@ Regroup (from the loss named to the ranks left training on new groups; what worl
   G2(S)     the main group, then the control group (generations/current.py meet: two Gloo groups, one after the
             other, on the one store): from the units' `first` (the decision, its 20 ms polls, the main group) and
             `second`, fitted as group_model.py says: lazy groups, as phalanx makes them, cost the store k ops per pair
-            that a ring all-reduce and a broadcast from rank 0 connect (at most 2 + log2 S peers per rank), and the
-            time of those two collectives' 2 (S - 1) + log2 S steps; full-mesh groups (each rank reads every
-            member's address: k S (S - 1) ops) are shown beside them, and taken when the units measured no lazy ones
+            that their connect joins (a ring's and a broadcast tree's, at most 2 + log2 S peers per rank) and the time
+            of its 1 + log2 S steps; full-mesh groups (each rank reads every member's address: k S (S - 1) ops) are
+            shown beside them, and taken when the units measured no lazy ones
   F         the models and loaders rebuilt (the DDP model's regroup is most of it; measured: the run summary's regroup
             less the workers' line's)
 Where the namespace runs overlap (N <= 16 ranks), the model is evaluated with their own wait per step (w = each

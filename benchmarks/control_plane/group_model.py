@@ -1,13 +1,14 @@
 """A regroup's two Gloo groups among S ranks, fitted from the units' rounds at N <= 16 clients (regroup_units.py), for
 control_plane_model.py: full-mesh groups (each rank reads every member's address and connects every pair as the group
 is made) and the generations' lazy groups (generations/current.py generation_group: each rank reads the addresses of,
-and connects, only the peers of a ring all-reduce and of a broadcast from rank 0; those two collectives run in it).
+and connects, only the peers of a ring all-reduce and of a broadcast from rank 0: joining.connect_lazy).
 
   full mesh  G(S) = g0 + g1 (S - 1) + k S (S - 1) s   (S - 1 peers per rank; k store ops per rank and peer)
-  lazy       G(S) = g0 + g1 h(S) + k pairs(S) s       (h(S) = 2 (S - 1) + ceil(log2 S): the ring all-reduce's and the
-                                                       broadcast's steps, one after the other; pairs(S): the ring's
-                                                       and the broadcast tree's pairs, at most 2 + log2 S per rank;
-                                                       k store ops per pair, both ends' reads and their addresses)
+  lazy       G(S) = g0 + g1 h(S) + k pairs(S) s       (h(S) = 1 + ceil(log2 S): the connect's steps, a message each
+                                                       way between ring neighbours, then a broadcast from rank 0;
+                                                       pairs(S): the ring's and the broadcast tree's, at most
+                                                       2 + log2 S per rank; k store ops per pair, both ends' reads
+                                                       and their addresses: joining.connect_lazy)
 s: the store's CPU per operation (it serves them one at a time); g0, g1: least squares over the counts measured, less
 the store's part (with more clients than cores, g1 is this machine's, its CPU shared).
 """
@@ -27,8 +28,9 @@ def lazy_pairs(ranks: int) -> int:
 
 
 def steps(ranks: int) -> float:
-    """The connect's collectives' steps, one after the other: a ring all-reduce's 2 (S - 1), a broadcast's log2 S."""
-    return 2 * (ranks - 1) + math.ceil(math.log2(ranks)) if ranks > 1 else 0.0
+    """The connect's steps (joining.connect_lazy): a message each way between ring neighbours, and a broadcast's
+    log2 S, taken as one after the other."""
+    return 1 + math.ceil(math.log2(ranks)) if ranks > 1 else 0.0
 
 
 class GroupFit:

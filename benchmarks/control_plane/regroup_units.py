@@ -1,8 +1,9 @@
 """A regroup's two Gloo groups as the survivors make them, for control_plane_units.py's clients (one per namespace
 host, on the one store): `group[N]` with full-mesh groups (each rank reads every member's address from the store and
 connects every pair as the group is made), `group_lazy[N]` with the generations' lazy groups (generations/current.py
-generation_group: made with TORCH_GLOO_LAZY_INIT, then a ring all-reduce and a broadcast from rank 0 connect the pairs
-they use, each rank reading only those peers' addresses).
+generation_group: made with TORCH_GLOO_LAZY_INIT, then a message each way between ring neighbours and a broadcast
+from rank 0 connect the pairs of a ring all-reduce and of that broadcast, each rank reading only those peers'
+addresses: joining.connect_lazy).
 """
 
 from __future__ import annotations
@@ -16,16 +17,12 @@ AGREE_POLL = 0.02  # seconds between a survivor's looks at the agreement's decis
 
 def made(client, store, lazy: bool):
     """One group among the clients, connected as a regroup leaves it."""
-    import torch
-
-    from phalanx.world.joining import gloo_lazy
+    from phalanx.world.joining import connect_lazy, gloo_lazy
 
     with gloo_lazy(lazy):
         group = client.dist.ProcessGroupGloo(store, client.index, client.count, timedelta(seconds=120))
     if lazy:  # generation_group's connect: the pairs of a ring all-reduce and of a broadcast from rank 0
-        flag = torch.zeros(1)
-        for work in (group.allreduce([flag]), group.broadcast([flag], client.dist.BroadcastOptions())):
-            work.wait()
+        connect_lazy(group)
     return group
 
 

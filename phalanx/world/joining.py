@@ -24,6 +24,7 @@ import os
 from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -165,6 +166,22 @@ def gloo_lazy(lazy: bool = True):
             os.environ.pop(LAZY_ENV, None)
         else:
             os.environ[LAZY_ENV] = previous
+
+
+def connect_lazy(group) -> None:
+    """Connect the pairs of a lazy Gloo group that phalanx's collectives on it use, and return once they are: each
+    rank's two ring neighbours (a ring all-reduce's and all-gather's pairs: a message each way, one step, where a
+    one-element all-reduce would take 2 (size - 1) steps in turn) and the broadcast tree from rank 0 (log2 size
+    steps), at most 2 + log2 size peers per rank. Blocks, up to the group's timeout (a send sets its pair up in the
+    caller's thread, five times that for a peer that refuses): run it where that can be waited out."""
+    me, size = group.rank(), group.size()
+    if size == 1:
+        return
+    sent, received, flag = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    works = [group.send([sent], (me + 1) % size, 0), group.recv([received], (me - 1) % size, 0),
+             group.broadcast([flag], dist.BroadcastOptions())]
+    for work in works:
+        work.wait()
 
 
 def init_unconnected(backend: str, store, rank: int, world_size: int, timeout: timedelta) -> None:

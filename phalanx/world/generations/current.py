@@ -12,11 +12,12 @@ committed, its admissions) starts at 0 in each.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from ...errors import MembershipError, explain
@@ -153,7 +154,8 @@ def generation_group(members, name: str, backend: str | None = None):
 
     A Gloo group is made lazy (joining.gloo_lazy): a full mesh would cost the regroup O(members^2) store reads, where
     each rank connects here only the peers of a ring all-reduce and of a broadcast from rank 0 (at most 2 + log2
-    members), the collectives phalanx runs on a generation's groups; any other pair connects at its first use."""
+    members, joining.connect_lazy), the collectives phalanx runs on a generation's groups; any other pair connects
+    at its first use."""
     lazy = (backend or dist.get_backend()) == "gloo"
     group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy)
     if lazy:
@@ -163,37 +165,35 @@ def generation_group(members, name: str, backend: str | None = None):
 
 
 def _connect(group, members, name: str) -> None:
-    """Connect a lazy group's pairs now, within the connect time: a member lost before then fails the regroup here,
-    named as soon as it is known gone, rather than at a first step's collective (whose set-up of a pair waits for a
-    lost peer five times the connect time: Gloo retries a refused connection)."""
-    flag = torch.zeros(1)
-    works = [group.allreduce([flag]), group.broadcast([flag], dist.BroadcastOptions())]
-    deadline = time.monotonic() + _connect_time().total_seconds()
-    seen = None
-    try:
-        for work in works:
-            while seen is None and not _waited(work, min(WATCH_EVERY, max(0.0, deadline - time.monotonic()))):
-                gone = lost_among(members)
-                if gone or time.monotonic() >= deadline:
-                    seen = f"member(s) {sorted(gone)} gone" if gone else f"members {list(members)} not all connected"
-    except RuntimeError as exc:  # Gloo's set-up failed: a peer's address never came, or its connection was refused
-        seen = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    if seen is not None:
-        raise MembershipError(explain(
-            f"could not connect the process group {name}", rank=dist.get_rank(), seen=seen,
-            expected=f"every member of {list(members)} connected within {_connect_time().total_seconds():g} s",
-            fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
-                "checkpoint."))
+    """Connect a lazy group's pairs now (joining.connect_lazy, in a thread), within the connect time: a member lost
+    before then fails the regroup here, named as soon as it is known gone, rather than a first step's collective
+    (whose set-up of a pair waits for a lost peer five times the connect time: Gloo retries a refused connection)."""
+    connected = concurrent.futures.Future()
 
+    def connect():
+        try:
+            joining.connect_lazy(group)
+            connected.set_result(None)
+        except RuntimeError as exc:  # a peer's address never came, or its connection was refused
+            connected.set_exception(exc)
 
-def _waited(work, seconds: float) -> bool:
-    """work.wait(seconds): True once it completed, False when `seconds` passed first."""
-    try:
-        return bool(work.wait(timedelta(seconds=max(0.001, seconds))))
-    except RuntimeError as exc:
-        if "timed out" in str(exc).lower() and not work.is_completed():
-            return False
-        raise
+    threading.Thread(target=connect, name="phalanx-connect", daemon=True).start()  # left to Gloo's timeout if lost
+    deadline, seen = time.monotonic() + _connect_time().total_seconds(), None
+    while seen is None:
+        try:
+            connected.result(timeout=min(WATCH_EVERY, max(0.0, deadline - time.monotonic())))
+            return
+        except concurrent.futures.TimeoutError:
+            gone = lost_among(members)
+            if gone or time.monotonic() >= deadline:
+                seen = f"member(s) {sorted(gone)} gone" if gone else f"members {list(members)} not all connected"
+        except RuntimeError as exc:
+            seen = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    raise MembershipError(explain(
+        f"could not connect the process group {name}", rank=dist.get_rank(), seen=seen,
+        expected=f"every member of {list(members)} connected within {_connect_time().total_seconds():g} s",
+        fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
+            "checkpoint."))
 
 
 def _connect_time() -> timedelta:
