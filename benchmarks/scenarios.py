@@ -113,9 +113,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("control_plane.loss", _script("control_plane/control_plane.py", "--hosts", "4", "--kill", "--cut"),
       "a namespace host of 4 killed or cut off: named, regrouped, the next step", 27, HOSTS),
     S("control_plane.units", _script("control_plane/control_plane_units.py", "--hosts", "2", "4", "--rounds", "5"),
-      "the control plane's unit costs: a store operation, a probe, a Gloo group", 34, HOSTS),
+      "the control plane's unit costs: a store operation, a probe, a regroup's Gloo groups, full mesh and lazy", 34,
+      HOSTS),
     S("control_plane.model", _script("control_plane/control_plane_model.py", "--units",
-                                     "benchmarks/results/control_plane_units-2026-11-29.json", "--measured",
+                                     "benchmarks/results/control_plane_units_lazy-2026-11-29.json", "--measured",
                                      "benchmarks/results/control_plane-2026-11-29.json", "--design", "new-host"),
       "the control plane's scale model to thousands of ranks, from saved unit costs", 2),
     # -- checkpoints and stops

@@ -58,11 +58,12 @@ Regroup (from the loss named to the ranks left training on new groups; what worl
                                                      and probes; a host cut off: + L PROBE_TIMEOUT, silent probes)
   A, new    AGREE_OPS rtt + S s                     (the survivor that decides, the first in rank order, once every
                                                      survivor is listed; the store serves the S appends)
-  G2(S)     the main group, then the control group (generations/current.py meet: two ProcessGroupGloo, one after the
-            other, on the one store, each connecting every pair): from the units' `first` (the decision, its 20 ms
-            polls, the main group) and `second`, each fitted g0 + g1 (S - 1) + k_g S (S - 1) s (each rank reads the
-            S - 1 others' addresses from the store, k_g ops each: from the segments on the store's connections; g0
-            and g1 at N <= 16: with more clients than cores, g1 is this machine's, CPU shared)
+  G2(S)     the main group, then the control group (generations/current.py meet: two Gloo groups, one after the
+            other, on the one store): from the units' `first` (the decision, its 20 ms polls, the main group) and
+            `second`, fitted as group_model.py says: lazy groups, as phalanx makes them, cost the store k ops per pair
+            that their connect joins (a ring's and a broadcast tree's, at most 2 + log2 S peers per rank) and the time
+            of its 1 + log2 S steps; full-mesh groups (each rank reads every member's address: k S (S - 1) ops) are
+            shown beside them, and taken when the units measured no lazy ones
   F         the models and loaders rebuilt (the DDP model's regroup is most of it; measured: the run summary's regroup
             less the workers' line's)
 Where the namespace runs overlap (N <= 16 ranks), the model is evaluated with their own wait per step (w = each
@@ -83,6 +84,8 @@ import json
 import statistics
 from pathlib import Path
 
+from benchmarks.control_plane.group_model import GroupFit
+
 WATCH, WINDOW, PROBE_TIMEOUT = 0.1, 4.0, 0.1
 TICK = 0.25  # seconds between a kept watch's bytes (world/liveness.py)
 AGREE_OPS = 8  # the deciding survivor's store operations once every survivor is listed (generations/agreement.py)
@@ -102,23 +105,9 @@ class Units:
         self.s = statistics.median(raw["store_cpu_per_op"].values())
         commits = {int(n): v for n, v in raw["commit"].items()}
         self.reads = {n: v["reads"] for n, v in commits.items()}
-        groups = {int(n): v for n, v in raw["group"].items()}
-        largest = max(groups)
-        # store operations per rank and peer in a group's making (2 segments an op, back to back)
-        self.k_g = groups[largest]["store_segs"] / 2 / (largest * (largest - 1))
-        # a saved set from before the units made the regroup's two groups holds one group's `seconds` from a start
-        self.g_first = self._fit({n: v.get("first", v.get("seconds")) for n, v in groups.items()})
-        self.g_second = self._fit({n: v.get("second", v.get("seconds")) for n, v in groups.items()})
+        self.full_mesh = GroupFit(raw["group"], self.s, lazy=False)
+        self.lazy = GroupFit(raw["group_lazy"], self.s, lazy=True) if "group_lazy" in raw else None
         self.t_end = raw.get("watch_end", {}).get("seconds", 0.0)
-
-    def _fit(self, seconds: dict[int, float]) -> tuple[float, float]:
-        """(g0, g1) of a group's time g0 + g1 (N - 1) + k_g N (N - 1) s, least squares over the counts measured."""
-        xs = [n - 1 for n in seconds]
-        ys = [v - self.k_g * n * (n - 1) * self.s for n, v in seconds.items()]  # less the store's part
-        mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
-        spread = sum((x - mean_x) ** 2 for x in xs)
-        g1 = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0)
-        return max(0.0, mean_y - g1 * mean_x), g1
 
     def r(self, ranks: int) -> float:
         """The commit's reads per rank: as measured at the nearest count (beyond the largest: as there)."""
@@ -134,10 +123,10 @@ class Units:
         ops = (row["on"]["rank_store"] - self.seg_ack * (1 + f * c)) / self.seg_op
         return max(0.0, ops - 1 - f * c)
 
-    def groups(self, ranks: int) -> tuple[float, float]:
-        """A regroup's main group (from the decision) and control group (after it) among `ranks`."""
-        store = self.k_g * ranks * (ranks - 1) * self.s
-        return tuple(g0 + g1 * (ranks - 1) + store for g0, g1 in (self.g_first, self.g_second))
+    def groups(self, ranks: int, lazy: bool = True) -> tuple[float, float]:
+        """A regroup's main group (from the decision) and control group (after it) among `ranks`: lazy, as phalanx
+        makes them, when the units measured those (group_model.py)."""
+        return (self.lazy if lazy and self.lazy else self.full_mesh).seconds(ranks)
 
 
 def looks(wait: float, look: float) -> int:
@@ -187,7 +176,8 @@ def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tup
     return first, first + WATCH + units.rtt
 
 
-def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill") -> tuple[float, ...]:
+def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill",
+                  lazy: bool = True) -> tuple[float, ...]:
     """(E, A, main group, control group): the regroup's parts, from the loss named (see the module docstring)."""
     survivors = ranks - per_host  # a host lost; its members on other hosts, each probed today
     enter = WATCH + units.rtt
@@ -197,11 +187,12 @@ def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str
             agree += per_host * PROBE_TIMEOUT
     else:
         agree = AGREE_OPS * units.rtt + survivors * units.s
-    return (enter, agree, *units.groups(max(1, survivors)))
+    return (enter, agree, *units.groups(max(1, survivors), lazy))
 
 
-def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill") -> float:
-    return sum(regroup_parts(units, design, ranks, per_host, how)) + followers
+def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill",
+            lazy: bool = True) -> float:
+    return sum(regroup_parts(units, design, ranks, per_host, how, lazy)) + followers
 
 
 DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, a commit per host"}  # --design
@@ -210,7 +201,7 @@ DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, 
 def scale_table(units: Units, per_host: int, pause: float, step: float, followers: float, r=None) -> str:
     lines = ["| ranks (hosts x ranks) | design | store ops / rank / step | connections / rank / step | "
              "segments / rank / step | the store: ops / step (busy) | process gone: named / all know (s) | host cut "
-             "off: named / all know (s) | regroup, a process gone (s) |",
+             "off: named / all know (s) | regroup, a process gone: full-mesh groups / lazy groups (s) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for ranks in (8, 64, 512, 4096):
         hosts = max(1, ranks // per_host)
@@ -221,7 +212,8 @@ def scale_table(units: Units, per_host: int, pause: float, step: float, follower
                 f"| {ranks} ({hosts} x {per_host}) | {label} | {got['ops']:.2f} | {got['connections']:.2f} | "
                 f"{got['segments']:.1f} | {got['store_ops']:.0f} ({100 * got['store_busy']:.0f} %) | "
                 f"{kill[0]:.3f} / {kill[1]:.2f} | {'-' if cut is None else f'{cut[0]:.2f} / {cut[1]:.2f}'} | "
-                f"{_seconds(regroup(units, design, ranks, per_host, followers))} |")
+                f"{_seconds(regroup(units, design, ranks, per_host, followers, lazy=False))} / "
+                f"{_seconds(regroup(units, design, ranks, per_host, followers)) if units.lazy else '-'} |")
     return "\n".join(lines)
 
 
@@ -359,10 +351,9 @@ def main() -> None:
     print(f"units: store op {1e6 * units.rtt:.0f} us round trip, {1e6 * units.s:.1f} us of the store's CPU, "
           f"{units.seg_op:.1f} + {units.seg_ack:.1f} segments; probe {1e6 * units.t_p:.0f} us, {units.q:.1f} "
           f"segments; keepalive {units.keep:.1f} segments/s; commit reads per rank "
-          f"{', '.join(f'{n}: {v:.1f}' for n, v in sorted(units.reads.items()))}; a regroup's Gloo groups "
-          f"{1e3 * units.g_first[0]:.1f} ms + {1e3 * units.g_first[1]:.2f} ms per peer (the main one, from the "
-          f"decision), then {1e3 * units.g_second[0]:.1f} ms + {1e3 * units.g_second[1]:.2f} ms per peer (the "
-          f"control one), + {units.k_g:.2f} store ops per rank and peer; a kept watch's end after a kill "
+          f"{', '.join(f'{n}: {v:.1f}' for n, v in sorted(units.reads.items()))}; a regroup's Gloo groups, full "
+          f"mesh: {units.full_mesh.describe()}; lazy: {units.lazy.describe() if units.lazy else 'not measured'}; "
+          f"a kept watch's end after a kill "
           f"{1e3 * units.t_end:.1f} ms; models and loaders {followers:.3f} s\n")
     reads = (f"the commit's reads per rank as the run at {largest['hosts']} x {largest['per_host']} shows them "
              f"({r_scale:.1f})" if largest else "the commit's reads per rank as the rounds show them")

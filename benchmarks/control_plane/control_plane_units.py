@@ -20,9 +20,10 @@ and closes, as liveness.py's did); for each count N, N clients, one per namespac
 - `agree[N]`: rounds of the survivors' agreement as generation.py makes it (each says it is alive, then every 10 ms
   checks the decision and each member's alive key, until all are there; the first proposal stored wins), without
   its probes; `agree_counter[N]`: the same agreement through one counter (each adds 1, then reads it every 10 ms);
-- `group[N]`: a regroup's two Gloo groups as the survivors make them: `first`, from the decision to the last client's
-  main group, `second`, from there to its control group (medians of 5); one group's connections opened and segments
-  sent, all clients together, and the segments on their store connections (ss's per-socket counters), both ways;
+- `group[N]`, `group_lazy[N]`: a regroup's two Gloo groups as the survivors make them, full-mesh and lazy
+  (regroup_units.py): `first`, from the decision to the last client's main group, `second`, from there to its control
+  group (medians of 5); one group's connections opened and segments sent, all clients together, and the segments on
+  their store connections (ss's per-socket counters), both ways;
 - `watch_end`: seconds from a SIGKILL of a worker (phalanx DDP over Gloo, in host 1) to its kept watch's verdict
   (liveness.KeptWatch, in host 2), median of 5, with the worker's resident memory and threads: watch_end.py.
 The clients share this machine's cores: with more clients than cores, their times include waiting for a core.
@@ -44,12 +45,12 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from benchmarks.control_plane import regroup_units
 from benchmarks.control_plane.watch_end import watch_ends
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 29650
 EAGER_READS, LOOK_PAUSE = 4, 0.01  # generation.py's commit (4 reads back to back) and agreement (a look every 10 ms)
-AGREE_POLL = 0.02  # seconds between a survivor's looks at the agreement's decision, when another one decides
 
 
 def tcp_counters() -> dict[str, int]:
@@ -219,37 +220,6 @@ class Client:
             found.append((start, time.monotonic(), ops))
         return found
 
-    def groups(self, rounds: int) -> tuple[list[tuple], tuple, object]:
-        """(decided, main made, control made) per round: a regroup's two groups as the survivors make them (each polls
-        the decision every AGREE_POLL s, then makes the main group, then the control group, on the one store); then an
-        untimed round's (connections opened, segments sent, store segments both ways): `ss`'s start in every client
-        takes the CPU from the groups. Groups are kept to the end: one freed tears its pairs down (a regroup's, after
-        its followers: generations/release.py). And the last one."""
-        found, kept, counts = [], [], ()
-        for number in range(rounds + 1):
-            self.barrier(f"group{number}")
-            decision = self.key("group", number, "decision")
-            if number == rounds:
-                before, store_before = tcp_counters(), self.store_segments()
-            if self.index == 0:
-                time.sleep(2 * AGREE_POLL)  # the others poll by then
-                self.store.set(decision, repr(time.monotonic()))
-            while not self.store.check([decision]):
-                time.sleep(AGREE_POLL)
-            decided, made = float(self.store.get(decision)), []
-            for name in ("main", "control"):
-                kept.append(self.dist.ProcessGroupGloo(self.dist.PrefixStore(self.key("group", number, name),
-                                                                             self.store),
-                                                       self.index, self.count, timedelta(seconds=120)))
-                made.append(time.monotonic())
-            if number == rounds:
-                after, store_after = tcp_counters(), self.store_segments()
-                counts = (after["ActiveOpens"] - before["ActiveOpens"], after["OutSegs"] - before["OutSegs"],
-                          store_after - store_before)
-            found += [(decided, *made)][:rounds - number]  # the timed rounds'
-            self.barrier(f"group{number}-made")
-        return found, counts, kept[-1]
-
     def store_segments(self) -> int:
         """Segments both ways on this client's connection(s) to the store, so far (ss's per-socket counters)."""
         shown = subprocess.run(["ss", "-tinH", "dst", f"{self.address}:{PORT}"], capture_output=True, text=True).stdout
@@ -267,7 +237,8 @@ def client(address: str, index: int, count: int, rounds: int) -> None:
     result["ops"] = me.throughput()
     result["agree"] = me.agree(max(3, rounds // 2), counter=False)
     result["agree_counter"] = me.agree(max(3, rounds // 2), counter=True)
-    result["group"], result["group_counts"], group = me.groups(5)
+    result["group"], result["group_counts"], group = regroup_units.groups(me, 5, False, tcp_counters)
+    result["group_lazy"], result["group_lazy_counts"], _ = regroup_units.groups(me, 5, True, tcp_counters)
     result["commit"] = me.commit(rounds, group)
     me.barrier("end")
     if index == 0:
@@ -318,14 +289,8 @@ def _gather(units: dict, count: int, results: list[dict]) -> None:
         rounds = list(zip(*(r[name] for r in results)))
         units[name][count] = {"seconds": statistics.median(max(done for _, done, _ in r) - r[0][0] for r in rounds),
                               "ops": statistics.mean(ops for r in rounds for _, _, ops in r)}
-    rounds = list(zip(*(r["group"] for r in results)))  # per round, per client: (decided, main, control)
-    units["group"][count] = {"first": statistics.median(max(g[1] for g in r) - r[0][0] for r in rounds),
-                             "second": statistics.median(max(g[2] for g in r) - max(g[1] for g in r) for r in rounds),
-                             "connections": sum(r["group_counts"][0] for r in results) / 2,
-                             "segs": sum(r["group_counts"][1] for r in results) / 2,
-                             "store_segs": sum(r["group_counts"][2] for r in results) / 2,
-                             "rounds": [[max(g[1] for g in r) - r[0][0], max(g[2] for g in r) - max(g[1] for g in r)]
-                                        for r in rounds]}
+    for name in ("group", "group_lazy"):
+        regroup_units.gather(units, count, results, name)
 
 
 def main() -> None:

@@ -21,8 +21,10 @@ The store protocol, in phalanx's namespace of the run's store:
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -34,6 +36,7 @@ DEFAULT_JOIN_TIMEOUT = 300.0  # seconds a joiner waits to be taken in: the ranks
 NEXT_RANK = "join/next-rank"
 WAITING = "join/waiting"
 CLOSED = "join/closed"  # the ranks that trained are done: a joiner has no run left to join
+LAZY_ENV = "TORCH_GLOO_LAZY_INIT"  # torch's switch for Gloo groups that connect a pair at its first use
 SOLO = -1  # the number of a joiner's generation of its own, before it is taken in
 
 _pending = False  # this process started as a joiner and was not taken in yet
@@ -131,30 +134,59 @@ def ready_ranks(store, world_size: int) -> list[int]:
     return [rank for rank in candidates if store.check([ready_key(rank)])]
 
 
-def make_group(members, name: str, timeout: timedelta, backend: str | None = None):
+def make_group(members, name: str, timeout: timedelta, backend: str | None = None, lazy: bool = False):
     """A process group of `members` (global ranks, ascending), made by its name: every member calls it with the
     same name, whatever groups each process made before (dist.new_group names a group by how many the process
     made, which differs in a joiner), and whatever the size of each one's default group. Registered with torch
-    like dist.new_group's groups, so that every collective and rank query takes it."""
+    like dist.new_group's groups, so that every collective and rank query takes it. `lazy`: a Gloo group whose
+    pairs connect at their first collective (gloo_lazy)."""
     members = list(members)
     default = c10d._get_default_group()
     default_backend, default_store = c10d._world.pg_map[default]
-    group, _ = c10d._new_process_group_helper(len(members), members.index(dist.get_rank()), members,
-                                              backend or default_backend, default_store, name, timeout=timeout)
+    with gloo_lazy(lazy):
+        group, _ = c10d._new_process_group_helper(len(members), members.index(dist.get_rank()), members,
+                                                  backend or default_backend, default_store, name, timeout=timeout)
     c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}
     return group
+
+
+@contextmanager
+def gloo_lazy(lazy: bool = True):
+    """Gloo groups made inside connect each pair of ranks at the pair's first collective, reading only that peer's
+    address from the store, not all pairs at once (TORCH_GLOO_LAZY_INIT, read as each group is made): a rank then
+    connects the few peers its collectives use (2 for a ring all-reduce), where a full mesh costs each rank a read
+    of every member's address, O(members^2) store reads for the group."""
+    previous = os.environ.get(LAZY_ENV)
+    if lazy:
+        os.environ[LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(LAZY_ENV, None)
+        else:
+            os.environ[LAZY_ENV] = previous
+
+
+def connect_lazy(group) -> None:
+    """Connect the pairs of a lazy Gloo group that phalanx's collectives on it use, and return once they are: each
+    rank's two ring neighbours (a ring all-reduce's and all-gather's pairs: a message each way, one step, where a
+    one-element all-reduce would take 2 (size - 1) steps in turn) and the broadcast tree from rank 0 (log2 size
+    steps), at most 2 + log2 size peers per rank. Blocks, up to the group's timeout (a send sets its pair up in the
+    caller's thread, five times that for a peer that refuses): run it where that can be waited out."""
+    me, size = group.rank(), group.size()
+    if size == 1:
+        return
+    sent, received, flag = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    works = [group.send([sent], (me + 1) % size, 0), group.recv([received], (me - 1) % size, 0),
+             group.broadcast([flag], dist.BroadcastOptions())]
+    for work in works:
+        work.wait()
 
 
 def init_unconnected(backend: str, store, rank: int, world_size: int, timeout: timedelta) -> None:
     """A joiner's default process group: rank `rank` of a world it never talks to (Gloo, not connected until used,
     which it never is), so that its global rank is `rank` in every group it makes with the others."""
-    previous = os.environ.get("TORCH_GLOO_LAZY_INIT")
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    try:
+    with gloo_lazy():
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    finally:
-        if previous is None:
-            del os.environ["TORCH_GLOO_LAZY_INIT"]
-        else:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = previous
     set_pending(True)

@@ -12,6 +12,9 @@ committed, its admissions) starts at 0 in each.
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -24,7 +27,7 @@ from ..liveness import identity
 from ..watch import GenerationWatch
 from . import release
 from .commit import StepCommit
-from .settings import REGROUP_CONNECT_SECONDS, live_recovery, membership_timeout
+from .settings import REGROUP_CONNECT_SECONDS, WATCH_EVERY, live_recovery, membership_timeout
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,8 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     try:
         group = generation_group(members, f"{name}/main")
         control = generation_group(members, f"{name}/control", backend="gloo")
+    except MembershipError:
+        raise
     except RuntimeError as exc:
         raise MembershipError(explain(
             f"{who} could not make generation {number}'s process group", rank=dist.get_rank(),
@@ -143,12 +148,52 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
 
 def generation_group(members, name: str, backend: str | None = None):
     """A process group of a generation's `members` (global ranks, ascending), made by `name` (joining.make_group).
-    Made with a short timeout (every member agreed moments ago, so all are making it now), then given the membership
-    timeout for its collectives: a member lost while it is made (a second loss within the regroup) would otherwise
-    hold the others in Gloo's connection set-up, which cannot be watched, for that long."""
-    group = joining.make_group(members, name, _connect_time(), backend)
+    Connected with a short timeout (every member agreed moments ago, so all are making it now), then given the
+    membership timeout for its collectives: a member lost while it is made (a second loss within the regroup) would
+    otherwise hold the others in Gloo's connection set-up, which cannot be watched, for that long.
+
+    A Gloo group is made lazy (joining.gloo_lazy): a full mesh would cost the regroup O(members^2) store reads, where
+    each rank connects here only the peers of a ring all-reduce and of a broadcast from rank 0 (at most 2 + log2
+    members, joining.connect_lazy), the collectives phalanx runs on a generation's groups; any other pair connects
+    at its first use."""
+    lazy = (backend or dist.get_backend()) == "gloo"
+    group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy)
+    if lazy:
+        _connect(group, members, name)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), group)
     return group
+
+
+def _connect(group, members, name: str) -> None:
+    """Connect a lazy group's pairs now (joining.connect_lazy, in a thread), within the connect time: a member lost
+    before then fails the regroup here, named as soon as it is known gone, rather than a first step's collective
+    (whose set-up of a pair waits for a lost peer five times the connect time: Gloo retries a refused connection)."""
+    connected = concurrent.futures.Future()
+
+    def connect():
+        try:
+            joining.connect_lazy(group)
+            connected.set_result(None)
+        except RuntimeError as exc:  # a peer's address never came, or its connection was refused
+            connected.set_exception(exc)
+
+    threading.Thread(target=connect, name="phalanx-connect", daemon=True).start()  # left to Gloo's timeout if lost
+    deadline, seen = time.monotonic() + _connect_time().total_seconds(), None
+    while seen is None:
+        try:
+            connected.result(timeout=min(WATCH_EVERY, max(0.0, deadline - time.monotonic())))
+            return
+        except concurrent.futures.TimeoutError:
+            gone = lost_among(members)
+            if gone or time.monotonic() >= deadline:
+                seen = f"member(s) {sorted(gone)} gone" if gone else f"members {list(members)} not all connected"
+        except RuntimeError as exc:
+            seen = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    raise MembershipError(explain(
+        f"could not connect the process group {name}", rank=dist.get_rank(), seen=seen,
+        expected=f"every member of {list(members)} connected within {_connect_time().total_seconds():g} s",
+        fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
+            "checkpoint."))
 
 
 def _connect_time() -> timedelta:

@@ -72,11 +72,11 @@ def socket_segments() -> dict[str, int]:
 
 def time_regroup(path: Path) -> None:
     """Append `part start end` (time.time()) to `path` for each part of a regroup, by wrapping the functions that make
-    it where their callers look them up: the survivors' agreement, each process group made (`main`, `control`), the
-    meeting on them, the DDP model's regroup, and all followers (`recover` starts where recover() started)."""
+    it where their callers look them up: the survivors' agreement, each group made and connected (`main`, `control`),
+    the meeting on them, the DDP model's regroup, and all followers (`recover` starts where recover() started)."""
     from phalanx.engine.regroup import RegroupMixin
-    from phalanx.world import joining
     from phalanx.world.generations import agreement, recovery
+    from phalanx.world.generations import current as generations
 
     def timed(owner, name, part):
         inner = getattr(owner, name)
@@ -96,7 +96,7 @@ def time_regroup(path: Path) -> None:
 
     timed(agreement, "agree_on_survivors", "agree")
     timed(agreement, "meet", "meet")
-    timed(joining, "make_group", lambda args: args[1].rsplit("/", 1)[-1])
+    timed(generations, "generation_group", lambda args: args[1].rsplit("/", 1)[-1])  # made and connected
     timed(RegroupMixin, "regroup", "ddp")
     timed(recovery, "regroup_followers", "followers")
 
