@@ -117,7 +117,8 @@ SCENARIOS: tuple[Scenario, ...] = (
       HOSTS),
     S("control_plane.model", _script("control_plane/control_plane_model.py", "--units",
                                      "benchmarks/results/control_plane_units_lazy-2026-11-29.json", "--measured",
-                                     "benchmarks/results/control_plane-2026-11-29.json", "--design", "new-host"),
+                                     "benchmarks/results/control_plane-2026-11-29.json",
+                                     "benchmarks/results/control_plane_lazy-2026-11-29.json", "--design", "new-host"),
       "the control plane's scale model to thousands of ranks, from saved unit costs", 2),
     # -- checkpoints and stops
     S("checkpoints.stop_overhead", _script("checkpoints/stop_overhead.py", "deep", "wide", "gpt", "--blocks", "3",

@@ -322,8 +322,9 @@ def main() -> None:
     parser.add_argument("--units", type=Path, help="unit costs saved by control_plane_units.py (else measured now)")
     parser.add_argument("--unit-hosts", type=int, nargs="+", default=[2, 4, 8, 16],
                         help="client counts to measure the units at (default 2 4 8 16)")
-    parser.add_argument("--measured", type=Path,
-                        help="benchmarks/control_plane/control_plane.py's --json, to compare at N <= 16")
+    parser.add_argument("--measured", type=Path, nargs="+", default=[],
+                        help="benchmarks/control_plane/control_plane.py's --json files, to compare at N <= 16 (the "
+                        "loss runs: those of the last file that has some, the code the model follows)")
     parser.add_argument("--per-host", type=int, default=8, help="ranks per host in the extrapolation (default 8)")
     parser.add_argument("--pause", type=float, default=0.15, help="the slow rank's lead per step (default 0.15 s)")
     parser.add_argument("--step", type=float, default=0.17, help="the step time (default 0.17 s)")
@@ -343,7 +344,9 @@ def main() -> None:
         raw = measure(args.unit_hosts)
         print(json.dumps(raw))
     units = Units(raw)
-    measured = json.loads(args.measured.read_text()) if args.measured else []
+    files = [json.loads(path.read_text()) for path in args.measured]
+    losses = next((rows for rows in reversed(files) if any(r["kind"] == "loss" for r in rows)), [])
+    measured = [r for rows in files for r in rows if r["kind"] != "loss"] + [r for r in losses if r["kind"] == "loss"]
     followers = followers_seconds(measured)
     runs = [r for r in measured if r["kind"] == "steady" and "rank_store" in r["on"]]
     largest = max(runs, key=lambda r: (r["hosts"] * r["per_host"], -r["per_host"]), default=None)

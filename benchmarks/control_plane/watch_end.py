@@ -2,12 +2,16 @@
 on another namespace host (control_plane_units.py runs it; control_plane_model.py's "a process gone: named").
 
 The kernel closes a killed process's sockets only once its address space is torn down (do_exit: exit_mm, then
-exit_files), so the verdict waits for that teardown, whose length follows what the process holds: ~2 ms for a bare
-Python, 46-72 ms with torch imported, 110-123 ms with 300 MB of tensors more (loopback, load 9). The victim is
-therefore a worker as tests/e2e/jobs/control_plane_job.py's are, not a bare beacon: phalanx initialized over a Gloo
-group (a world of one, its own store), the job's model wrapped in phalanx DDP and trained a few steps, its beacon
-(liveness.py's: accept, keep, read the watcher's bytes) served beside. Its resident memory and threads are reported
-with the times, to compare with the run's workers.
+exit_files), so the verdict waits for that teardown, whose length follows what the process holds and who else holds
+it: ~2 ms for a bare Python, 46-72 ms with torch imported, 110-123 ms with 300 MB of tensors more (loopback, load
+9). A worker forked from its launcher's server shares most of its pages with its ancestors: while one of them lives
+its teardown unmaps them (22-44 ms here), where with every sharer killed at once it may have to free them (28-87 ms,
+10 kills, when the launcher was killed first). So the victim is a worker as the runs' are: started by `phalanx run
+--nproc-per-node 1` (from a warm launcher, as their commands are), phalanx initialized (a world of one),
+tests/e2e/jobs/control_plane_job.py's model in phalanx DDP trained a few steps, its beacon (liveness.py's: accept,
+keep, read the watcher's bytes) served beside; it and the process that forked it are SIGKILLed together, by pid, and
+its launcher once the verdict came, as control_plane.py's loss runs do. Its resident memory and threads are reported
+with the times.
 
     sudo PYTHONPATH=. python benchmarks/control_plane/watch_end.py [--rounds 5] [--into UNITS.json]
 
@@ -18,8 +22,11 @@ entry of a units file (control_plane_units.py --json's), saying when it was meas
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -29,13 +36,9 @@ import time
 from pathlib import Path
 
 
-def victim(address: str, device: str) -> None:
-    """A worker's address space serving a beacon: says `address:port rss_kb threads`, then serves until killed."""
-    with socket.socket() as probe:  # a free port for the world of one's store, in this namespace
-        probe.bind((address, 0))
-        port = probe.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR=address,
-                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=device)
+def victim(address: str) -> None:
+    """A worker under `phalanx run` serving a beacon: says `VICTIM address:port rss_kb threads pid`, then serves
+    until killed."""
     import torch
 
     import phalanx as px
@@ -51,10 +54,26 @@ def victim(address: str, device: str) -> None:
     beacon = socket.create_server((address, 0), backlog=64)
     with open("/proc/self/status") as status:
         fields = dict(line.split(":", 1) for line in status)
-    print(f"{address}:{beacon.getsockname()[1]} {fields['VmRSS'].split()[0]} {fields['Threads'].strip()}", flush=True)
+    print(f"VICTIM {address}:{beacon.getsockname()[1]} {fields['VmRSS'].split()[0]} {fields['Threads'].strip()} "
+          f"{os.getpid()}", flush=True)
     connection, _ = beacon.accept()
     while connection.recv(64):
         pass
+
+
+def _kill(*pids: int | None) -> None:
+    for pid in pids:
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def watcher() -> None:
@@ -74,26 +93,44 @@ def watcher() -> None:
 def watch_ends(hosts: list[dict], env: dict, rounds: int = 5) -> dict:
     """{"seconds": [from a SIGKILL of a worker in hosts[1] to its kept watch's verdict in hosts[2]], "rss_kb": [...],
     "threads": [...]}, `rounds` times."""
+    from tests.e2e.test_elastic import job_env  # the loss runs' commands' environment (a warm launcher)
+
     me = [sys.executable, str(Path(__file__).resolve())]
+    launch_env = {**job_env(), "PYTHONPATH": env["PYTHONPATH"]}
     follower = subprocess.Popen(["ip", "netns", "exec", hosts[2]["ns"], *me, "--watcher"], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     found: dict[str, list] = {"seconds": [], "rss_kb": [], "threads": []}
     try:
         for _ in range(rounds):
-            watched = subprocess.Popen(["ip", "netns", "exec", hosts[1]["ns"], *me, "--victim", hosts[1]["addr"],
-                                        hosts[1]["dev"]], env=env, stdout=subprocess.PIPE, text=True)
+            with socket.socket() as probe:  # a free port for the world of one's store: none listens in host 1 yet
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            launcher = subprocess.Popen(
+                ["ip", "netns", "exec", hosts[1]["ns"], sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "1",
+                 "--master-addr", hosts[1]["addr"], "--master-port", str(port), me[1], "--victim", hosts[1]["addr"]],
+                env={**launch_env, "GLOO_SOCKET_IFNAME": hosts[1]["dev"]}, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True)
+            worker = parent = None
             try:
-                beacon, rss_kb, threads = watched.stdout.readline().split()
+                for line in launcher.stdout:
+                    said = re.search(r"VICTIM (\S+) (\d+) (\d+) (\d+)", line)
+                    if said:
+                        break
+                else:
+                    raise RuntimeError("the victim's launcher ended before its worker served a beacon")
+                beacon, (rss_kb, threads, worker) = said.group(1), map(int, said.group(2, 3, 4))
+                parent = _parent(worker)  # the process that forked it (its launcher's server)
                 follower.stdin.write(beacon + "\n")  # a line: sent at once (bufsize=1)
                 assert follower.stdout.readline().strip() == "ready"
                 time.sleep(1.0)  # a few ticks
                 struck = time.time()
+                _kill(parent, worker)  # as the loss runs do; the launcher itself once the worker is gone
+                found["seconds"].append(json.loads(follower.stdout.readline())["at"] - struck)
+                found["rss_kb"].append(rss_kb)
+                found["threads"].append(threads)
             finally:
-                watched.kill()
-                watched.wait(timeout=30)
-            found["seconds"].append(json.loads(follower.stdout.readline())["at"] - struck)
-            found["rss_kb"].append(int(rss_kb))
-            found["threads"].append(int(threads))
+                _kill(parent, worker, launcher.pid)
+                launcher.wait(timeout=30)
     finally:
         follower.kill()
     return found
@@ -101,7 +138,7 @@ def watch_ends(hosts: list[dict], env: dict, rounds: int = 5) -> dict:
 
 def main() -> None:
     if sys.argv[1:2] == ["--victim"]:
-        return victim(sys.argv[2], sys.argv[3])
+        return victim(sys.argv[2])
     if sys.argv[1:2] == ["--watcher"]:
         return watcher()
     from tests.helpers.namespaces import bridged_hosts

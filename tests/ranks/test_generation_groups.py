@@ -66,8 +66,9 @@ def _regroups(rank: int) -> dict:
         reads = {"lazy": counting.ops["get"]}
         total = torch.tensor([float(rank)])
         dist.all_reduce(total, group=lazy)
+        reads["later"] = counting.ops["get"] - reads["lazy"]
         eager = joining.make_group(members, "test/eager", timedelta(seconds=30), "gloo")
-        reads["eager"] = counting.ops["get"] - reads["lazy"]
+        reads["eager"] = counting.ops["get"] - reads["lazy"] - reads["later"]
         dist.all_reduce(total, group=eager)
     finally:
         dist.distributed_c10d._world.pg_map[default] = (backend, store)
@@ -91,6 +92,7 @@ def test_a_generation_group_reads_a_few_peers_addresses_and_a_missing_member_is_
     assert all(r["total"] == 8 * 28 for r in results), results  # both groups all-reduce right
     assert all(r["eager"] == 8 for r in results), results  # a full mesh: every member's address (the count works)
     assert max(r["lazy"] for r in results) <= 5, results  # ring (2) + broadcast tree (log2 8)
+    assert all(r["later"] == 0 for r in results), results  # the all-reduce found its pairs connected
     assert sum(r["lazy"] for r in results) < sum(r["eager"] for r in results) / 2, results
     for rank, result in enumerate(results[:7]):
         assert f"[rank {rank}] could not connect the process group test/missing" in result["said"], result
