@@ -117,7 +117,7 @@ SCENARIOS: tuple[Scenario, ...] = (
       HOSTS),
     S("control_plane.model", _script("control_plane/control_plane_model.py", "--units",
                                      "benchmarks/results/control_plane_units_lazy-2026-11-29.json", "--measured",
-                                     "benchmarks/results/control_plane-2026-11-29.json",
+                                     "benchmarks/results/control_plane_steady-2026-11-29b.json",
                                      "benchmarks/results/control_plane_lazy-2026-11-29.json", "--design", "new-host"),
       "the control plane's scale model to thousands of ranks, from saved unit costs", 2),
     # -- checkpoints and stops

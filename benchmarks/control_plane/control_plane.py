@@ -50,7 +50,7 @@ REGROUP_BOUND = 2.0  # seconds from the loss named to the regroup done
 def _median(runs: list[Figures]) -> Figures:
     return Figures(*(statistics.median(getattr(run, name) for run in runs)
                      for name in ("connections", "segments", "store_host_in", "step_seconds", "rank_store",
-                                  "rank_other", "rank_watch", "rank_other_data")))
+                                  "rank_other", "rank_watch", "rank_other_data", "commit")))
 
 
 def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, work: Path) -> dict:
@@ -84,8 +84,8 @@ def _f(value: float | None, digits: int = 2) -> str:
 def steady_table(rows: list[dict]) -> str:
     lines = ["| hosts x ranks | connections opened: on / off / added | segments sent: on / off / added | "
              "store host's segments received per step: added | a rank's control plane (store, watch), segments both "
-             "ways | Gloo's, on / off (of them data) | step time on / off (s) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "ways | Gloo's, on / off (of them data) | step time on / off (s) | a rank's commit per step (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         on, off, add = row["on"], row["off"], row["added"]
         lines.append(f"| {row['hosts']} x {row['per_host']} | {on['connections']:.2f} / {off['connections']:.2f} / "
@@ -95,7 +95,7 @@ def steady_table(rows: list[dict]) -> str:
                      f"{on['rank_watch']:.1f}) | "
                      f"{on['rank_other']:.1f} / {off['rank_other']:.1f} ({on['rank_other_data']:.1f} / "
                      f"{off['rank_other_data']:.1f}) | {on['step_seconds']:.3f} / "
-                     f"{off['step_seconds']:.3f} |")
+                     f"{off['step_seconds']:.3f} | {1e3 * on.get('commit', 0.0):.1f} |")
     return "\n".join(lines)
 
 

@@ -41,7 +41,8 @@ class Figures:
     opened (`rank_watch`; the one its beacon accepted is its watcher's, counted there) and on the rest (`rank_other`:
     Gloo's pairs; `rank_other_data`: those of them that carried data, pure ACKs not), from local rank 0 of each host:
     `rank_store` + `rank_watch` is what the control plane itself sends and receives per rank, each connection counted
-    once, whatever Gloo does."""
+    once, whatever Gloo does; `commit`: the seconds a rank spends in the per-step commit per step (the mean over the
+    ranks; 0 with live recovery off)."""
 
     connections: float
     segments: float
@@ -51,13 +52,15 @@ class Figures:
     rank_other: float = 0.0
     rank_watch: float = 0.0
     rank_other_data: float = 0.0
+    commit: float = 0.0
     durations: tuple = ()
 
     def minus(self, other: Figures) -> Figures:
         return Figures(self.connections - other.connections, self.segments - other.segments,
                        self.store_host_in - other.store_host_in, self.step_seconds - other.step_seconds,
                        self.rank_store - other.rank_store, self.rank_other - other.rank_other,
-                       self.rank_watch - other.rank_watch, self.rank_other_data - other.rank_other_data)
+                       self.rank_watch - other.rank_watch, self.rank_other_data - other.rank_other_data,
+                       self.commit - other.commit)
 
 
 class Job:
@@ -150,10 +153,12 @@ def figures(job: Job, first: int, last: int) -> Figures:
     steps = last - first
     times = {step: when for step, when, _, _ in job.step_times(0)}
     hosts, window = len(job.hosts), range(first + 1, last + 1)
+    commits = [json.loads((job.run_dir / f"commit-{rank}.json").read_text()) for rank in range(job.ranks)]
+    commit = sum(spent.get(str(step), 0.0) for spent in commits for step in window) / (job.ranks * steps)
     return Figures(totals["ActiveOpens"] / (job.ranks * steps), totals["OutSegs"] / (job.ranks * steps),
                    store_host_in / steps, (times[last] - times[first]) / steps, totals["store"] / (hosts * steps),
                    totals["other"] / (hosts * steps), totals["watch"] / (hosts * steps),
-                   totals["other_data"] / (hosts * steps),
+                   totals["other_data"] / (hosts * steps), commit,
                    tuple(times[step] - times[step - 1] for step in window))
 
 

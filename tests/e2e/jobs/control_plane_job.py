@@ -7,14 +7,16 @@ A global batch of 4 samples per launched rank (one micro-batch each), SGD, a Che
 to stop (its stop agreement runs as in any loop), T optimizer steps in one epoch. Launch rank 0 sleeps `--pause`
 seconds at the start of every step, so that the others wait on it in their collectives, as behind a slow peer. Every
 rank appends `step time generation world_size` (time.time(), after checkpointer.step) to RUN_DIR/steps-<launch
-rank>.txt per applied step. Local rank 0 of each host reads its network namespace's TCP counters (/proc/self/net/snmp:
-the whole host's, launcher and store included) at the end of steps A and B and writes them to RUN_DIR/tcp-<host>.json,
-with the segments on its own connections to the store and on its others (`store`, `other`: ss's per-socket counters):
-the window is the same steps on every host, whatever the harness's timing. Every rank writes phalanx's log records
-(INFO and above) to RUN_DIR/log-<launch rank>.txt, each line `time level message`: when a loss was named, and how
-long the regroup took, on the worker's own clock (`--debug`: DEBUG records too, in that file only). `--debug` also
-times the regroup's parts (time_regroup) into RUN_DIR/regroup-<launch rank>.txt, and every rank writes its pid to
-RUN_DIR/pid-<launch rank>.txt, so that a loss run can SIGKILL the victim's workers themselves.
+rank>.txt per applied step, and writes the seconds it spent in the per-step commit (generation.commit_step, live
+recovery on) of each step to RUN_DIR/commit-<launch rank>.json at its end. Local rank 0 of each host reads its
+network namespace's TCP counters (/proc/self/net/snmp: the whole host's, launcher and store included) at the end of
+steps A and B and writes them to RUN_DIR/tcp-<host>.json, with the segments on its own connections to the store and
+on its others (`store`, `other`: ss's per-socket counters): the window is the same steps on every host, whatever the
+harness's timing. Every rank writes phalanx's log records (INFO and above) to RUN_DIR/log-<launch rank>.txt, each
+line `time level message`: when a loss was named, and how long the regroup took, on the worker's own clock
+(`--debug`: DEBUG records too, in that file only). `--debug` also times the regroup's parts (time_regroup) into
+RUN_DIR/regroup-<launch rank>.txt, and every rank writes its pid to RUN_DIR/pid-<launch rank>.txt, so that a loss
+run can SIGKILL the victim's workers themselves.
 """
 
 import argparse
@@ -101,6 +103,22 @@ def time_regroup(path: Path) -> None:
     timed(recovery, "regroup_followers", "followers")
 
 
+def time_commits(spent: dict, done: list) -> None:
+    """Add the seconds of each call of the per-step commit to `spent[done[0]]` (the step in progress), by wrapping
+    generation.commit_step where the global-batch loop looks it up."""
+    from phalanx.world import generation
+
+    inner = generation.commit_step
+
+    def timed():
+        started = time.perf_counter()
+        try:
+            return inner()
+        finally:
+            spent[done[0]] = spent.get(done[0], 0.0) + time.perf_counter() - started
+    generation.commit_step = timed
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
@@ -137,10 +155,12 @@ def main():
                            sampler=px.DistributedSampler(data, seed=0))
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints")  # saves only when asked to stop
-    counters = {}
+    counters, commits, current_step = {}, {}, [1]
+    time_commits(commits, current_step)
     with open(args.run_dir / f"steps-{rank}.txt", "w") as log:
         loader.set_epoch(0)
         for done, step in enumerate(loader, start=1):
+            current_step[0] = done
             if rank == 0:
                 time.sleep(args.pause)
             optimizer.zero_grad()
@@ -152,6 +172,7 @@ def main():
                 counters[done] = {**tcp_counters(), **socket_segments()}
             log.write(f"{done} {time.time():.6f} {live_generation()} {px.world_size()}\n")
             log.flush()
+    (args.run_dir / f"commit-{rank}.json").write_text(json.dumps(commits))
     if counts:
         (args.run_dir / f"tcp-{args.host}.json").write_text(json.dumps(counters))
     px.shutdown()
