@@ -125,18 +125,8 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     wait on the lost rank: shutdown() then leaves the groups not yet freed to the process's exit)."""
     global _current, _commits, _admissions
     name = f"phalanx/{world.attempt()}/generation{number}"
-    try:
-        group = generation_group(members, f"{name}/main")
-        control = generation_group(members, f"{name}/control", backend="gloo")
-    except MembershipError:
-        raise
-    except RuntimeError as exc:
-        raise MembershipError(explain(
-            f"{who} could not make generation {number}'s process group", rank=dist.get_rank(),
-            seen=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} (members {list(members)})",
-            expected=f"every member connected within {_connect_time().total_seconds():g} s",
-            fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
-                "checkpoint.")) from exc
+    group = generation_group(members, f"{name}/main", who=who)
+    control = generation_group(members, f"{name}/control", backend="gloo", who=who)
     before = current()  # generation 0 registered its end-of-run reset
     release.set_aside((before.group, world.control_group()), abandoned)
     before.close_watch()
@@ -146,7 +136,7 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     _current.watch(world.store())
 
 
-def generation_group(members, name: str, backend: str | None = None):
+def generation_group(members, name: str, backend: str | None = None, who: str = "the generation's members"):
     """A process group of a generation's `members` (global ranks, ascending), made by `name` (joining.make_group).
     Connected with a short timeout (every member agreed moments ago, so all are making it now), then given the
     membership timeout for its collectives: a member lost while it is made (a second loss within the regroup) would
@@ -155,16 +145,19 @@ def generation_group(members, name: str, backend: str | None = None):
     A Gloo group is made lazy (joining.gloo_lazy): a full mesh would cost the regroup O(members^2) store reads, where
     each rank connects here only the peers of a ring all-reduce and of a broadcast from rank 0 (at most 2 + log2
     members, joining.connect_lazy), the collectives phalanx runs on a generation's groups; any other pair connects
-    at its first use."""
+    at its first use. Either failing is a MembershipError (`who`: the ranks making it, for its message)."""
     lazy = (backend or dist.get_backend()) == "gloo"
-    group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy)
+    try:
+        group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy)
+    except RuntimeError as exc:
+        raise _not_connected(name, members, who, _first_line(exc)) from exc
     if lazy:
-        _connect(group, members, name)
+        _connect(group, members, name, who)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), group)
     return group
 
 
-def _connect(group, members, name: str) -> None:
+def _connect(group, members, name: str, who: str) -> None:
     """Connect a lazy group's pairs now (joining.connect_lazy, in a thread), within the connect time: a member lost
     before then fails the regroup here, named as soon as it is known gone, rather than a first step's collective
     (whose set-up of a pair waits for a lost peer five times the connect time: Gloo retries a refused connection)."""
@@ -188,9 +181,17 @@ def _connect(group, members, name: str) -> None:
             if gone or time.monotonic() >= deadline:
                 seen = f"member(s) {sorted(gone)} gone" if gone else f"members {list(members)} not all connected"
         except RuntimeError as exc:
-            seen = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    raise MembershipError(explain(
-        f"could not connect the process group {name}", rank=dist.get_rank(), seen=seen,
+            seen = _first_line(exc)
+    raise _not_connected(name, members, who, seen)
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _not_connected(name: str, members, who: str, seen: str) -> MembershipError:
+    return MembershipError(explain(
+        f"could not connect the process group {name}", rank=dist.get_rank(), seen=f"{seen} ({who})",
         expected=f"every member of {list(members)} connected within {_connect_time().total_seconds():g} s",
         fix="A member was lost while the others regrouped: the run falls back to a restart from its newest "
             "checkpoint."))
