@@ -35,6 +35,9 @@ import threading
 import time
 from pathlib import Path
 
+from phalanx.diagnose.stacks import stat_fields
+from phalanx.testing import free_port
+
 
 def victim(address: str) -> None:
     """A worker under `phalanx run` serving a beacon: says `VICTIM address:port rss_kb threads pid`, then serves
@@ -42,11 +45,10 @@ def victim(address: str) -> None:
     import torch
 
     import phalanx as px
+    from tests.e2e.jobs.control_plane_job import build
 
     px.init()
-    model = px.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
-                                                           torch.nn.Linear(8, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = build()
     for _ in range(3):
         optimizer.zero_grad()
         model(torch.randn(4, 4)).square().mean().backward()
@@ -66,14 +68,6 @@ def _kill(*pids: int | None) -> None:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def watcher() -> None:
@@ -102,9 +96,7 @@ def watch_ends(hosts: list[dict], env: dict, rounds: int = 5) -> dict:
     found: dict[str, list] = {"seconds": [], "rss_kb": [], "threads": []}
     try:
         for _ in range(rounds):
-            with socket.socket() as probe:  # a free port for the world of one's store: none listens in host 1 yet
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
+            port = free_port()  # for the world of one's store: none listens in host 1 yet
             launcher = subprocess.Popen(
                 ["ip", "netns", "exec", hosts[1]["ns"], sys.executable, "-m", "phalanx", "run", "--nproc-per-node", "1",
                  "--master-addr", hosts[1]["addr"], "--master-port", str(port), me[1], "--victim", hosts[1]["addr"]],
@@ -119,7 +111,8 @@ def watch_ends(hosts: list[dict], env: dict, rounds: int = 5) -> dict:
                 else:
                     raise RuntimeError("the victim's launcher ended before its worker served a beacon")
                 beacon, (rss_kb, threads, worker) = said.group(1), map(int, said.group(2, 3, 4))
-                parent = _parent(worker)  # the process that forked it (its launcher's server)
+                fields = stat_fields(worker)
+                parent = int(fields[1]) if fields else None  # the process that forked it (its launcher's server)
                 follower.stdin.write(beacon + "\n")  # a line: sent at once (bufsize=1)
                 assert follower.stdout.readline().strip() == "ready"
                 time.sleep(1.0)  # a few ticks

@@ -103,6 +103,14 @@ def time_regroup(path: Path) -> None:
     timed(recovery, "regroup_followers", "followers")
 
 
+def build():
+    """(the job's model in phalanx DDP, its SGD): what every worker trains (benchmarks/control_plane/watch_end.py's
+    victim too)."""
+    model = px.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                                           torch.nn.Linear(8, 1)))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
 def time_commits(spent: dict, done: list) -> None:
     """Add the seconds of each call of the per-step commit to `spent[done[0]]` (the step in progress), by wrapping
     generation.commit_step where the global-batch loop looks it up."""
@@ -148,9 +156,7 @@ def main():
     data = torch.utils.data.TensorDataset(torch.randn(args.steps * global_batch, 4, generator=generator),
                                           torch.randn(args.steps * global_batch, 1, generator=generator))
     torch.manual_seed(0)
-    model = px.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
-                                                           torch.nn.Linear(8, 1)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = build()
     loader = px.DataLoader(data, batch_size=MICRO_BATCH, global_batch_size=global_batch,
                            sampler=px.DistributedSampler(data, seed=0))
     state = {"model": model, "optimizer": optimizer, "loader": loader}
