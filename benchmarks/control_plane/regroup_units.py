@@ -12,7 +12,7 @@ import statistics
 import time
 from datetime import timedelta
 
-AGREE_POLL = 0.02  # seconds between a survivor's looks at the agreement's decision, when another one decides
+from phalanx.world.generations.agreement import DECISION_LOOK as AGREE_POLL  # a survivor's looks at the decision
 
 
 def made(client, store, lazy: bool):

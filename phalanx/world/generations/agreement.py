@@ -25,6 +25,9 @@ from .settings import (
     min_world_size,
 )
 
+DECIDER_LOOK = 0.005  # seconds between the deciding survivor's looks at who is alive
+DECISION_LOOK = 0.02  # seconds between the other survivors' looks at the decision
+
 
 def agree_on_survivors(generation: Generation, store) -> tuple[int, ...]:
     """Collective over the survivors of `generation`: the members that go on, the same tuple on each of them. Each
@@ -56,7 +59,7 @@ def agree_on_survivors(generation: Generation, store) -> tuple[int, ...]:
                 logger.warning("generation %d: waiting for rank(s) %s, alive but not yet regrouping (a slow "
                                "step?), up to %.0f s (%s); then the others go on without them", generation.number + 1,
                                sorted(set(generation.members) - settled), timeout, MEMBERSHIP_TIMEOUT_ENV)
-        time.sleep(0.005 if deciding else 0.02)
+        time.sleep(DECIDER_LOOK if deciding else DECISION_LOOK)
     return tuple(int(r) for r in store.get(decision).decode().split(","))
 
 
