@@ -85,9 +85,10 @@ import statistics
 from pathlib import Path
 
 from benchmarks.control_plane.group_model import GroupFit
+from phalanx.world.generations.settings import WATCH_EVERY as WATCH  # phalanx's own constants, as the code has them
+from phalanx.world.liveness import PROBE_TIMEOUT, TICK
+from phalanx.world.liveness import SILENT_WINDOW as WINDOW
 
-WATCH, WINDOW, PROBE_TIMEOUT = 0.1, 4.0, 0.1
-TICK = 0.25  # seconds between a kept watch's bytes (world/liveness.py)
 AGREE_OPS = 8  # the deciding survivor's store operations once every survivor is listed (generations/agreement.py)
 WAITED_COMMIT = 2.0  # the new commit's store operations after its add: one blocking wait, one read of the counter
 F_DEFAULT = 0.15  # seconds for the models and loaders, when no loss run was measured
