@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from benchmarks.control_plane.model_formulas import own_segments
 from phalanx.world.liveness import SILENT_WINDOW
 from tests.helpers.control_plane import Figures, loss_run, run_job
 from tests.helpers.namespaces import bridged_hosts
@@ -48,9 +49,9 @@ REGROUP_BOUND = 2.0  # seconds from the loss named to the regroup done
 
 
 def _median(runs: list[Figures]) -> Figures:
-    return Figures(*(statistics.median(getattr(run, name) for run in runs)
-                     for name in ("connections", "segments", "store_host_in", "step_seconds", "rank_store",
-                                  "rank_other", "rank_watch", "rank_other_data", "commit")))
+    return Figures(**{name: statistics.median(getattr(run, name) for run in runs)
+                      for name in ("connections", "segments", "store_host_in", "step_seconds", "rank_store",
+                                   "rank_other", "rank_watch", "rank_other_data", "commit", "rank_control")})
 
 
 def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, work: Path) -> dict:
@@ -83,16 +84,17 @@ def _f(value: float | None, digits: int = 2) -> str:
 
 def steady_table(rows: list[dict]) -> str:
     lines = ["| hosts x ranks | connections opened: on / off / added | segments sent: on / off / added | "
-             "store host's segments received per step: added | a rank's control plane (store, watch), segments both "
-             "ways | Gloo's, on / off (of them data) | step time on / off (s) | a rank's commit per step (ms) |",
+             "store host's segments received per step: added | a rank's control plane (store, watch, tree), "
+             "segments both ways | Gloo's, on / off (of them data) | step time on / off (s) | "
+             "a rank's commit per step (ms) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         on, off, add = row["on"], row["off"], row["added"]
         lines.append(f"| {row['hosts']} x {row['per_host']} | {on['connections']:.2f} / {off['connections']:.2f} / "
                      f"**{add['connections']:.2f}** | {on['segments']:.1f} / {off['segments']:.1f} / "
                      f"**{add['segments']:.1f}** | {add['store_host_in']:.1f} | "
-                     f"**{on['rank_store'] + on['rank_watch']:.1f}** ({on['rank_store']:.1f}, "
-                     f"{on['rank_watch']:.1f}) | "
+                     f"**{own_segments(row):.1f}** ({on['rank_store']:.1f}, {on['rank_watch']:.1f}, "
+                     f"{own_segments(row) - on['rank_store'] - on['rank_watch']:.1f}) | "
                      f"{on['rank_other']:.1f} / {off['rank_other']:.1f} ({on['rank_other_data']:.1f} / "
                      f"{off['rank_other_data']:.1f}) | {on['step_seconds']:.3f} / "
                      f"{off['step_seconds']:.3f} | {1e3 * on.get('commit', 0.0):.1f} |")
@@ -164,8 +166,7 @@ def main() -> None:
         kept += [{"kind": "steady", "commit": commit, **row, "figures": {
             f"{row['hosts']} hosts segments added": round(row["added"]["segments"], 1),
             f"{row['hosts']} hosts connections added": round(row["added"]["connections"], 2),
-            f"{row['hosts']} hosts control plane segments": round(row["on"]["rank_store"] + row["on"]["rank_watch"],
-                                                                  1)}} for row in steady]
+            f"{row['hosts']} hosts control plane segments": round(own_segments(row), 1)}} for row in steady]
         kept += [{"kind": "loss", "commit": commit, **row, "figures": {
             f"{row['how']} @{row['hosts']} named s": row["detected"] and round(row["detected"], 2),
             f"{row['how']} @{row['hosts']} regroup s": row["regroup"] and round(row["regroup"], 3),

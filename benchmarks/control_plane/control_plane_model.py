@@ -39,7 +39,17 @@ Per rank and step, healthy:
           K = 0
           S = seg_op O + seg_ack (u + f c) + 2 T / TICK   (one kept watch per rank: it sends a byte every TICK =
           0.25 s and acknowledges the byte of the rank that watches it)
+  tree    (phalanx now: new with 1/L, then from a generation's second step the speakers' tree, commit_tree.py)
+          X = 0 (a look asks what the watch's thread heard on the generation's alarm key: no store operation)
+          O = 1 / P (the root's claim: one compare-and-set a step for the whole world)
+          K = 0
+          S = (seg_op + seg_ack) (O + 2 (H - 1) / P) + 2 T / TICK   (H = P / L speakers: each of the tree's H - 1
+          edges carries a vote up and the outcome down a step, counted at both its ends)
   the store: P O operations per step, busy P O s / T of the time.
+A healthy commit's delay, once the last host is ready (H hosts):
+  new-host  3 rtt + 2 H s      (an add, the wait, a read, behind the store's service of every host's add and read)
+  tree      2 d hop + rtt      (d = the tree's depth, fan-out 8, 3 at 512 hosts: a message up and one down per
+                                level, then the root's claim; `hop` from tree_units.py, rtt / 2 when not measured)
 
 Named (worst case, from the loss to the first rank that names it; then to every waiting rank knowing it):
   today, process gone   WATCH + X                   (a look's scan reaches its beacon, refused; a Gloo peer that
@@ -49,7 +59,8 @@ Named (worst case, from the loss to the first rank that names it; then to every 
                                                      process's sockets, the watcher's thread wakes; the verdict: 2
                                                      store ops; the runs read the watcher's line, just before them)
   new, host cut off     WINDOW + TICK + t_end + 2 rtt  (a tick sent within TICK of the cut stays unacknowledged)
-  new: every waiting rank knows it WATCH + rtt later (its next look); today each rank finds it by its own look.
+  new: every waiting rank knows it WATCH + rtt later (its next look); today each rank finds it by its own look;
+  tree: rtt + P s + WATCH later (the alarm key set, the store waking every member's thread in turn, then a look).
 Regroup (from the loss named to the ranks left training on new groups; what world/generations/ does):
   R = E + A + G2(S) + F, S = P - L survivors (a host lost)
   E         WATCH + rtt: the last survivor enters at its next look (one blocked in the commit's wait is woken at once,
@@ -84,134 +95,40 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.control_plane.group_model import GroupFit
-from phalanx.world.generations.settings import WATCH_EVERY as WATCH  # phalanx's own constants, as the code has them
-from phalanx.world.liveness import PROBE_TIMEOUT, TICK
-from phalanx.world.liveness import SILENT_WINDOW as WINDOW
+from benchmarks.control_plane.model_formulas import (
+    F_DEFAULT,
+    WAITED_COMMIT,
+    Units,
+    commit_delay,
+    named,
+    own_segments,
+    per_step,
+    regroup,
+    regroup_parts,
+)
 
-AGREE_OPS = 8  # the deciding survivor's store operations once every survivor is listed (generations/agreement.py)
-WAITED_COMMIT = 2.0  # the new commit's store operations after its add: one blocking wait, one read of the counter
-F_DEFAULT = 0.15  # seconds for the models and loaders, when no loss run was measured
-
-
-class Units:
-    """The measured unit costs, and what is fitted from them."""
-
-    def __init__(self, raw: dict):
-        self.raw = raw
-        self.rtt, self.seg_op = raw["store_rtt"], raw["segs_per_op_b2b"]
-        self.seg_ack = max(0.0, raw["segs_per_op"] - raw["segs_per_op_b2b"])
-        self.t_p, self.q = raw["probe"]["seconds"], raw["probe"]["segs"]
-        self.keep = raw["keepalive_segs_per_s"]
-        self.s = statistics.median(raw["store_cpu_per_op"].values())
-        commits = {int(n): v for n, v in raw["commit"].items()}
-        self.reads = {n: v["reads"] for n, v in commits.items()}
-        self.full_mesh = GroupFit(raw["group"], self.s, lazy=False)
-        self.lazy = GroupFit(raw["group_lazy"], self.s, lazy=True) if "group_lazy" in raw else None
-        self.t_end = raw.get("watch_end", {}).get("seconds", 0.0)
-
-    def r(self, ranks: int) -> float:
-        """The commit's reads per rank: as measured at the nearest count (beyond the largest: as there)."""
-        nearest = min(self.reads, key=lambda n: (abs(n - ranks), -n))
-        return self.reads[nearest]
-
-    def reads_in_runs(self, row: dict, waits) -> float:
-        """The commit's reads per rank that a namespace run shows: its store connection's segments per step (both
-        ways) less the looks' reads, less the ACKs closing the bursts, over 2 a read, less the add."""
-        ranks = row["hosts"] * row["per_host"]
-        f = (ranks - 1) / ranks
-        c = statistics.mean(looks(w, (ranks - row["per_host"]) * self.t_p + self.rtt) for w in waits)
-        ops = (row["on"]["rank_store"] - self.seg_ack * (1 + f * c)) / self.seg_op
-        return max(0.0, ops - 1 - f * c)
-
-    def groups(self, ranks: int, lazy: bool = True) -> tuple[float, float]:
-        """A regroup's main group (from the decision) and control group (after it) among `ranks`: lazy, as phalanx
-        makes them, when the units measured those (group_model.py)."""
-        return (self.lazy if lazy and self.lazy else self.full_mesh).seconds(ranks)
-
-
-def looks(wait: float, look: float) -> int:
-    """How many times a rank waiting `wait` seconds looks, each look taking `look` seconds."""
-    count = 0
-    while (count + 1) * WATCH + count * look <= wait:
-        count += 1
-    return count
-
-
-def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: float, r=None) -> dict:
-    """Store ops, connections and segments per rank and step; `waits`: the slow rank's lead in each step; `r`: the
-    commit's reads per rank (default: the rounds' at that count)."""
-    f = (ranks - 1) / ranks
-    others = ranks - per_host  # members on other hosts
-    r = units.r(ranks) if r is None else r
-    if not others:  # one host: the shared-memory exchange ends alike on every rank (no commit), peers seen by pid
-        return {"ops": 0.0, "connections": 0.0, "segments": 0.0, "store_ops": 0.0, "store_busy": 0.0, "looks": 0.0}
-    if design == "today":
-        look = others * units.t_p + units.rtt
-        c = statistics.mean(looks(w, look) for w in waits)
-        ops = 1 + r + f * c
-        conns = f * c * others
-        segs = units.seg_op * ops + units.seg_ack * (1 + f * c) + units.q * conns
-    else:
-        u = 1.0 if design == "new" else 1.0 / per_host
-        c = statistics.mean(looks(w, units.rtt) for w in waits)
-        ops = u * (1 + WAITED_COMMIT) + f * c
-        conns = 0.0
-        segs = units.seg_op * ops + units.seg_ack * (u + f * c) + 2 * step / TICK
-    return {"ops": ops, "connections": conns, "segments": segs, "store_ops": ranks * ops,
-            "store_busy": ranks * ops * units.s / step, "looks": c}
-
-
-def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tuple[float, float] | None:
-    """Seconds from the loss to the first rank that names it and to every waiting rank knowing it (worst case);
-    None: a host alone cannot be cut off."""
-    others = ranks - per_host
-    if how == "cut" and not others:
-        return None
-    if design == "today":  # each rank finds it itself, at a look
-        first = WATCH + others * units.t_p + units.rtt + (WINDOW + per_host * PROBE_TIMEOUT if how == "cut" else 0.0)
-        return first, first
-    if not others:  # one host: its ranks check each other's pids at their looks
-        return WATCH, WATCH
-    first = units.t_end + 2 * units.rtt + (WINDOW + TICK if how == "cut" else 0.0)
-    return first, first + WATCH + units.rtt
-
-
-def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill",
-                  lazy: bool = True) -> tuple[float, ...]:
-    """(E, A, main group, control group): the regroup's parts, from the loss named (see the module docstring)."""
-    survivors = ranks - per_host  # a host lost; its members on other hosts, each probed today
-    enter = WATCH + units.rtt
-    if design == "today":
-        agree = ranks * units.rtt + ranks * ranks * units.s + survivors * units.t_p
-        if how == "cut":  # its poll probes the silent host's ranks, each waiting out the probe's timeout
-            agree += per_host * PROBE_TIMEOUT
-    else:
-        agree = AGREE_OPS * units.rtt + survivors * units.s
-    return (enter, agree, *units.groups(max(1, survivors), lazy))
-
-
-def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill",
-            lazy: bool = True) -> float:
-    return sum(regroup_parts(units, design, ranks, per_host, how, lazy)) + followers
-
-
-DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, a commit per host"}  # --design
+DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, a commit per host, in the store",
+           "tree": "now, a commit per host, along the speakers' tree"}  # --design
+SHOWN = ("today", "new-host", "tree")  # the scale table's: before, the store's commit per host, phalanx now
 
 
 def scale_table(units: Units, per_host: int, pause: float, step: float, followers: float, r=None) -> str:
     lines = ["| ranks (hosts x ranks) | design | store ops / rank / step | connections / rank / step | "
-             "segments / rank / step | the store: ops / step (busy) | process gone: named / all know (s) | host cut "
-             "off: named / all know (s) | regroup, a process gone: full-mesh groups / lazy groups (s) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "segments / rank / step | the store: ops / step (busy) | a healthy commit's delay: ms (% of the step) | "
+             "process gone: named / all know (s) | host cut off: named / all know (s) | regroup, a process gone: "
+             "full-mesh groups / lazy groups (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for ranks in (8, 64, 512, 4096):
         hosts = max(1, ranks // per_host)
-        for design, label in DESIGNS.items():
+        for design in SHOWN:
             got = per_step(units, design, ranks, per_host, [pause], step, r)
             kill, cut = (named(units, design, ranks, per_host, how) for how in ("kill", "cut"))
+            delay = commit_delay(units, design, ranks, per_host)
             lines.append(
-                f"| {ranks} ({hosts} x {per_host}) | {label} | {got['ops']:.2f} | {got['connections']:.2f} | "
-                f"{got['segments']:.1f} | {got['store_ops']:.0f} ({100 * got['store_busy']:.0f} %) | "
+                f"| {ranks} ({hosts} x {per_host}) | {DESIGNS[design]} | {got['ops']:.2f} | "
+                f"{got['connections']:.2f} | {got['segments']:.1f} | {got['store_ops']:.0f} "
+                f"({100 * got['store_busy']:.0f} %) | "
+                f"{'-' if delay is None else f'{1e3 * delay:.2f} ({100 * delay / step:.1f} %)'} | "
                 f"{kill[0]:.3f} / {kill[1]:.2f} | {'-' if cut is None else f'{cut[0]:.2f} / {cut[1]:.2f}'} | "
                 f"{_seconds(regroup(units, design, ranks, per_host, followers, lazy=False))} / "
                 f"{_seconds(regroup(units, design, ranks, per_host, followers)) if units.lazy else '-'} |")
@@ -256,8 +173,9 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             got = per_step(units, design, ranks, per_host, waits, step)
             # the runs count local rank 0's store connection: its own commit, or its host's as the leader
             looks = (ranks - 1) / ranks * got["looks"]
-            store_model = units.seg_op * (1 + WAITED_COMMIT + looks) + units.seg_ack * (1 + looks)
-            own = row["on"]["rank_store"] + row["on"].get("rank_watch", float("nan"))  # nan: not counted then
+            commits = 1 / row["hosts"] if design == "tree" else 1 + WAITED_COMMIT  # the root's claim: rank 0's
+            store_model = units.seg_op * (commits + looks) + units.seg_ack * (min(1.0, commits) + looks)
+            own = own_segments(row)
             lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
                          f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
                          f"{store_model:.1f} ({_agreement(store_model, row['on']['rank_store'])}) | "
@@ -329,10 +247,11 @@ def main() -> None:
     parser.add_argument("--per-host", type=int, default=8, help="ranks per host in the extrapolation (default 8)")
     parser.add_argument("--pause", type=float, default=0.15, help="the slow rank's lead per step (default 0.15 s)")
     parser.add_argument("--step", type=float, default=0.17, help="the step time (default 0.17 s)")
-    parser.add_argument("--design", choices=["today", "new", "new-host"], default="today",
+    parser.add_argument("--design", choices=list(DESIGNS), default="today",
                         help="the design the --measured runs ran: 'today' (the commit polled, a probe per peer), "
-                             "'new' (the kept watch, the commit waited for, one per rank) or 'new-host' (one per "
-                             "host, its ranks agreeing in shared memory)")
+                             "'new' (the kept watch, the commit waited for, one per rank), 'new-host' (one per "
+                             "host, its ranks agreeing in shared memory, in the store) or 'tree' (per host, along "
+                             "the speakers' tree after a generation's first step: phalanx now)")
     from phalanx.tools.bench_compare import add_json_flag, write_figures
 
     add_json_flag(parser)
@@ -367,7 +286,9 @@ def main() -> None:
     hosts = 4096 // args.per_host
     got = per_step(units, args.design, 4096, args.per_host, [args.pause], args.step, r_scale)
     kill = named(units, args.design, 4096, args.per_host, "kill")
+    delay = commit_delay(units, args.design, 4096, args.per_host)
     write_figures(args.json_path, {"4096 ranks: store ops / rank / step": round(got["ops"], 2),
+                                   **({"a healthy commit's delay ms": round(1e3 * delay, 2)} if delay else {}),
                                    "segments / rank / step": round(got["segments"], 1),
                                    "a process gone, all know s": round(kill[1], 2),
                                    "regroup s": round(regroup(units, args.design, 4096, args.per_host, followers), 2),

@@ -5,12 +5,14 @@ The members, in rank order, come in blocks of one host each (a launcher gives it
 host is what liveness.identity() says: a boot, a pid namespace and a network). The rank with local index i watches the
 rank with local index i (modulo its size) of the next host's block, the last host's the first's: a ring, each rank
 watched by one other, over one kept-open connection (liveness.KeptWatch). The peers on its own host it checks by pid.
-What a rank finds it spreads through the store: the generation's `gone` key (ranks appended) and its `trouble` counter,
-which a failed commit counts too, so that a rank waiting on its peers reads one counter per look, whatever the world;
-and it sets the `done` keys of the steps in flight, on which the others block waiting for a commit's outcome
-(generation.py). While this rank blocks so (`awaiting`), a thread of its watch sets its key should a peer on its host
-end or the wait outlast the membership timeout. The watch's threads write through a store connection of their own:
-the rank's own may be held by that blocking wait.
+What a rank finds it spreads through the store: the generation's `gone` key (ranks appended), its `trouble` counter,
+which a failed commit counts too, and its `alarm` key, on which a thread of every member's watch blocks (one wait the
+store answers once, when the key is set): a rank waiting on its peers looks at what its thread heard, asking the store
+nothing, so that the looks of a thousand waiting ranks cost the store nothing per step. It also sets the `done` keys
+of the steps in flight, on which the others block waiting for a generation's first commit (generations/commit.py).
+While this rank blocks so (`awaiting`), a thread of its watch sets its key should a peer on its host end or the wait
+outlast the membership timeout. The watch's threads write through a store connection of their own: the rank's own
+may be held by that blocking wait; the alarm's thread waits on one more.
 
 Setting a watch up reads the identities of this rank's host block and of one other host's, in a thread: O(ranks per
 host) store reads per rank and generation, which nothing waits for. A peer whose watcher is lost too (two hosts lost
@@ -26,6 +28,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -35,9 +38,11 @@ from .generations.settings import membership_timeout
 from .liveness import KeptWatch, PeerWatch, identity_host, same_host_gone
 from .process.identity import launch_spec
 
-TROUBLE, GONE = "trouble", "gone"
+TROUBLE, GONE, ALARM = "trouble", "gone", "alarm"
+ENDED = "ended"  # the alarm's value when the generation ended without trouble: its members' threads stop listening
 WHO_WAIT = 30.0  # seconds the set-up waits for a member to say who it is (one lost before it could is found otherwise)
 LOOK_EVERY = 0.05  # seconds between a blocked rank's looks at the pids of its host and at its deadline
+LISTEN_FOR = timedelta(days=30)  # the alarm thread's one wait: a generation's life (torch's own log would say a retry)
 
 
 class GenerationWatch:
@@ -58,6 +63,8 @@ class GenerationWatch:
         self._kept: KeptWatch | None = None
         self._probes = PeerWatch()  # a regroup's probes of members nobody watches any more
         self._closed = threading.Event()
+        self._alarmed = threading.Event()  # the alarm key was set for trouble (_listen)
+        self._listening = False  # a thread blocks on the alarm key: the looks need not ask the store
         self._lock = threading.Lock()
         spec = launch_spec()
         gtids = os.environ.get("SLURM_GTIDS") if spec is not None and spec.source == "slurm" else None
@@ -72,6 +79,7 @@ class GenerationWatch:
             except Exception as exc:  # the store gone with the run: the launcher ends it
                 logger.debug("rank %d made no host board: %s", me, exc)
         threading.Thread(target=self._set_up_watch, name="phalanx-watch-setup", daemon=True).start()
+        threading.Thread(target=self._listen, name="phalanx-watch-alarm", daemon=True).start()
 
     # -- what a rank asks ------------------------------------------------------------------------
 
@@ -83,9 +91,11 @@ class GenerationWatch:
         return set(self._found)
 
     def troubled(self) -> bool:
-        """Whether the generation is ending: this rank found a member gone, or any member did, or gave a step up (one
-        store read)."""
-        return bool(self.found()) or self.store.add(self.key(TROUBLE), 0) > 0
+        """Whether the generation is ending: this rank found a member gone, or any member did, or gave a step up (what
+        its alarm thread heard; one store read while no thread listens: at the start, or once the generation ended)."""
+        if self.found() or self._alarmed.is_set():
+            return True
+        return not self._listening and self.store.add(self.key(TROUBLE), 0) > 0
 
     def gone(self) -> set[int]:
         """Every member known gone: what this rank found and what the others said (one or two store reads)."""
@@ -107,6 +117,7 @@ class GenerationWatch:
     def say_trouble(self) -> None:
         """A step was given up here: the others' waits end at their next look."""
         self.store.add(self.key(TROUBLE), 1)
+        self.store.set(self.key(ALARM), TROUBLE)
 
     @contextmanager
     def awaiting(self, key: str, seconds: float):
@@ -161,6 +172,11 @@ class GenerationWatch:
     def close(self) -> None:
         self._closed.set()
         self._awake.set()
+        if self._listening and not self._alarmed.is_set():  # the members' threads stop listening, unless it was set
+            try:
+                self._side_store().compare_set(self.key(ALARM), "", ENDED)
+            except Exception as exc:  # the store gone with the run: the launcher ends it
+                logger.debug("the generation's alarm was not ended: %s", exc)
         with self._lock:
             if self._kept is not None:
                 self._kept.close()
@@ -187,6 +203,22 @@ class GenerationWatch:
         """`member`'s identity if it said who it is (the board's looks at the members of this host), waiting for
         nobody."""
         return self._identity(member, wait=False)
+
+    def _listen(self) -> None:
+        """Block on the generation's alarm key over a connection of its own, until someone sets it: for trouble (the
+        looks then see it) or because the generation ended. A rank that lingers in an ended generation (a second
+        loss while it meets the next) asks the store at its looks again."""
+        try:
+            listener = side_store(self.store)
+            self._listening = True
+            listener.wait([self.key(ALARM)], LISTEN_FOR)
+            if listener.get(self.key(ALARM)).decode() != ENDED:
+                self._alarmed.set()
+        except Exception as exc:  # the store gone with the run, or the run longer than LISTEN_FOR: ask at the looks
+            if not self._closed.is_set():
+                logger.debug("the generation's alarm is not listened to: %s", exc)
+        finally:
+            self._listening = False
 
     def _host_of(self, member: int) -> str | None:
         who = self._identity(member)
@@ -225,6 +257,7 @@ class GenerationWatch:
             store = self._side_store()
             store.append(self.key(GONE), f"{member},")
             store.add(self.key(TROUBLE), 1)
+            store.set(self.key(ALARM), TROUBLE)
             for key in self.in_flight():  # the members blocked on a commit read the news now
                 store.set(key, "0")
         except Exception:  # the store's host is gone: the launcher ends the run

@@ -154,3 +154,211 @@ def test_members_racing_to_commit_and_to_give_up_all_read_the_same_outcome(gone)
         assert len(set(outcomes)) == 1, f"trial {trial}: members disagree: {outcomes}"
         seen.add(outcomes[0])
     assert seen == {True, False}  # both outcomes were reached
+
+
+# -- from the second step on: the speakers' tree (commit_tree.py) ----------------------------------------------------
+
+
+class _Mail:
+    """The tree's messages between member threads: each receive takes the next message of its (sender, tag) in the
+    order it was posted, as Gloo's pairs match them."""
+
+    def __init__(self):
+        self.lock = threading.Condition()
+        self.sent: dict[tuple, list] = {}  # (sender, receiver, tag) -> messages
+        self.posted: dict[tuple, int] = {}  # (sender, receiver, tag) -> receives posted
+        self.count: dict[int, int] = {}  # member -> messages it sent and received
+        self.dropped: set[tuple] = set()  # (sender, tag) whose messages never leave (a member lost meanwhile)
+
+    def links(self, me: int):
+        mail = self
+
+        class Links:
+            def receive(self, peer, tag):
+                with mail.lock:
+                    box = (peer, me, tag)
+                    index = mail.posted[box] = mail.posted.get(box, 0) + 1
+                    mail.count[me] = mail.count.get(me, 0) + 1
+                return _Letter(mail, box, index - 1)
+
+            def send(self, peer, tag, number, value):
+                with mail.lock:
+                    mail.count[me] = mail.count.get(me, 0) + 1
+                    if (me, tag) not in mail.dropped:
+                        mail.sent.setdefault((me, peer, tag), []).append((number, value))
+                        mail.lock.notify_all()
+        return Links()
+
+    def unanswered(self, alive) -> list:
+        """Receives posted by a member left alive from a sender left alive that no message answered."""
+        return [(box, count) for box, count in self.posted.items()
+                if box[0] in alive and box[1] in alive and len(self.sent.get(box, [])) < count]
+
+
+class _Letter:
+    def __init__(self, mail, box, index):
+        self.mail, self.box, self.index = mail, box, index
+
+    def wait(self, seconds):
+        with self.mail.lock:
+            return self.mail.lock.wait_for(lambda: len(self.mail.sent.get(self.box, [])) > self.index, seconds)
+
+    def value(self):
+        return self.mail.sent[self.box][self.index]
+
+
+class _CountingStore:
+    """A HashStore that counts the operations the members send it."""
+
+    def __init__(self):
+        self.store, self.ops = dist.HashStore(), 0
+
+    def __getattr__(self, name):
+        method = getattr(self.store, name)
+
+        def counted(*args):
+            self.ops += 1
+            return method(*args)
+        return counted
+
+
+def _tree_members(monkeypatch, world_size: int, act, found: set[int], mail: _Mail, store=None) -> list:
+    """Run `act(member, generation, store)` for every member, each with a generation object of its own and the
+    tree's messages in `mail`; `found`: the members a waiting one finds gone."""
+    trouble: list = []
+    monkeypatch.setenv(generation.MEMBERSHIP_TIMEOUT_ENV, "20")
+
+    def watch(self, store):
+        if "watch" not in self._watching:
+            self._watching["watch"] = _Watch(found, trouble, store)
+            self._watching["watch"].me = self._watching["me"]
+        return self._watching["watch"]
+    monkeypatch.setattr(Generation, "watch", watch)
+    store, results = store or dist.HashStore(), [None] * world_size
+
+    def run(member: int) -> None:
+        members = Generation(5, tuple(range(world_size)), group=None)
+        members._watching.update(me=member, links=mail.links(member))
+        results[member] = act(member, members, store)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a member never returned from the commit"
+    return results
+
+
+def test_after_the_first_step_the_store_serves_one_operation_a_step_and_a_speaker_a_few_messages(monkeypatch):
+    from phalanx.world.generations.commit_tree import FANOUT
+
+    store, mail, steps, ops = _CountingStore(), _Mail(), 12, {}
+
+    def run(member, members, store):
+        applied = []
+        for number in range(steps):
+            applied.append(members.commit(store, number))
+            ops[number] = store.ops  # the last member to pass the step sets it: all of the step's ops are in
+        return applied
+
+    world = 3 * FANOUT  # a tree of depth 2: the root, FANOUT children, the rest their children
+    assert _tree_members(monkeypatch, world, run, set(), mail, store) == [[True] * steps] * world
+    per_step = [ops[n] - ops[n - 1] for n in range(3, steps)]  # from step 3: past the speakers' one read
+    assert max(per_step) <= 1, f"store operations per step: {per_step}"
+    assert max(mail.count.values()) <= 2 * (FANOUT + 1) * (steps - 1)
+    assert mail.unanswered(set(range(world))) == []
+
+
+def test_a_tree_step_a_member_could_not_apply_is_redone_by_all_and_no_receive_is_left_waiting(monkeypatch):
+    mail = _Mail()
+
+    def run(member, members, store):
+        members.commit(store, 0)
+        if member == 13:  # a leaf, deep in the tree
+            members.fail_step(store, 1)
+            return False
+        return members.commit(store, 1)
+
+    assert _tree_members(monkeypatch, 20, run, set(), mail) == [False] * 20
+    assert mail.unanswered(set(range(20))) == []
+
+
+def test_a_speaker_lost_before_its_vote_leaves_the_others_redoing_the_step(monkeypatch):
+    found: set[int] = set()
+
+    def run(member, members, store):
+        members.commit(store, 0)
+        if member == 1:  # the parent of members 9 to 16
+            found.add(1)
+            return None
+        return members.commit(store, 1)
+
+    outcomes = _tree_members(monkeypatch, 20, run, found, _Mail())
+    assert outcomes[:1] + outcomes[2:] == [False] * 19
+
+
+def test_a_root_lost_after_it_claimed_the_step_leaves_it_applied_everywhere(monkeypatch):
+    found: set[int] = set()
+    mail = _Mail()
+    claimed = Generation._claim
+
+    def claim_and_vanish(self, store, number):
+        held = claimed(self, store, number)
+        mail.dropped.add((0, 0x434D02))  # its outcome never goes down
+        found.add(0)
+        return held
+
+    monkeypatch.setattr(Generation, "_claim", claim_and_vanish)
+
+    def run(member, members, store):
+        members.commit(store, 0)
+        return members.commit(store, 1)
+
+    assert _tree_members(monkeypatch, 20, run, found, mail) == [True] * 20
+
+
+def test_tree_members_racing_to_claim_and_to_give_up_all_read_the_same_outcome(monkeypatch):
+    rng = random.Random(11)
+    seen = set()
+    for trial in range(12):
+        found: set[int] = set()
+        lost, moment = rng.randrange(20), rng.choice(["before", "after"])
+        failing = rng.choice([None, rng.randrange(20)])
+
+        mail = _Mail()
+
+        def run(member, members, store, lost=lost, moment=moment, failing=failing, found=found, mail=mail):
+            members.commit(store, 0)
+            if member == lost:
+                if moment == "after":  # it votes, then is lost before it passes the outcome down
+                    mail.dropped.add((member, 0x434D02))
+                    threading.Timer(0.01, found.add, (member,)).start()
+                    return members.commit(store, 1)
+                found.add(member)
+                return None
+            if member == failing:
+                members.fail_step(store, 1)
+                return False
+            return members.commit(store, 1)
+
+        outcomes = _tree_members(monkeypatch, 20, run, found, mail)
+        survivors = [outcome for member, outcome in enumerate(outcomes) if member != lost]
+        assert len(set(survivors)) == 1, f"trial {trial} ({lost} lost {moment}, {failing} failing): {outcomes}"
+        seen.add(survivors[0])
+    assert seen == {True, False}
+
+
+def test_a_parent_lost_after_its_vote_went_up_leaves_its_children_applying_the_step_the_root_claimed(monkeypatch):
+    found: set[int] = set()
+    mail = _Mail()
+    mail.dropped.add((1, 0x434D02))  # member 1, the parent of 9 to 16, passes no outcome down
+
+    def run(member, members, store):
+        members.commit(store, 0)
+        if member == 1:
+            threading.Timer(0.05, found.add, (1,)).start()  # found gone once its vote is up
+        return members.commit(store, 1)
+
+    outcomes = _tree_members(monkeypatch, 20, run, found, mail)
+    assert outcomes[:1] + outcomes[2:] == [True] * 19

@@ -1,26 +1,34 @@
-"""The per-step commit, through the store: no member applies a step that another does not.
+"""The per-step commit: no member applies a step that another does not.
 
 After each step's exchange, each host's ranks agree in shared memory (host_board.py: each follower votes, its leader
-collects) and the leader adds its host's ranks to the step's counter (a rank alone on its host, or without a board,
-adds itself); the step is applied only if the counter reaches the world size, and the leader tells its followers.
-A rank whose exchange failed, or that found a peer gone while waiting, gives the step up by setting the counter
-negative, with a compare-and-set from the value it read: once full the counter cannot be given up, once given up it
-cannot fill, so every rank reads the same outcome; a follower whose leader is gone reads it so too. The last leader to
-add knows at once and sets the step's `done` key; the others block on that key in the store (no polling) and read the
-counter once woken. Whatever can end a step wakes them too: a rank that gives it up sets the key, a watcher that finds
-a member gone sets the keys of the steps in flight, and a rank's own watch sets its key when a peer on its host ends
-or the membership timeout passes (watch.py). Healthy, that is three store round trips per host and step (an add, the
-wait, a read; the last host: an add, a set, a delete), whatever the world, none for a follower, and none at all when
-one host holds the whole generation (its board's outcome is the step's: over Gloo on one host). The counters are
-reused every COMMIT_SLOTS steps (they add up); one given up ends the generation, never reused.
+collects) and the leader speaks for its host's ranks (a rank alone on its host, or without a board, for itself): the
+speaker. A host alone in the generation decides on its board, without the store (over Gloo on one host).
+
+A generation's first step is committed through the store alone: each speaker adds its host's ranks to the step's
+counter; the step is applied only if the counter reaches the world size, and the leader tells its followers. A rank
+whose exchange failed, or that found a peer gone while waiting, gives the step up by setting the counter negative,
+with a compare-and-set from the value it read: once full the counter cannot be given up, once given up it cannot fill,
+so every rank reads the same outcome; a follower whose leader is gone reads it so too. The last speaker to add knows
+at once and sets the step's `done` key; the others block on that key in the store (no polling) and read the counter
+once woken. Whatever can end a step wakes them too: a rank that gives it up sets the key, a watcher that finds a
+member gone sets the keys of the steps in flight, and a rank's own watch sets its key when a peer on its host ends or
+the membership timeout passes (watch.py). Each speaker also writes its rank and weight there, before its add.
+
+From the second step on, the speakers vote along a tree of fan-out 8 over the generation's control group, and its
+root claims the step in the store with one compare-and-set (commit_tree.py): one store operation a step, whatever
+the world, where the first step's protocol costs three a host (an add, the wait, a read). A rank that cannot learn
+the outcome from the tree gives the step up in the store the same way, so the store still decides. One given up
+ends the generation; its keys are reused every COMMIT_SLOTS steps (the first step's counters add up).
 """
 
 from __future__ import annotations
 
 import time
 
-from ...errors import MembershipError, explain
-from .settings import membership_timeout
+from ...errors import MembershipError, PeerDiedError, explain
+from .. import group as world
+from .commit_tree import CommitTree, GlooLinks, outcome_value, read_speakers
+from .settings import membership_timeout, wait_watching
 
 COMMIT_SLOTS = 4  # the per-step commit's counters, reused: step n's is slot n % 4's (a member is at most 1 step ahead)
 GIVEN_UP = -(1 << 40)  # what a commit counter is set to when its step is given up: later adds leave it negative
@@ -34,7 +42,7 @@ class StepCommit:
         `number` of this generation, False if the step failed somewhere and is to be redone."""
         board = self.watch(store).board()
         if board is None:
-            return self._commit_for(store, number, 1)
+            return self._speak(store, number, 1)
         if not board.leads:  # its leader speaks for it; should the leader be gone, the store says what it said
             board.say(number, True)
             waited = 2 * membership_timeout()  # the leader's own waits end within one each
@@ -51,11 +59,77 @@ class StepCommit:
         deadline, watch = time.monotonic() + membership_timeout(), self.watch(store)
         votes = board.votes(number, deadline, lambda: watch.troubled())
         if all(votes):  # a host alone is the whole generation: what its ranks agreed is the outcome
-            applied = board.weight == self.world_size or self._commit_for(store, number, board.weight)
+            applied = board.weight == self.world_size or self._speak(store, number, board.weight)
         else:  # a follower that could not apply the step gave it up in the store itself; one gone did not
             applied = False if False in votes else self.fail_commit(store, number)
+            if board.weight < self.world_size:
+                self._speak(store, number, None)
         board.say(number, applied)
         return applied
+
+    def _speak(self, store, number: int, weight: int | None) -> bool:
+        """Say for `weight` ranks (this rank's host's, or its own) that they are ready to apply step `number` (None:
+        they gave it up in the store already), and return the outcome: in the store at a generation's first step,
+        along the speakers' tree after it."""
+        tree = self._tree(store, number)
+        if tree is None:
+            if weight is None:
+                return False
+            if number == 0 and self._links() is not None:  # read by every speaker from the second step on
+                store.append(self._key("speakers"), f"{self.watch(store).me}:{weight},")
+            return self._commit_for(store, number, weight)
+        return tree.settle(number, weight, self.world_size, lambda: self._claim(store, number),
+                           lambda: self.fail_commit(store, number), self._tree_wait(store))
+
+    def _tree(self, store, number: int) -> CommitTree | None:
+        """This speaker's place in the tree of the generation's speakers (commit_tree.py); None at the first step,
+        for a follower, or without a tree (_speakers)."""
+        speakers = self._speakers(store, number)
+        if speakers is None or self.watch(store).me not in speakers:
+            return None
+        if "tree" not in self._watching:
+            self._watching["tree"] = CommitTree(speakers, self.watch(store).me, self._links())
+        return self._watching["tree"]
+
+    def _speakers(self, store, number: int) -> dict[int, int] | None:
+        """{rank: weight} of the generation's speakers, read once; None at the first step, without a control group,
+        or when one host holds the generation (nobody wrote the key): then the store alone decides."""
+        if number == 0:
+            return None
+        if "speakers" not in self._watching:
+            key = self._key("speakers")
+            self._watching["speakers"] = None if self._links() is None or not store.check([key]) else (
+                read_speakers(store.get(key).decode()))
+        return self._watching["speakers"]
+
+    def _links(self):
+        """The tree's messages: point-to-point on the generation's control group (None: a world of one)."""
+        if "links" not in self._watching:
+            group = world.control_group()
+            self._watching["links"] = None if group is None else GlooLinks(group, self.members)
+        return self._watching["links"]
+
+    def _tree_wait(self, store):
+        deadline, troubled = time.monotonic() + membership_timeout(), self.watch(store).troubled
+
+        def wait(arriving) -> bool:
+            try:
+                return wait_watching(arriving.wait, "the per-step commit", max(0.0, deadline - time.monotonic()),
+                                     troubled)
+            except RuntimeError as exc:  # Gloo's word for a peer gone: the store decides
+                raise PeerDiedError(str(exc).splitlines()[0] if str(exc) else "a peer gone") from None
+        return wait
+
+    def _outcome_slot(self, number: int) -> tuple[str, str]:
+        """Step `number`'s outcome key (from the second step on) and the value it holds before: the step
+        COMMIT_SLOTS before it, applied, or nothing."""
+        before = number - COMMIT_SLOTS
+        return self._key("outcome", number % COMMIT_SLOTS), outcome_value(before, True) if before >= 1 else ""
+
+    def _claim(self, store, number: int) -> bool:
+        """The tree's root: every member is ready to apply step `number`; True unless it was given up first."""
+        key, before = self._outcome_slot(number)
+        return store.compare_set(key, before, outcome_value(number, True)).decode() == outcome_value(number, True)
 
     def _commit_for(self, store, number: int, weight: int) -> bool:
         """Add `weight` ranks ready to step `number`'s counter (this rank's own, or its host's) and wait for the
@@ -94,14 +168,20 @@ class StepCommit:
         """Give step `number` up: this rank cannot apply it (its exchange failed), or a peer is gone while this
         rank waits. Returns whether the step is applied after all: every member was ready before it was given up
         (a peer lost after it said ready), which only a rank that said ready itself can find."""
-        counter, full = self._counter(number)
-        count = store.add(counter, 0)
-        while 0 <= count < full:  # others may add meanwhile: then try again from what they made it
-            count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
-        if count != full:
-            store.set(self._done(number), "0")  # the others' waits for the outcome end now
+        if self._speakers(store, number) is not None:
+            key, before = self._outcome_slot(number)
+            applied = store.compare_set(key, before, outcome_value(number, False)).decode() == outcome_value(
+                number, True)
+        else:
+            counter, full = self._counter(number)
+            count = store.add(counter, 0)
+            while 0 <= count < full:  # others may add meanwhile: then try again from what they made it
+                count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
+            if count != full:
+                store.set(self._done(number), "0")  # the others' waits for the outcome end now
+            applied = count == full
         self.watch(store).say_trouble()  # the others' waits on their peers end at their next look
-        return count == full
+        return applied
 
     def fail_step(self, store, number: int) -> None:
         """This rank's exchange of step `number` failed: given up in the store, and said on its host's board (its
@@ -110,3 +190,5 @@ class StepCommit:
         board = self.watch(store).board(wait=False)  # a leader waiting on a vote that never comes sees the trouble
         if board is not None:
             board.say(number, False)
+        if self._tree(store, number) is not None:  # a speaker: its tree's neighbours hear from it all the same
+            self._speak(store, number, None)

@@ -67,6 +67,11 @@ class Generation(StepCommit):
         return self.watch(store).gone()
 
     def close_watch(self) -> None:
+        """The generation is over: its watch closed, its commit's tree let go (it holds the control group)."""
+        self._watching.pop("tree", None)
+        links = self._watching.pop("links", None)
+        if links is not None:
+            links.close()
         if "watch" in self._watching:
             self._watching["watch"].close()
 

@@ -1,5 +1,6 @@
 """When live recovery is on, and how long its waits last: the minimum world size turns it on; the membership timeout
-and the timeouts nested under it bound what the ranks left wait for.
+and the timeouts nested under it bound what the ranks left wait for; a wait on a peer that a loss may keep from ever
+answering asks every WATCH_EVERY seconds whether to give up (wait_watching).
 
 Live recovery is asked for with a minimum world size (`PHALANX_MIN_WORLD_SIZE`, or
 `phalanx.spawn(..., min_world_size=)`): a loss that leaves fewer ranks ends the run as before.
@@ -8,9 +9,12 @@ Live recovery is asked for with a minimum world size (`PHALANX_MIN_WORLD_SIZE`, 
 from __future__ import annotations
 
 import os
+import time
+
+import torch.distributed as dist
 
 from ...diagnose.watch import ddp_stall_seconds
-from ...errors import MembershipError, explain
+from ...errors import MembershipError, PeerDiedError, explain
 from .. import group as world
 
 MIN_WORLD_ENV = "PHALANX_MIN_WORLD_SIZE"
@@ -54,3 +58,21 @@ def membership_timeout() -> float:
     TIMEOUT; default: the DDP stall timeout + MEMBERSHIP_MARGIN, so that a slow rank is not dropped first)."""
     value = os.environ.get(MEMBERSHIP_TIMEOUT_ENV)
     return float(value) if value else ddp_stall_seconds() + MEMBERSHIP_MARGIN
+
+
+def wait_watching(ready, what: str, timeout: float, abandoned) -> bool:
+    """Call `ready(seconds)` (a wait of at most that long, True once done) until it says True; between waits of
+    WATCH_EVERY seconds, raise PeerDiedError as soon as `abandoned()` says the step in flight was given up (a member
+    gone, or another rank's exchange failed): a peer that left a Gloo collective never sends what this rank waits
+    for, and the collective cannot be aborted (it is abandoned; nothing touches its buffers again). False once
+    `timeout` seconds passed first."""
+    deadline = time.monotonic() + timeout
+    while not ready(min(WATCH_EVERY, max(0.0, deadline - time.monotonic()))):
+        if abandoned():
+            raise PeerDiedError(explain(f"{what} was given up", rank=dist.get_rank() if dist.is_initialized() else None,
+                                        seen="a peer gone, or another rank's exchange failed",
+                                        expected="every rank of the generation in it",
+                                        fix="The ranks left regroup and redo the step (live recovery)."))
+        if time.monotonic() >= deadline:
+            return False
+    return True

@@ -9,15 +9,15 @@ thread of a pool (waited_aside).
 from __future__ import annotations
 
 import concurrent.futures
-import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from ...errors import PeerDiedError, explain
 from .. import group as world
+from . import settings
 from .current import current
-from .settings import WAIT_THREADS, WATCH_EVERY, live_recovery
+from .settings import WAIT_THREADS, live_recovery
 
 _wait_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -39,21 +39,8 @@ def peer_gone(failure) -> bool:
 
 
 def wait_watching(ready, what: str, timeout: float) -> bool:
-    """Call `ready(seconds)` (a wait of at most that long, True once done) until it says True; between waits of
-    WATCH_EVERY seconds, raise PeerDiedError as soon as the step in flight was given up (a member gone, or another
-    rank's exchange failed): a peer that left a Gloo collective never sends what this rank waits for, and the
-    collective cannot be aborted (it is abandoned; nothing touches its buffers again). False once `timeout`
-    seconds passed first."""
-    deadline = time.monotonic() + timeout
-    while not ready(min(WATCH_EVERY, max(0.0, deadline - time.monotonic()))):
-        if step_abandoned():
-            raise PeerDiedError(explain(f"{what} was given up", rank=dist.get_rank(),
-                                        seen="a peer gone, or another rank's exchange failed",
-                                        expected="every rank of the generation in it",
-                                        fix="The ranks left regroup and redo the step (live recovery)."))
-        if time.monotonic() >= deadline:
-            return False
-    return True
+    """settings.wait_watching, asking step_abandoned(): the current generation's step in flight."""
+    return settings.wait_watching(ready, what, timeout, step_abandoned)
 
 
 def waited_aside(work) -> concurrent.futures.Future:

@@ -1,0 +1,158 @@
+"""The scale model's formulas (control_plane_model.py's docstring says what each term is): per rank and step, the
+time to name a loss, the regroup's parts, the healthy commit's delay, from the unit costs measured here."""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.control_plane.group_model import GroupFit
+from phalanx.world.generations.commit_tree import tree_place
+from phalanx.world.generations.settings import WATCH_EVERY as WATCH  # phalanx's own constants, as the code has them
+from phalanx.world.liveness import PROBE_TIMEOUT, TICK
+from phalanx.world.liveness import SILENT_WINDOW as WINDOW
+
+AGREE_OPS = 8  # the deciding survivor's store operations once every survivor is listed (generations/agreement.py)
+WAITED_COMMIT = 2.0  # the new commit's store operations after its add: one blocking wait, one read of the counter
+F_DEFAULT = 0.15  # seconds for the models and loaders, when no loss run was measured
+
+
+class Units:
+    """The measured unit costs, and what is fitted from them."""
+
+    def __init__(self, raw: dict):
+        self.raw = raw
+        self.rtt, self.seg_op = raw["store_rtt"], raw["segs_per_op_b2b"]
+        self.seg_ack = max(0.0, raw["segs_per_op"] - raw["segs_per_op_b2b"])
+        self.t_p, self.q = raw["probe"]["seconds"], raw["probe"]["segs"]
+        self.keep = raw["keepalive_segs_per_s"]
+        self.s = statistics.median(raw["store_cpu_per_op"].values())
+        commits = {int(n): v for n, v in raw["commit"].items()}
+        self.reads = {n: v["reads"] for n, v in commits.items()}
+        self.full_mesh = GroupFit(raw["group"], self.s, lazy=False)
+        self.lazy = GroupFit(raw["group_lazy"], self.s, lazy=True) if "group_lazy" in raw else None
+        self.t_end = raw.get("watch_end", {}).get("seconds", 0.0)
+        self.hop = raw.get("tree", {}).get("hop", self.rtt / 2)  # tree_units.py's: a tree message, one way
+
+    def r(self, ranks: int) -> float:
+        """The commit's reads per rank: as measured at the nearest count (beyond the largest: as there)."""
+        nearest = min(self.reads, key=lambda n: (abs(n - ranks), -n))
+        return self.reads[nearest]
+
+    def reads_in_runs(self, row: dict, waits) -> float:
+        """The commit's reads per rank that a namespace run shows: its store connection's segments per step (both
+        ways) less the looks' reads, less the ACKs closing the bursts, over 2 a read, less the add."""
+        ranks = row["hosts"] * row["per_host"]
+        f = (ranks - 1) / ranks
+        c = statistics.mean(looks(w, (ranks - row["per_host"]) * self.t_p + self.rtt) for w in waits)
+        ops = (row["on"]["rank_store"] - self.seg_ack * (1 + f * c)) / self.seg_op
+        return max(0.0, ops - 1 - f * c)
+
+    def groups(self, ranks: int, lazy: bool = True) -> tuple[float, float]:
+        """A regroup's main group (from the decision) and control group (after it) among `ranks`: lazy, as phalanx
+        makes them, when the units measured those (group_model.py)."""
+        return (self.lazy if lazy and self.lazy else self.full_mesh).seconds(ranks)
+
+
+def looks(wait: float, look: float) -> int:
+    """How many times a rank waiting `wait` seconds looks, each look taking `look` seconds."""
+    count = 0
+    while (count + 1) * WATCH + count * look <= wait:
+        count += 1
+    return count
+
+
+def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: float, r=None) -> dict:
+    """Store ops, connections and segments per rank and step; `waits`: the slow rank's lead in each step; `r`: the
+    commit's reads per rank (default: the rounds' at that count)."""
+    f = (ranks - 1) / ranks
+    others = ranks - per_host  # members on other hosts
+    r = units.r(ranks) if r is None else r
+    if not others:  # one host: the shared-memory exchange ends alike on every rank (no commit), peers seen by pid
+        return {"ops": 0.0, "connections": 0.0, "segments": 0.0, "store_ops": 0.0, "store_busy": 0.0, "looks": 0.0}
+    if design == "today":
+        look = others * units.t_p + units.rtt
+        c = statistics.mean(looks(w, look) for w in waits)
+        ops = 1 + r + f * c
+        conns = f * c * others
+        segs = units.seg_op * ops + units.seg_ack * (1 + f * c) + units.q * conns
+    elif design == "tree":  # the root's claim; the looks ask the alarm's thread; the tree's edges, seen at both ends
+        c = statistics.mean(looks(w, 0.0) for w in waits)
+        ops = 1 / ranks
+        conns = 0.0
+        edges = ranks // per_host - 1
+        segs = ((units.seg_op + units.seg_ack) * (ops + 2 * edges / ranks)) + 2 * step / TICK
+    else:
+        u = 1.0 if design == "new" else 1.0 / per_host
+        c = statistics.mean(looks(w, units.rtt) for w in waits)
+        ops = u * (1 + WAITED_COMMIT) + f * c
+        conns = 0.0
+        segs = units.seg_op * ops + units.seg_ack * (u + f * c) + 2 * step / TICK
+    return {"ops": ops, "connections": conns, "segments": segs, "store_ops": ranks * ops,
+            "store_busy": ranks * ops * units.s / step, "looks": c}
+
+
+def tree_depth(speakers: int) -> int:
+    """The levels below the root of the speakers' tree (commit_tree.py's tree_place): a message's hops each way."""
+    depth, index = 0, speakers - 1
+    while index > 0:
+        index, depth = tree_place(speakers, index)[0], depth + 1
+    return depth
+
+
+def commit_delay(units: Units, design: str, ranks: int, per_host: int) -> float | None:
+    """Seconds a healthy step's commit adds once the last host is ready (None: not modelled for `design`).
+    new-host: an add, the wait, a read (3 rtt), behind the store's serial service of every host's add and, once
+    woken, of every host's read; tree: a message up and one down per level (`hop` each) and the root's claim."""
+    hosts = ranks // per_host
+    if hosts < 2:
+        return 0.0
+    if design == "new-host":
+        return 3 * units.rtt + 2 * hosts * units.s
+    if design == "tree":
+        return 2 * tree_depth(hosts) * units.hop + units.rtt
+    return None
+
+
+def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tuple[float, float] | None:
+    """Seconds from the loss to the first rank that names it and to every waiting rank knowing it (worst case);
+    None: a host alone cannot be cut off."""
+    others = ranks - per_host
+    if how == "cut" and not others:
+        return None
+    if design == "today":  # each rank finds it itself, at a look
+        first = WATCH + others * units.t_p + units.rtt + (WINDOW + per_host * PROBE_TIMEOUT if how == "cut" else 0.0)
+        return first, first
+    if not others:  # one host: its ranks check each other's pids at their looks
+        return WATCH, WATCH
+    first = units.t_end + 2 * units.rtt + (WINDOW + TICK if how == "cut" else 0.0)
+    if design == "tree":  # the alarm wakes every member's thread, the store answering them in turn; then a look
+        return first, first + units.rtt + ranks * units.s + WATCH
+    return first, first + WATCH + units.rtt
+
+
+def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill",
+                  lazy: bool = True) -> tuple[float, ...]:
+    """(E, A, main group, control group): the regroup's parts, from the loss named (see the module docstring)."""
+    survivors = ranks - per_host  # a host lost; its members on other hosts, each probed today
+    enter = WATCH + units.rtt
+    if design == "today":
+        agree = ranks * units.rtt + ranks * ranks * units.s + survivors * units.t_p
+        if how == "cut":  # its poll probes the silent host's ranks, each waiting out the probe's timeout
+            agree += per_host * PROBE_TIMEOUT
+    else:
+        agree = AGREE_OPS * units.rtt + survivors * units.s
+    return (enter, agree, *units.groups(max(1, survivors), lazy))
+
+
+def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill",
+            lazy: bool = True) -> float:
+    return sum(regroup_parts(units, design, ranks, per_host, how, lazy)) + followers
+
+
+def own_segments(row: dict) -> float:
+    """A namespace run's control plane per rank and step, segments both ways (control_plane.py's): its store
+    connections, its kept watch, and the commit's tree on the control group's pairs (their on-minus-off: the stop
+    agreement runs there on and off alike); nan where the run did not count the watch."""
+    on, off = row["on"], row["off"]
+    return (on["rank_store"] + on.get("rank_watch", float("nan")) + on.get("rank_control", 0.0)
+            - off.get("rank_control", 0.0))
