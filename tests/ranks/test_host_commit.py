@@ -9,7 +9,8 @@ inside a commit, first at the first step (store alone), before its add to the st
 later step (the tree), before its vote goes up or right after: the ranks left (its host's follower and the other
 host) read the same outcome for that step, within a bounded time: not applied when the leader never said ready,
 applied when its word completed the step. On one host, whose board decides without the store, a follower behind a
-leader that still runs but says nothing stops with a typed error, bounded.
+leader that still runs but says nothing stops with a typed error, bounded. Last, a waiting rank's looks for a step
+given up read nothing from the store (its watch's alarm thread listens), and hear one given up on another host.
 """
 
 from __future__ import annotations
@@ -150,3 +151,35 @@ def test_a_follower_behind_a_leader_that_still_runs_but_says_nothing_stops_with_
     assert results[0] is None
     assert "rank 0, which speaks for this host" in results[1] and "still running after 2 s" in results[1], results[1]
     assert float(results[1].split(" s:")[0]) < 10, results[1]
+
+
+def _looks(rank: int) -> dict:
+    emulate_host(rank, 1)
+    generation.announce()
+    watch = generation.current().watch(world.store())
+    deadline = time.monotonic() + 10
+    while not watch._listening and time.monotonic() < deadline:  # its alarm thread's wait is on its way
+        time.sleep(0.01)
+    counting = CountingStore(watch.store)
+    watch.store = counting
+    dist.barrier()
+    quiet = [watch.troubled() for _ in range(50)]  # a rank waiting on its peers looks so every 0.1 s
+    quiet_ops = sum(counting.ops.values())
+    dist.barrier()
+    if rank == 0:
+        watch.say_trouble()
+        return {"quiet": quiet, "quiet_ops": quiet_ops}
+    started = time.monotonic()
+    while not watch.troubled() and time.monotonic() < started + 10:
+        time.sleep(0.01)
+    return {"quiet": quiet, "quiet_ops": quiet_ops, "heard": time.monotonic() - started,
+            "heard_ops": sum(counting.ops.values()) - quiet_ops}
+
+
+def test_a_waiting_ranks_looks_ask_the_store_nothing_and_hear_a_step_given_up_at_once():
+    """Two hosts of one rank: fifty looks of a healthy generation read nothing from the store (the watch's alarm
+    thread listens for it), and a step given up on the other host is heard within a moment, still reading nothing."""
+    results = run_ranks(_looks, 2, min_world_size=1, timeout=60)
+    for rank, result in enumerate(results):
+        assert result["quiet"] == [False] * 50 and result["quiet_ops"] == 0, f"rank {rank}: {result}"
+    assert results[1]["heard"] < 1.0 and results[1]["heard_ops"] == 0, results[1]
