@@ -23,10 +23,12 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 
 from ...errors import MembershipError, PeerDiedError, explain
+from .settings import membership_timeout
 
 FANOUT = 8  # children per speaker: a speaker's messages per step stay at most 2 (FANOUT + 1) whatever the world
 NOT_READY = -1  # the vote of a subtree in which some rank cannot apply the step
@@ -61,9 +63,10 @@ def outcome_value(number: int, applied: bool) -> str:
 class GlooLinks:
     """The tree's messages over point-to-point pairs of a Gloo group of the generation's `members` (group rank =
     position in `members`). A Gloo send completes once its receiver posted the receive, and a timed wait on either
-    closes or unbinds it: a daemon thread of these links waits for each, in the order posted (as the commit reads
-    them), untimed; the commit waits on that, bounded. A message never answered (a peer gone) ends the generation,
-    and holds only its thread, which never holds up the process's exit."""
+    closes its pair or unbinds its buffer: a daemon thread of these links waits for each send, and for each receive
+    once the commit waits for it, in turn, bounded only by twice the membership timeout (by when the commit, whose
+    own wait is bounded and watched, gave the step up in the store: the generation is over). A receive posted a step
+    ahead and never waited for (the run's last step) holds no thread."""
 
     def __init__(self, group, members: tuple[int, ...]):
         self.group, self.position = group, {member: index for index, member in enumerate(members)}
@@ -71,13 +74,11 @@ class GlooLinks:
         threading.Thread(target=self._finish_in_turn, name="phalanx-commit-links", daemon=True).start()
 
     def receive(self, peer: int, tag: int):
-        arriving = _Arriving(torch.zeros(2, dtype=torch.int64))
+        arriving = _Arriving(torch.zeros(2, dtype=torch.int64), self._posted)
         try:
-            work = self.group.recv([arriving.values], self.position[peer], tag)
+            arriving.work = self.group.recv([arriving.values], self.position[peer], tag)
         except RuntimeError as exc:  # its pair already closed by a peer gone: waiting for it fails at once
             arriving.end(exc)
-            return arriving
-        self._posted.put((work, arriving))
         return arriving
 
     def send(self, peer: int, tag: int, number: int, value: int) -> None:
@@ -91,12 +92,13 @@ class GlooLinks:
         self._posted.put((None, None))
 
     def _finish_in_turn(self) -> None:
+        limit = timedelta(seconds=2 * membership_timeout())
         while True:
             work, arriving = self._posted.get()
             if work is None:
                 return
             try:
-                work.wait()
+                work.wait(limit)
                 failed = None
             except RuntimeError as exc:
                 failed = exc
@@ -107,14 +109,18 @@ class GlooLinks:
 class _Arriving:
     """A message on its way: wait(seconds) until it arrived (raises what its receive raised), then value()."""
 
-    def __init__(self, values):
-        self.values, self._arrived, self._failed = values, threading.Event(), None
+    def __init__(self, values, waiter: queue.SimpleQueue):
+        self.values, self.work, self._waiter = values, None, waiter
+        self._arrived, self._failed, self._asked = threading.Event(), None, False
 
     def end(self, failed: RuntimeError | None) -> None:
         self._failed = failed
         self._arrived.set()
 
     def wait(self, seconds: float) -> bool:
+        if not self._asked and not self._arrived.is_set():
+            self._asked = True
+            self._waiter.put((self.work, self))
         if not self._arrived.wait(seconds):
             return False
         if self._failed is not None:
@@ -135,6 +141,7 @@ class CommitTree:
     links: object  # GlooLinks, or a test's
     parent: int | None = field(init=False)
     children: list[int] = field(init=False)
+    _posted: tuple | None = field(init=False, default=None)  # (its step, its receives): posted a step ahead
 
     def __post_init__(self):
         order = list(self.speakers)
@@ -142,14 +149,22 @@ class CommitTree:
         self.parent = None if parent is None else order[parent]
         self.children = [order[child] for child in children]
 
+    def _receives(self, number: int) -> tuple[list, object]:
+        """Step `number`'s receives (the children's votes, the parent's outcome), posted as the step before ended:
+        a Gloo receive posted before its message is sent tells the sender so at once, and the message then goes in
+        one piece, where one sent first waits for the receive to be posted, a round trip more."""
+        if self._posted is not None and self._posted[0] == number:
+            return self._posted[1]
+        votes = [(child, self.links.receive(child, _UP)) for child in self.children]
+        return votes, (self.links.receive(self.parent, _DOWN) if self.parent is not None else None)
+
     def settle(self, number: int, weight: int | None, world_size: int, claim, give_up, watched_wait) -> bool:
         """Step `number`'s outcome, through the tree: `weight` ranks of this speaker's host are ready (None: this
         host gave the step up in the store already). `claim()`: the root's compare-and-set of "applied" (True if it
         holds); `give_up()`: the store's give-up (True if the step was claimed first); `watched_wait(arriving)`:
         waits for a message, raising PeerDiedError once the step is given up or a member found gone, False past
         the membership timeout."""
-        votes = [(child, self.links.receive(child, _UP)) for child in self.children]
-        heard = self.links.receive(self.parent, _DOWN) if self.parent is not None else None
+        votes, heard = self._receives(number)
         total, sent_up = (weight if weight is not None else NOT_READY), False
         try:
             for child, arriving in votes:
@@ -174,6 +189,7 @@ class CommitTree:
                 self.links.send(self.parent, _UP, number, NOT_READY)
         for child in self.children:
             self.links.send(child, _DOWN, number, int(applied))
+        self._posted = (number + 1, self._receives(number + 1)) if applied else None  # else the generation ends
         return applied
 
     def _heard(self, arriving, number: int, peer: int, watched_wait) -> int:
