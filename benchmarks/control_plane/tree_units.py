@@ -4,13 +4,13 @@
         [--into benchmarks/results/UNITS.json]
 
 H processes on this machine, one speaker each (a host's), on a Gloo group over the loopback and one TCPStore, commit
-steps back to back through phalanx's own CommitTree and GlooLinks, each speaker voting as soon as it knows the step
+steps back to back through phalanx's own CommitTree and SocketLinks, each speaker voting as soon as it knows the step
 before: the root's time per step is a round, from a vote to the next. The depth d of the tree (fan-out 8) is 1 up to
-9 speakers, 2 up to 73; a round is 2 d hops (a vote up and the outcome down per level: a Gloo message, the links'
-thread woken, the commit's) and the root's claim, a store round trip. `hop` is taken from 2 speakers, (round - claim)
-/ 2, where each process has a core of this 2-core machine, as a host has its own; beyond 2, the processes share the
-two cores and a round holds their turns (shown, not fitted). `--into` adds {"tree": {...}} to a units file of
-control_plane_units.py, which control_plane_model.py reads. One intra-op thread per process.
+9 speakers, 2 up to 73; a round is 2 d hops (a vote up and the outcome down per level: a segment over a kept
+connection, the receiving process woken) and the root's claim, a store round trip. `hop` is taken from 2 speakers,
+(round - claim) / 2, where each process has a core of this 2-core machine, as a host has its own; beyond 2, the
+processes share the two cores and a round holds their turns (shown, not fitted). `--into` adds {"tree": {...}} to a
+units file of control_plane_units.py, which control_plane_model.py reads. One intra-op thread per process.
 """
 
 from __future__ import annotations
@@ -29,15 +29,19 @@ import torch.multiprocessing as mp
 
 from benchmarks.control_plane.model_formulas import tree_depth
 from phalanx.testing import free_port
-from phalanx.world.generations.commit_tree import CommitTree, GlooLinks, outcome_value
+from phalanx.world.generations.commit_tree import CommitTree, SocketLinks, outcome_value, read_speakers
 
 
 def _speaker(rank: int, count: int, steps: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, count, rank == 0, timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=count, timeout=timedelta(seconds=60))
-    links = GlooLinks(dist.new_group(backend="gloo"), tuple(range(count)))
-    tree = CommitTree({member: 1 for member in range(count)}, rank, links)
+    links = SocketLinks("127.0.0.1")
+    links.me = rank
+    store.append("speakers", f"{rank}:1:{links.address},")
+    dist.barrier()
+    weights, links.addresses = read_speakers(store.get("speakers").decode())
+    tree = CommitTree(weights, rank, links)
     claims = []
 
     def claim(number: int) -> bool:

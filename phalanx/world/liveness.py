@@ -69,13 +69,18 @@ def identity() -> str:
 _beacon: socket.socket | None = None
 
 
+def reachable_host() -> str:
+    """The address at which this process's peers on other hosts reach it: its interface on the route to the master
+    (the loopback when the master is on this host, or none is known)."""
+    spec = launch_spec()
+    return (address_toward(spec.master_addr) if spec is not None and spec.master_addr else None) or LOOPBACK
+
+
 def _beacon_address() -> str:
     global _beacon
     if _beacon is None:
-        spec = launch_spec()
-        host = (address_toward(spec.master_addr) if spec is not None and spec.master_addr else None) or LOOPBACK
         beacon = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        beacon.bind((host, 0))
+        beacon.bind((reachable_host(), 0))
         beacon.listen(64)
         threading.Thread(target=_answer, args=(beacon,), name="phalanx-beacon", daemon=True).start()
         _beacon = beacon

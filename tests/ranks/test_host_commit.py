@@ -68,7 +68,7 @@ def _commits(rank: int, per_host: int, steps: int, doomed: int | None = None, wh
             os.kill(os.getpid(), signal.SIGKILL)
         counting.before_add = die_adding
     elif rank == doomed:  # a later step: along the speakers' tree
-        send = commit_tree.GlooLinks.send
+        send = commit_tree.SocketLinks.send
 
         def die_voting(links, peer, tag, number, value):
             if number == steps - 1:
@@ -77,7 +77,7 @@ def _commits(rank: int, per_host: int, steps: int, doomed: int | None = None, wh
                     time.sleep(0.5)  # the root claims the step meanwhile
                 os.kill(os.getpid(), signal.SIGKILL)
             send(links, peer, tag, number, value)
-        commit_tree.GlooLinks.send = die_voting
+        commit_tree.SocketLinks.send = die_voting
     dist.barrier()  # every rank set up its watch: the first commit's time is its own
     store, world.store = world.store, lambda: counting
     try:

@@ -27,7 +27,8 @@ import time
 
 from ...errors import MembershipError, PeerDiedError, explain
 from .. import group as world
-from .commit_tree import CommitTree, GlooLinks, outcome_value, read_speakers
+from ..liveness import reachable_host
+from .commit_tree import CommitTree, SocketLinks, outcome_value, read_speakers
 from .settings import membership_timeout, wait_watching
 
 COMMIT_SLOTS = 4  # the per-step commit's counters, reused: step n's is slot n % 4's (a member is at most 1 step ahead)
@@ -76,7 +77,7 @@ class StepCommit:
             if weight is None:
                 return False
             if number == 0 and self._links() is not None:  # read by every speaker from the second step on
-                store.append(self._key("speakers"), f"{self.watch(store).me}:{weight},")
+                store.append(self._key("speakers"), f"{self.watch(store).me}:{weight}:{self._links().address},")
             return self._commit_for(store, number, weight)
         return tree.settle(number, weight, self.world_size, lambda: self._claim(store, number),
                            lambda: self.fail_commit(store, number), self._tree_wait(store))
@@ -92,21 +93,27 @@ class StepCommit:
         return self._watching["tree"]
 
     def _speakers(self, store, number: int) -> dict[int, int] | None:
-        """{rank: weight} of the generation's speakers, read once; None at the first step, without a control group,
-        or when one host holds the generation (nobody wrote the key): then the store alone decides."""
+        """{rank: weight} of the generation's speakers, read once (their listeners' addresses go to the links); None
+        at the first step, in a world of one, or when one host holds the generation (nobody wrote the key): then the
+        store alone decides."""
         if number == 0:
             return None
         if "speakers" not in self._watching:
-            key = self._key("speakers")
-            self._watching["speakers"] = None if self._links() is None or not store.check([key]) else (
-                read_speakers(store.get(key).decode()))
+            key, links = self._key("speakers"), self._links()
+            self._watching["speakers"] = None
+            if links is not None and store.check([key]):
+                self._watching["speakers"], links.addresses = read_speakers(store.get(key).decode())
         return self._watching["speakers"]
 
     def _links(self):
-        """The tree's messages: point-to-point on the generation's control group (None: a world of one)."""
+        """The tree's messages (commit_tree.SocketLinks: a listener of this rank's, made at its first ask); None in a
+        world of one (no control group: nobody to speak to)."""
         if "links" not in self._watching:
-            group = world.control_group()
-            self._watching["links"] = None if group is None else GlooLinks(group, self.members)
+            links = None
+            if world.control_group() is not None:
+                links = SocketLinks(reachable_host())
+                links.me = self.watch(world.store()).me
+            self._watching["links"] = links
         return self._watching["links"]
 
     def _tree_wait(self, store):

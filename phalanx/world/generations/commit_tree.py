@@ -1,38 +1,43 @@
 """The per-step commit among hosts along a tree, so that the store takes one operation per step whatever the world.
 
 A generation's first commit goes through the store alone (commit.py), and each rank that speaks in it for its host
-(a board's leader, or a rank alone on its host) writes its rank and weight (the ranks it speaks for) to the
-generation's `speakers` key first: once that commit is applied, every speaker's line is there. From the second step
-on, the speakers, in rank order, form a tree of fan-out FANOUT. Each one waits for its children's votes (the ranks
-ready in their subtrees), sends the sum with its own host's to its parent, and waits for the outcome to come down;
-the root, once the whole world said ready, claims the step in the store with one compare-and-set and sends the
-outcome down. Healthy, a speaker sends and receives at most FANOUT + 1 small messages a step, over pairs of the
-generation's control group that stay connected; the store serves one operation a step.
+(a board's leader, or a rank alone on its host) writes its rank, its weight (the ranks it speaks for) and the address
+of a listening socket of its own to the generation's `speakers` key first: once that commit is applied, every
+speaker's line is there. From the second step on, the speakers, in rank order, form a tree of fan-out FANOUT. Each one
+waits for its children's votes (the ranks ready in their subtrees), sends the sum with its own host's to its parent,
+and waits for the outcome to come down; the root, once the whole world said ready, claims the step in the store with
+one compare-and-set and sends the outcome down. The messages go over a TCP connection per edge of the tree that the
+child opens at its first vote and both keep for the generation (SocketLinks): 16 bytes, one segment each, read in the
+caller's own thread by a bounded select(), so that a hop costs a wake-up, not a thread's hand-off; a speaker sends and
+receives at most FANOUT + 1 of them a step, and the store serves one operation a step.
 
 The store stays what decides. A rank that cannot learn the outcome from the tree (a peer gone, a wait outlasting the
 membership timeout) gives the step up there, with a compare-and-set from the same previous value: a step the root
 claimed first stays applied, one given up first can no longer be claimed, so every member reads one outcome. Each
 speaker sends exactly one message a step up to its parent and one down to each child, whichever way the step ends
-(a vote or NOT_READY up, the outcome down), and receives one from each: no receive is left waiting on a peer still
-alive. A member one step ahead of another is the most there can be, so a step's outcome shares one of COMMIT_SLOTS
+(a vote or NOT_READY up, the outcome down), and reads one from each, in order: a connection's messages are a step's
+each. A member one step ahead of another is the most there can be, so a step's outcome shares one of COMMIT_SLOTS
 keys with the steps COMMIT_SLOTS apart, its value naming the step.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import errno
+import os
+import select
+import socket
+import struct
+import time
+from collections import deque
 from dataclasses import dataclass, field
-from datetime import timedelta
-
-import torch
 
 from ...errors import MembershipError, PeerDiedError, explain
-from .settings import membership_timeout
 
 FANOUT = 8  # children per speaker: a speaker's messages per step stay at most 2 (FANOUT + 1) whatever the world
 NOT_READY = -1  # the vote of a subtree in which some rank cannot apply the step
-_UP, _DOWN = 0x434D01, 0x434D02  # point-to-point tags on the control group: votes up, outcomes down
+_UP, _DOWN = "up", "down"  # a message's direction: votes up, outcomes down (a connection carries both, in turn)
+_WORD = struct.Struct("<qq")  # a message: (step, value); a connection's first, (_HELLO, the child's rank)
+_HELLO = -(1 << 62)
 
 
 def tree_place(count: int, index: int) -> tuple[int | None, list[int]]:
@@ -46,90 +51,196 @@ def tree_place(count: int, index: int) -> tuple[int | None, list[int]]:
     return parent, list(range(FANOUT * index + 1, min(FANOUT * index + FANOUT + 1, count)))
 
 
-def read_speakers(text: str) -> dict[int, int]:
-    """The `speakers` key's lines, "rank:weight," each: {rank: weight}.
+def read_speakers(text: str) -> tuple[dict[int, int], dict[int, str]]:
+    """The `speakers` key's lines, "rank:weight:host:port," each: ({rank: weight}, {rank: its listener's address}).
 
-    >>> read_speakers("4:2,0:4,")
-    {0: 4, 4: 2}
+    >>> read_speakers("4:2:10.0.0.2:5001,0:4:10.0.0.1:5000,")
+    ({0: 4, 4: 2}, {0: '10.0.0.1:5000', 4: '10.0.0.2:5001'})
     """
-    pairs = (line.split(":") for line in text.split(",") if line)
-    return dict(sorted((int(rank), int(weight)) for rank, weight in pairs))
+    lines = sorted(line.split(":", 2) for line in text.split(",") if line)
+    ordered = sorted((int(rank), int(weight), address) for rank, weight, address in lines)
+    return {rank: weight for rank, weight, _ in ordered}, {rank: address for rank, _, address in ordered}
 
 
 def outcome_value(number: int, applied: bool) -> str:
     return f"{number}:{int(applied)}"
 
 
-class GlooLinks:
-    """The tree's messages over point-to-point pairs of a Gloo group of the generation's `members` (group rank =
-    position in `members`). A Gloo send completes once its receiver posted the receive, and a timed wait on either
-    closes its pair or unbinds its buffer: a daemon thread of these links waits for each send, and for each receive
-    once the commit waits for it, in turn, bounded only by twice the membership timeout (by when the commit, whose
-    own wait is bounded and watched, gave the step up in the store: the generation is over). A receive posted a step
-    ahead and never waited for (the run's last step) holds no thread."""
+_open_links: set = set()  # every SocketLinks not closed: a forked child (a DataLoader worker) closes its copies
 
-    def __init__(self, group, members: tuple[int, ...]):
-        self.group, self.position = group, {member: index for index, member in enumerate(members)}
-        self._posted: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._finish_in_turn, name="phalanx-commit-links", daemon=True).start()
 
-    def receive(self, peer: int, tag: int):
-        arriving = _Arriving(torch.zeros(2, dtype=torch.int64), self._posted)
-        try:
-            arriving.work = self.group.recv([arriving.values], self.position[peer], tag)
-        except RuntimeError as exc:  # its pair already closed by a peer gone: waiting for it fails at once
-            arriving.end(exc)
-        return arriving
+class SocketLinks:
+    """The tree's messages between speakers, over TCP connections of their own (see the module docstring): a listener
+    bound where this process's beacon is (`host`), connections a child opens to its parent's listener (`addresses`:
+    the speakers' listeners, once read), messages kept per peer in the order they came. Everything happens in the
+    caller's thread: send() writes at once (or once the connection is up, at the next wait), a receive's wait runs
+    select() for at most the seconds it is given."""
 
-    def send(self, peer: int, tag: int, number: int, value: int) -> None:
-        try:
-            work = self.group.send([torch.tensor([number, value], dtype=torch.int64)], self.position[peer], tag)
-        except RuntimeError:  # a peer already gone: the others learn the outcome from the store
-            return
-        self._posted.put((work, None))
+    def __init__(self, host: str):
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.bind((host, 0))
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.address = "{}:{}".format(*self.listener.getsockname())
+        self.me: int | None = None
+        self.addresses: dict[int, str] = {}
+        self._peers: dict[int, socket.socket] = {}  # rank -> its connection, once up and known
+        self._connecting: dict[int, socket.socket] = {}
+        self._unknown: dict[socket.socket, bytearray] = {}  # accepted, its hello not read yet
+        self._read: dict[socket.socket, bytearray] = {}  # bytes of a message not whole yet
+        self._inbox: dict[int, deque] = {}
+        self._outbox: dict[int, bytearray] = {}
+        self._ended: dict[int, str] = {}  # rank -> why its connection ended
+        _open_links.add(self)
+
+    def receive(self, peer: int, tag: str) -> _Incoming:
+        return _Incoming(self, peer)
+
+    def send(self, peer: int, tag: str, number: int, value: int) -> None:
+        if peer not in self._peers and peer not in self._connecting and peer not in self._ended:
+            self._connect(peer)
+        self._outbox.setdefault(peer, bytearray()).extend(_WORD.pack(number, value))
+        self._flush(peer)
 
     def close(self) -> None:
-        self._posted.put((None, None))
+        for sock in [self.listener, *self._peers.values(), *self._connecting.values(), *self._unknown]:
+            sock.close()
+        self._peers, self._connecting, self._unknown = {}, {}, {}
+        _open_links.discard(self)
 
-    def _finish_in_turn(self) -> None:
-        limit = timedelta(seconds=2 * membership_timeout())
+    # -- the connections --------------------------------------------------------------------------
+
+    def _connect(self, peer: int) -> None:
+        """Open the connection to `peer`'s listener (this speaker's parent), without waiting: its hello goes first."""
+        host, port = self.addresses[peer].rsplit(":", 1)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        failed = sock.connect_ex((host, int(port)))
+        if failed not in (0, errno.EINPROGRESS):
+            sock.close()
+            self._ended[peer] = f"connecting to its listener {self.addresses[peer]}: {os.strerror(failed)}"
+            return
+        self._connecting[peer] = sock
+        self._outbox[peer] = bytearray(_WORD.pack(_HELLO, self.me))
+
+    def _flush(self, peer: int) -> None:
+        sock, pending = self._peers.get(peer), self._outbox.get(peer)
+        if sock is None or not pending:
+            return
+        try:
+            del pending[:sock.send(pending)]
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            self._end(peer, str(exc))
+
+    def _end(self, peer: int, why: str) -> None:
+        self._ended.setdefault(peer, why)
+        sock = self._peers.pop(peer, None) or self._connecting.pop(peer, None)
+        if sock is not None:
+            sock.close()
+
+    def pump(self, seconds: float) -> None:
+        """Wait up to `seconds` for something to do, then do it: accept a child, finish a connect, send what waits,
+        read what came."""
+        readable = [self.listener, *self._unknown, *self._peers.values()]
+        writable = [*self._connecting.values(), *(self._peers[p] for p, out in self._outbox.items()
+                                                   if out and p in self._peers)]
+        ready_read, ready_write, _ = select.select(readable, writable, [], max(0.0, seconds))
+        for sock in ready_write:
+            peer = next((p for p, s in self._connecting.items() if s is sock), None)
+            if peer is not None:
+                failed = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                del self._connecting[peer]
+                if failed:
+                    sock.close()
+                    self._ended.setdefault(peer, f"connecting to its listener: {os.strerror(failed)}")
+                    continue
+                self._peers[peer] = sock
+                self._read[sock] = bytearray()
+            self._flush(next(p for p, s in self._peers.items() if s is sock))
+        for sock in ready_read:
+            if sock is self.listener:
+                self._accept()
+            else:
+                self._take(sock)
+
+    def _accept(self) -> None:
         while True:
-            work, arriving = self._posted.get()
-            if work is None:
-                return
             try:
-                work.wait(limit)
-                failed = None
-            except RuntimeError as exc:
-                failed = exc
-            if arriving is not None:
-                arriving.end(failed)
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, OSError):
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setblocking(False)
+            self._unknown[sock] = bytearray()
+
+    def _take(self, sock: socket.socket) -> None:
+        """Read what `sock` brought: a child's hello (then it is known by its rank), or messages for the inbox."""
+        peer = next((p for p, s in self._peers.items() if s is sock), None)
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            data, why = b"", str(exc)
+        else:
+            why = "connection closed by peer"
+        if not data:
+            if peer is None:
+                self._unknown.pop(sock, None)
+                sock.close()
+            else:
+                self._end(peer, why)
+            return
+        buffer = self._unknown[sock] if peer is None else self._read[sock]
+        buffer.extend(data)
+        while len(buffer) >= _WORD.size:
+            number, value = _WORD.unpack_from(buffer)
+            del buffer[:_WORD.size]
+            if peer is None:  # a hello, or a stranger: closed
+                del self._unknown[sock]
+                if number != _HELLO or value in self._peers:
+                    sock.close()
+                    return
+                peer, self._peers[value], self._read[sock] = value, sock, buffer
+                continue
+            self._inbox.setdefault(peer, deque()).append((number, value))
 
 
-class _Arriving:
-    """A message on its way: wait(seconds) until it arrived (raises what its receive raised), then value()."""
+class _Incoming:
+    """The next message from `peer`: wait(seconds) until it came (raises RuntimeError when its connection ended
+    first), then value()."""
 
-    def __init__(self, values, waiter: queue.SimpleQueue):
-        self.values, self.work, self._waiter = values, None, waiter
-        self._arrived, self._failed, self._asked = threading.Event(), None, False
-
-    def end(self, failed: RuntimeError | None) -> None:
-        self._failed = failed
-        self._arrived.set()
+    def __init__(self, links: SocketLinks, peer: int):
+        self.links, self.peer, self._got = links, peer, None
 
     def wait(self, seconds: float) -> bool:
-        if not self._asked and not self._arrived.is_set():
-            self._asked = True
-            self._waiter.put((self.work, self))
-        if not self._arrived.wait(seconds):
-            return False
-        if self._failed is not None:
-            raise self._failed
-        return True
+        links, deadline = self.links, time.monotonic() + seconds
+        while True:
+            if self._got is not None:
+                return True
+            if links._inbox.get(self.peer):
+                self._got = links._inbox[self.peer].popleft()
+                return True
+            if self.peer in links._ended:
+                raise RuntimeError(f"rank {self.peer}'s commit connection ended: {links._ended[self.peer]}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            links.pump(left)
 
     def value(self) -> tuple[int, int]:
-        number, value = self.values.tolist()
-        return number, value
+        return self._got
+
+
+def _close_in_child() -> None:
+    for links in list(_open_links):
+        links.close()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 @dataclass
@@ -141,7 +252,6 @@ class CommitTree:
     links: object  # GlooLinks, or a test's
     parent: int | None = field(init=False)
     children: list[int] = field(init=False)
-    _posted: tuple | None = field(init=False, default=None)  # (its step, its receives): posted a step ahead
 
     def __post_init__(self):
         order = list(self.speakers)
@@ -149,22 +259,14 @@ class CommitTree:
         self.parent = None if parent is None else order[parent]
         self.children = [order[child] for child in children]
 
-    def _receives(self, number: int) -> tuple[list, object]:
-        """Step `number`'s receives (the children's votes, the parent's outcome), posted as the step before ended:
-        a Gloo receive posted before its message is sent tells the sender so at once, and the message then goes in
-        one piece, where one sent first waits for the receive to be posted, a round trip more."""
-        if self._posted is not None and self._posted[0] == number:
-            return self._posted[1]
-        votes = [(child, self.links.receive(child, _UP)) for child in self.children]
-        return votes, (self.links.receive(self.parent, _DOWN) if self.parent is not None else None)
-
     def settle(self, number: int, weight: int | None, world_size: int, claim, give_up, watched_wait) -> bool:
         """Step `number`'s outcome, through the tree: `weight` ranks of this speaker's host are ready (None: this
         host gave the step up in the store already). `claim()`: the root's compare-and-set of "applied" (True if it
         holds); `give_up()`: the store's give-up (True if the step was claimed first); `watched_wait(arriving)`:
         waits for a message, raising PeerDiedError once the step is given up or a member found gone, False past
         the membership timeout."""
-        votes, heard = self._receives(number)
+        votes = [(child, self.links.receive(child, _UP)) for child in self.children]
+        heard = self.links.receive(self.parent, _DOWN) if self.parent is not None else None
         total, sent_up = (weight if weight is not None else NOT_READY), False
         try:
             for child, arriving in votes:
@@ -189,7 +291,6 @@ class CommitTree:
                 self.links.send(self.parent, _UP, number, NOT_READY)
         for child in self.children:
             self.links.send(child, _DOWN, number, int(applied))
-        self._posted = (number + 1, self._receives(number + 1)) if applied else None  # else the generation ends
         return applied
 
     def _heard(self, arriving, number: int, peer: int, watched_wait) -> int:
