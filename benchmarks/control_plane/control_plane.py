@@ -51,7 +51,7 @@ REGROUP_BOUND = 2.0  # seconds from the loss named to the regroup done
 def _median(runs: list[Figures]) -> Figures:
     return Figures(**{name: statistics.median(getattr(run, name) for run in runs)
                       for name in ("connections", "segments", "store_host_in", "step_seconds", "rank_store",
-                                   "rank_other", "rank_watch", "rank_other_data", "commit", "rank_control")})
+                                   "rank_other", "rank_watch", "rank_other_data", "commit", "rank_tree")})
 
 
 def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, work: Path) -> dict:
@@ -94,7 +94,7 @@ def steady_table(rows: list[dict]) -> str:
                      f"**{add['connections']:.2f}** | {on['segments']:.1f} / {off['segments']:.1f} / "
                      f"**{add['segments']:.1f}** | {add['store_host_in']:.1f} | "
                      f"**{own_segments(row):.1f}** ({on['rank_store']:.1f}, {on['rank_watch']:.1f}, "
-                     f"{own_segments(row) - on['rank_store'] - on['rank_watch']:.1f}) | "
+                     f"{on.get('rank_tree', 0.0):.1f}) | "
                      f"{on['rank_other']:.1f} / {off['rank_other']:.1f} ({on['rank_other_data']:.1f} / "
                      f"{off['rank_other_data']:.1f}) | {on['step_seconds']:.3f} / "
                      f"{off['step_seconds']:.3f} | {1e3 * on.get('commit', 0.0):.1f} |")

@@ -161,9 +161,9 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
              "| --- | --- | --- | --- | --- | --- |"]
     if design != "today":
         lines = ["| hosts x ranks | connections added: measured / model (agreement) | a rank's store segments: "
-                 "measured / model (agreement) | a rank's control plane, its store connections and its watch, "
-                 "segments both ways: measured / model (agreement) | segments added, the kernel's on - off: "
-                 "measured / model (agreement) | looks per waiting rank and step |",
+                 "measured / model (agreement) | a rank's control plane, its store connections, its watch and the "
+                 "commit tree's, segments both ways: measured / model (agreement) | segments added, the kernel's on - "
+                 "off: measured / model (agreement) | looks per waiting rank and step |",
                  "| --- | --- | --- | --- | --- | --- |"]
     for row in (r for r in measured if r["kind"] == "steady" and "rank_store" in r["on"]):
         ranks, per_host = row["hosts"] * row["per_host"], row["per_host"]
@@ -173,8 +173,10 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             got = per_step(units, design, ranks, per_host, waits, step)
             # the runs count local rank 0's store connection: its own commit, or its host's as the leader
             looks = (ranks - 1) / ranks * got["looks"]
-            commits = 1 / row["hosts"] if design == "tree" else 1 + WAITED_COMMIT  # the root's claim: rank 0's
-            store_model = units.seg_op * (commits + looks) + units.seg_ack * (min(1.0, commits) + looks)
+            if design == "tree":  # the root's claim, rank 0's, alone on its connection; the looks ask no store
+                store_model = (units.seg_op + units.seg_ack) / row["hosts"]
+            else:
+                store_model = units.seg_op * (1 + WAITED_COMMIT + looks) + units.seg_ack * (1 + looks)
             own = own_segments(row)
             lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
                          f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
@@ -270,7 +272,7 @@ def main() -> None:
     followers = followers_seconds(measured)
     runs = [r for r in measured if r["kind"] == "steady" and "rank_store" in r["on"]]
     largest = max(runs, key=lambda r: (r["hosts"] * r["per_host"], -r["per_host"]), default=None)
-    r_scale = units.reads_in_runs(largest, _waits(largest)) if largest else None
+    r_scale = units.reads_in_runs(largest, _waits(largest)) if largest and args.design == "today" else None
     print(f"units: store op {1e6 * units.rtt:.0f} us round trip, {1e6 * units.s:.1f} us of the store's CPU, "
           f"{units.seg_op:.1f} + {units.seg_ack:.1f} segments; probe {1e6 * units.t_p:.0f} us, {units.q:.1f} "
           f"segments; keepalive {units.keep:.1f} segments/s; commit reads per rank "
@@ -279,7 +281,7 @@ def main() -> None:
           f"a kept watch's end after a kill "
           f"{1e3 * units.t_end:.1f} ms; models and loaders {followers:.3f} s\n")
     reads = (f"the commit's reads per rank as the run at {largest['hosts']} x {largest['per_host']} shows them "
-             f"({r_scale:.1f})" if largest else "the commit's reads per rank as the rounds show them")
+             f"({r_scale:.1f})" if r_scale is not None else "the commit's reads per rank as the rounds show them")
     print(f"extrapolated: {args.per_host} ranks per host, the slow rank {args.pause} s ahead, steps of {args.step} s, "
           f"{reads}\n")
     print(scale_table(units, args.per_host, args.pause, args.step, followers, r_scale))

@@ -151,8 +151,6 @@ def regroup(units: Units, design: str, ranks: int, per_host: int, followers: flo
 
 def own_segments(row: dict) -> float:
     """A namespace run's control plane per rank and step, segments both ways (control_plane.py's): its store
-    connections, its kept watch, and the commit's tree on the control group's pairs (their on-minus-off: the stop
-    agreement runs there on and off alike); nan where the run did not count the watch."""
-    on, off = row["on"], row["off"]
-    return (on["rank_store"] + on.get("rank_watch", float("nan")) + on.get("rank_control", 0.0)
-            - off.get("rank_control", 0.0))
+    connections, its kept watch and the commit tree's connections; nan where the run did not count the watch."""
+    on = row["on"]
+    return on["rank_store"] + on.get("rank_watch", float("nan")) + on.get("rank_tree", 0.0)

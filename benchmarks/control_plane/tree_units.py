@@ -3,14 +3,15 @@
     PYTHONPATH=. python benchmarks/control_plane/tree_units.py [--speakers 2 4 8 16] [--steps 300]
         [--into benchmarks/results/UNITS.json]
 
-H processes on this machine, one speaker each (a host's), on a Gloo group over the loopback and one TCPStore, commit
-steps back to back through phalanx's own CommitTree and SocketLinks, each speaker voting as soon as it knows the step
-before: the root's time per step is a round, from a vote to the next. The depth d of the tree (fan-out 8) is 1 up to
-9 speakers, 2 up to 73; a round is 2 d hops (a vote up and the outcome down per level: a segment over a kept
-connection, the receiving process woken) and the root's claim, a store round trip. `hop` is taken from 2 speakers,
-(round - claim) / 2, where each process has a core of this 2-core machine, as a host has its own; beyond 2, the
-processes share the two cores and a round holds their turns (shown, not fitted). `--into` adds {"tree": {...}} to a
-units file of control_plane_units.py, which control_plane_model.py reads. One intra-op thread per process.
+H processes on this machine, one speaker each (a host's), on one TCPStore over the loopback, commit steps back to
+back through phalanx's own CommitTree and SocketLinks, each speaker voting as soon as it knows the step before: the
+root's time per step is a round, from a vote to the next. The depth d of the tree (fan-out 8) is 1 up to 9 speakers,
+2 up to 73; a round is 2 d hops (a vote up and the outcome down per level: a segment over a kept connection, the
+receiving process woken) and the root's claim, a store round trip (its segments alone, a step apart, are measured
+too: the reply carries the value). `hop` is taken from 2 speakers, (round - claim) / 2, where each process has a core
+of this 2-core machine, as a host has its own; beyond 2, the processes share the two cores and a round holds their
+turns (shown, not fitted). `--into` adds {"tree": {...}} to a units file of control_plane_units.py, which
+control_plane_model.py reads. One intra-op thread per process.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
+import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -58,26 +61,61 @@ def _speaker(rank: int, count: int, steps: int, port: int, out: str) -> None:
         applied = tree.settle(number, 1, count, lambda n=number: claim(n), lambda: False,
                               lambda arriving: arriving.wait(30.0))
         assert applied, f"step {number} was not applied"
+    round_seconds = (time.perf_counter() - started) / (steps - steps // 10)
+    if rank == 1:  # a process that does not serve the store: its connection's other end is not its own
+        store.set("claim_segments", repr(_claim_segments(store)))
     if rank == 0:
-        Path(out).write_text(json.dumps({"round": (time.perf_counter() - started) / (steps - steps // 10),
-                                         "claim": statistics.median(claims[steps // 10:])}))
+        store.wait(["claim_segments"])
+        Path(out).write_text(json.dumps({"round": round_seconds, "claim": statistics.median(claims[steps // 10:]),
+                                         "claim_segments": float(store.get("claim_segments"))}))
     links.close()
     dist.destroy_process_group()
 
 
+def _claim_segments(store) -> float:
+    """The TCP segments of a claim alone (a compare-and-set whose reply carries the value), a step apart as in a run
+    (0.1 s: each delayed ACK goes alone): both ways on a connection of its own (ss's counters for its socket)."""
+    def sockets() -> set[str]:
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:  # the listing's own descriptor, closed since
+                continue
+        return {link for link in found if link.startswith("socket:")}
+
+    before_sockets = sockets()
+    client = store.clone()
+    inodes = {link[len("socket:["):-1] for link in sockets() - before_sockets}
+
+    def segments() -> int:
+        shown = subprocess.run(["ss", "-tinepH"], capture_output=True, text=True).stdout
+        return sum(int(count) for entry in re.split(r"\n(?=\S)", shown)
+                   if any(f"ino:{inode} " in entry for inode in inodes)
+                   for count in re.findall(r"\bsegs_(?:in|out):(\d+)", entry))
+
+    before = segments()
+    for number in range(30):
+        client.compare_set(f"claims/{number % 4}", "", outcome_value(number, True))
+        time.sleep(0.1)
+    return (segments() - before) / 30
+
+
 def measure(counts: list[int], steps: int) -> dict:
-    rounds, claims = {}, {}
+    rounds, claims, segments = {}, {}, []
     for count in counts:
         out = f"/tmp/phalanx-tree-units-{os.getpid()}-{count}.json"
         mp.spawn(_speaker, args=(count, steps, free_port(), out), nprocs=count)
         got = json.loads(Path(out).read_text())
         os.unlink(out)
         rounds[count], claims[count] = got["round"], got["claim"]
+        segments.append(got["claim_segments"])
         print(f"{count} speakers (depth {tree_depth(count)}): a round {1e3 * got['round']:.2f} ms, the root's claim "
               f"{1e3 * got['claim']:.3f} ms", flush=True)
     first = min(counts)
     hop = (rounds[first] - claims[first]) / (2 * tree_depth(first))
-    return {"round": rounds, "claim": claims, "hop": hop, "hop_from": first, "steps": steps}
+    return {"round": rounds, "claim": claims, "hop": hop, "hop_from": first, "steps": steps,
+            "claim_segments": statistics.median(segments)}
 
 
 def main() -> None:
@@ -87,7 +125,8 @@ def main() -> None:
     parser.add_argument("--into", type=Path, help="a units file (control_plane_units.py's) to add the figures to")
     args = parser.parse_args()
     tree = measure(args.speakers, args.steps)
-    print(f"a hop: {1e3 * tree['hop']:.3f} ms (from {tree['hop_from']} speakers)")
+    print(f"a hop: {1e3 * tree['hop']:.3f} ms (from {tree['hop_from']} speakers); a claim alone: "
+          f"{tree['claim_segments']:.1f} segments")
     if args.into:
         units = json.loads(args.into.read_text()) if args.into.exists() else {}
         units["tree"] = tree

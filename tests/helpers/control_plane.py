@@ -42,8 +42,8 @@ class Figures:
     Gloo's pairs; `rank_other_data`: those of them that carried data, pure ACKs not), from local rank 0 of each host:
     `rank_store` + `rank_watch` is what the control plane itself sends and receives per rank, each connection counted
     once, whatever Gloo does; `commit`: the seconds a rank spends in the per-step commit per step (the mean over the
-    ranks; 0 with live recovery off); `rank_control`: the segments both ways on the control group's Gloo pairs (the
-    commit's tree runs there, and the stop agreement, on and off alike: its on-minus-off is the tree's)."""
+    ranks; 0 with live recovery off); `rank_tree`: the segments both ways on the commit tree's connections (its
+    listener's and the one to its parent's: world/generations/commit_tree.py), part of the control plane's own."""
 
     connections: float
     segments: float
@@ -55,14 +55,14 @@ class Figures:
     rank_other_data: float = 0.0
     commit: float = 0.0
     durations: tuple = ()
-    rank_control: float = 0.0
+    rank_tree: float = 0.0
 
     def minus(self, other: Figures) -> Figures:
         return Figures(self.connections - other.connections, self.segments - other.segments,
                        self.store_host_in - other.store_host_in, self.step_seconds - other.step_seconds,
                        self.rank_store - other.rank_store, self.rank_other - other.rank_other,
                        self.rank_watch - other.rank_watch, self.rank_other_data - other.rank_other_data,
-                       self.commit - other.commit, (), self.rank_control - other.rank_control)
+                       self.commit - other.commit, (), self.rank_tree - other.rank_tree)
 
 
 class Job:
@@ -148,7 +148,7 @@ def figures(job: Job, first: int, last: int) -> Figures:
     store_host_in = 0
     for i in range(len(job.hosts)):
         read = json.loads((job.run_dir / f"tcp-{i}.json").read_text())
-        for name in ("ActiveOpens", "OutSegs", "store", "other", "watch", "watched", "other_data", "control"):
+        for name in ("ActiveOpens", "OutSegs", "store", "other", "watch", "watched", "other_data", "tree"):
             totals[name] = totals.get(name, 0) + read[str(last)].get(name, 0) - read[str(first)].get(name, 0)
         if i == 0:
             store_host_in = read[str(last)]["InSegs"] - read[str(first)]["InSegs"]
@@ -161,7 +161,7 @@ def figures(job: Job, first: int, last: int) -> Figures:
                    store_host_in / steps, (times[last] - times[first]) / steps, totals["store"] / (hosts * steps),
                    totals["other"] / (hosts * steps), totals["watch"] / (hosts * steps),
                    totals["other_data"] / (hosts * steps), commit,
-                   tuple(times[step] - times[step - 1] for step in window), totals["control"] / (hosts * steps))
+                   tuple(times[step] - times[step - 1] for step in window), totals["tree"] / (hosts * steps))
 
 
 def added(hosts: list[dict], run_dir: Path, *, per_host: int = 1, window: int = 20,

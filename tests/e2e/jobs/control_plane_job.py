@@ -12,11 +12,10 @@ recovery on) of each step to RUN_DIR/commit-<launch rank>.json at its end. Local
 network namespace's TCP counters (/proc/self/net/snmp: the whole host's, launcher and store included) at the end of
 steps A and B and writes them to RUN_DIR/tcp-<host>.json, with the segments on its own connections to the store and
 on its others (`store`, `other`: ss's per-socket counters): the window is the same steps on every host, whatever the
-harness's timing; `control` counts the segments on the sockets the control group opened as it was made (its Gloo
-pairs, on which the per-step commit's tree runs from a generation's second step; the stop agreement's too, with live
-recovery on and off alike). Every rank writes phalanx's log records (INFO and above) to RUN_DIR/log-<launch
-rank>.txt, each line `time level message`: when a loss was named, and how long the regroup took, on the worker's
-own clock (`--debug`: DEBUG records too, in that file only). `--debug` also times the regroup's parts
+harness's timing; `tree` counts the segments on the connections of the per-step commit's tree (from a generation's
+second step: world/generations/commit_tree.py). Every rank writes phalanx's log records (INFO and above) to
+RUN_DIR/log-<launch rank>.txt, each line `time level message`: when a loss was named, and how long the regroup took,
+on the worker's own clock (`--debug`: DEBUG records too, in that file only). `--debug` also times the regroup's parts
 (time_regroup) into RUN_DIR/regroup-<launch rank>.txt, and every rank writes its pid to RUN_DIR/pid-<launch
 rank>.txt, so that a loss run can SIGKILL the victim's workers themselves.
 """
@@ -39,7 +38,6 @@ from phalanx.world.group import live_generation
 from phalanx.world.liveness import identity
 
 MICRO_BATCH = 4
-_control_sockets: set[int] = set()  # the inodes of the sockets the control group opened (count_control_group)
 
 
 def tcp_counters() -> dict[str, int]:
@@ -49,55 +47,30 @@ def tcp_counters() -> dict[str, int]:
     return {name: int(value) for name, value in zip(names, values)}
 
 
-def _socket_inodes() -> set[int]:
-    found = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            found.add(int(target[len("socket:["):-1]))
-    return found
-
-
-def count_control_group() -> None:
-    """Note the sockets that making the control group opens (world/process/live.py make_control_group: a full mesh of
-    Gloo pairs, connected as it is made), by wrapping it where init looks it up."""
-    from phalanx.world.process import live
-
-    inner = live.make_control_group
-
-    def wrapper(timeout):
-        before = _socket_inodes()
-        inner(timeout)
-        _control_sockets.update(_socket_inodes() - before)
-    live.make_control_group = wrapper
-
-
 def socket_segments() -> dict[str, int]:
     """Segments both ways on this process's TCP connections (ss's per-socket counters): {"store": on its connections to
     the store (MASTER_ADDR:MASTER_PORT: its own and its watch's), "watch": on the kept watch it opened (to the beacon of
-    the peer it watches), "watched": on the one its own beacon accepted (its watcher's), "control": on the control
-    group's pairs (count_control_group), "other": on the rest (the main group's Gloo pairs), "other_data": of those,
-    the segments that carried data (pure ACKs not)}. Connections opened and closed in between are not seen."""
-    shown = subprocess.run(["ss", "-tinpeH"], capture_output=True, text=True).stdout
+    the peer it watches), "watched": on the one its own beacon accepted (its watcher's), "tree": on the commit tree's
+    (those its listener accepted, and the one to its parent's), "other": on the rest (Gloo's pairs), "other_data": of
+    those, the segments that carried data (pure ACKs not)}. Connections opened and closed in between are not seen."""
+    shown = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True).stdout
     store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     watch = current()._watching.get("watch")  # live recovery on: this rank's watch (world/watch.py)
     beacon = identity().split()[3] if watch is not None else None
     watched = watch.who.get(watch.watched) if watch is not None and watch.watched is not None else None
     watched = watched.split()[3] if watched else None
-    found = {"store": 0, "watch": 0, "watched": 0, "control": 0, "other": 0, "other_data": 0}
+    links = current()._watching.get("links")  # the commit tree's (world/generations/commit_tree.py)
+    tree_ends = {links.address, *links.addresses.values()} if links is not None else set()
+    found = {"store": 0, "watch": 0, "watched": 0, "tree": 0, "other": 0, "other_data": 0}
     for entry in re.split(r"\n(?=\S)", shown):  # a socket: its line, then its counters' indented line
         fields = entry.split()
         if f"pid={os.getpid()}," not in entry or len(fields) < 5:
             continue
         segments = sum(int(value) for value in re.findall(r"\bsegs_(?:in|out):(\d+)", entry))
         local, peer = (re.sub(r"^\[(?:::ffff:)?(.*)\]:", r"\1:", field) for field in fields[3:5])  # [::ffff:a.b.c.d]
-        inode = re.search(r"\bino:(\d+)", entry)
         kind = {store: "store", watched: "watch"}.get(peer) or ("watched" if local == beacon else "other")
-        if kind == "other" and inode is not None and int(inode.group(1)) in _control_sockets:
-            kind = "control"
+        if kind == "other" and (local in tree_ends or peer in tree_ends):
+            kind = "tree"
         found[kind] += segments
         if kind == "other":
             found["other_data"] += sum(int(value) for value in re.findall(r"\bdata_segs_(?:in|out):(\d+)", entry))
@@ -172,7 +145,6 @@ def main():
     if args.debug:
         time_regroup(args.run_dir / f"regroup-{os.environ['RANK']}.txt")
     first, last = (int(part) for part in args.window.split(":"))
-    count_control_group()
     px.init()
     rank, counts = px.world.launch_rank(), px.world.local_rank() == 0
     (args.run_dir / f"pid-{rank}.txt").write_text(str(os.getpid()))
