@@ -1,7 +1,7 @@
 """The commit round of the speakers' tree (world/generations/commit_tree.py), measured: the scale model's `hop`.
 
-    PYTHONPATH=. python benchmarks/control_plane/tree_units.py [--speakers 2 4 8 16] [--steps 300]
-        [--into benchmarks/results/UNITS.json]
+    PYTHONPATH=. python benchmarks/control_plane/tree_units.py [--speakers 2 4 8 16] [--steps 1000]
+        [--into benchmarks/results/UNITS.json] [--json FILE]
 
 H processes on this machine, one speaker each (a host's), on one TCPStore over the loopback, commit steps back to
 back through phalanx's own CommitTree and SocketLinks, each speaker voting as soon as it knows the step before: the
@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.control_plane.model_formulas import tree_depth
 from phalanx.testing import free_port
+from phalanx.tools.bench_compare import add_json_flag, write_figures
 from phalanx.world.generations.commit_tree import CommitTree, SocketLinks, outcome_value, read_speakers
 
 
@@ -123,8 +124,11 @@ def main() -> None:
     parser.add_argument("--speakers", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--into", type=Path, help="a units file (control_plane_units.py's) to add the figures to")
+    add_json_flag(parser)
     args = parser.parse_args()
     tree = measure(args.speakers, args.steps)
+    write_figures(args.json_path, {"hop ms": round(1e3 * tree["hop"], 3), "claim segments": tree["claim_segments"],
+                                   **{f"{n} speakers round ms": round(1e3 * r, 2) for n, r in tree["round"].items()}})
     print(f"a hop: {1e3 * tree['hop']:.3f} ms (from {tree['hop_from']} speakers); a claim alone: "
           f"{tree['claim_segments']:.1f} segments")
     if args.into:
