@@ -78,13 +78,18 @@ def _members(world_size: int, act) -> list:
     def run(member: int) -> None:
         results[member] = act(member, members, store)
 
+    _in_threads(world_size, run, 30)
+    return results
+
+
+def _in_threads(world_size: int, run, timeout: float) -> None:
+    """run(member) for every member, each in its own thread, all of them returning within `timeout` seconds."""
     threads = [threading.Thread(target=run, args=(m,)) for m in range(world_size)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=30)
+        thread.join(timeout=timeout)
     assert not any(thread.is_alive() for thread in threads), "a member never returned from the commit"
-    return results
 
 
 def test_healthy_steps_commit_on_every_member_and_keep_no_key_per_step(gone):
@@ -243,12 +248,7 @@ def _tree_members(monkeypatch, world_size: int, act, found: set[int], mail: _Mai
         members._watching.update(me=member, links=mail.links(member))
         results[member] = act(member, members, store)
 
-    threads = [threading.Thread(target=run, args=(m,)) for m in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "a member never returned from the commit"
+    _in_threads(world_size, run, 60)
     return results
 
 
