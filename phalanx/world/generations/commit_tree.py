@@ -8,7 +8,7 @@ waits for its children's votes (the ranks ready in their subtrees), sends the su
 and waits for the outcome to come down; the root, once the whole world said ready, claims the step in the store with
 one compare-and-set and sends the outcome down. The messages go over a TCP connection per edge of the tree that the
 child opens at its first vote and both keep for the generation (SocketLinks): 16 bytes, one segment each, read in the
-caller's own thread by a bounded select(), so that a hop costs a wake-up, not a thread's hand-off; a speaker sends and
+caller's own thread by a bounded poll(), so that a hop costs a wake-up, not a thread's hand-off; a speaker sends and
 receives at most FANOUT + 1 of them a step, and the store serves one operation a step.
 
 The store stays what decides. A rank that cannot learn the outcome from the tree (a peer gone, a wait outlasting the
@@ -73,8 +73,8 @@ class SocketLinks:
     """The tree's messages between speakers, over TCP connections of their own (see the module docstring): a listener
     bound where this process's beacon is (`host`), connections a child opens to its parent's listener (`addresses`:
     the speakers' listeners, once read), messages kept per peer in the order they came. Everything happens in the
-    caller's thread: send() writes at once (or once the connection is up, at the next wait), a receive's wait runs
-    select() for at most the seconds it is given."""
+    caller's thread: send() writes at once (or once the connection is up, at the next wait), a receive's wait polls
+    for at most the seconds it is given."""
 
     def __init__(self, host: str):
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -144,10 +144,21 @@ class SocketLinks:
     def pump(self, seconds: float) -> None:
         """Wait up to `seconds` for something to do, then do it: accept a child, finish a connect, send what waits,
         read what came."""
-        readable = [self.listener, *self._unknown, *self._peers.values()]
-        writable = [*self._connecting.values(), *(self._peers[p] for p, out in self._outbox.items()
-                                                   if out and p in self._peers)]
-        ready_read, ready_write, _ = select.select(readable, writable, [], max(0.0, seconds))
+        masks: dict[int, tuple[socket.socket, int]] = {}  # poll(), not select(): a process's fds may pass 1,024
+        for sock in (self.listener, *self._unknown, *self._peers.values()):
+            masks[sock.fileno()] = (sock, select.POLLIN)
+        for sock in (*self._connecting.values(), *(self._peers[p] for p, out in self._outbox.items()
+                                                     if out and p in self._peers)):
+            masks[sock.fileno()] = (sock, masks.get(sock.fileno(), (sock, 0))[1] | select.POLLOUT)
+        poller = select.poll()
+        for fd, (_, mask) in masks.items():
+            poller.register(fd, mask)
+        events = poller.poll(max(0.0, seconds) * 1000)
+        ended = select.POLLERR | select.POLLHUP  # read or finish as asked: the error shows there
+        ready_write = [masks[fd][0] for fd, event in events if event & (select.POLLOUT | ended)
+                       and masks[fd][1] & select.POLLOUT]
+        ready_read = [masks[fd][0] for fd, event in events if event & (select.POLLIN | ended)
+                      and masks[fd][1] & select.POLLIN]
         for sock in ready_write:
             peer = next((p for p, s in self._connecting.items() if s is sock), None)
             if peer is not None:
@@ -159,7 +170,9 @@ class SocketLinks:
                     continue
                 self._peers[peer] = sock
                 self._read[sock] = bytearray()
-            self._flush(next(p for p, s in self._peers.items() if s is sock))
+            peer = next((p for p, s in self._peers.items() if s is sock), None)
+            if peer is not None:
+                self._flush(peer)
         for sock in ready_read:
             if sock is self.listener:
                 self._accept()
