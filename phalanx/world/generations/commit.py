@@ -12,10 +12,11 @@ so every rank reads the same outcome; a follower whose leader is gone reads it s
 at once and sets the step's `done` key; the others block on that key in the store (no polling) and read the counter
 once woken. Whatever can end a step wakes them too: a rank that gives it up sets the key, a watcher that finds a
 member gone sets the keys of the steps in flight, and a rank's own watch sets its key when a peer on its host ends or
-the membership timeout passes (watch.py). Each speaker also writes its rank and weight there, before its add.
+the membership timeout passes (watch.py). Each speaker also writes its rank, its weight and its tree listener's
+address to the generation's `speakers` key, before its add.
 
-From the second step on, the speakers vote along a tree of fan-out 8 over the generation's control group, and its
-root claims the step in the store with one compare-and-set (commit_tree.py): one store operation a step, whatever
+From the second step on, the speakers vote along a tree of fan-out 8 over connections of their own, and its root
+claims the step in the store with one compare-and-set (commit_tree.py): one store operation a step, whatever
 the world, where the first step's protocol costs three a host (an add, the wait, a read). A rank that cannot learn
 the outcome from the tree gives the step up in the store the same way, so the store still decides. One given up
 ends the generation; its keys are reused every COMMIT_SLOTS steps (the first step's counters add up).
@@ -86,23 +87,23 @@ class StepCommit:
         """This speaker's place in the tree of the generation's speakers (commit_tree.py); None at the first step,
         for a follower, or without a tree (_speakers)."""
         speakers = self._speakers(store, number)
-        if speakers is None or self.watch(store).me not in speakers:
+        if speakers is None or self.watch(store).me not in speakers[0]:
             return None
         if "tree" not in self._watching:
-            self._watching["tree"] = CommitTree(speakers, self.watch(store).me, self._links())
+            links = self._links()
+            links.addresses = speakers[1]
+            self._watching["tree"] = CommitTree(speakers[0], self.watch(store).me, links)
         return self._watching["tree"]
 
-    def _speakers(self, store, number: int) -> dict[int, int] | None:
-        """{rank: weight} of the generation's speakers, read once (their listeners' addresses go to the links); None
-        at the first step, in a world of one, or when one host holds the generation (nobody wrote the key): then the
-        store alone decides."""
+    def _speakers(self, store, number: int) -> tuple[dict[int, int], dict[int, str]] | None:
+        """({rank: weight}, {rank: its listener's address}) of the generation's speakers, read once; None at the first
+        step, or when nobody wrote the key (a world of one, one host holding the generation): then the store alone
+        decides."""
         if number == 0:
             return None
         if "speakers" not in self._watching:
-            key, links = self._key("speakers"), self._links()
-            self._watching["speakers"] = None
-            if links is not None and store.check([key]):
-                self._watching["speakers"], links.addresses = read_speakers(store.get(key).decode())
+            key = self._key("speakers")
+            self._watching["speakers"] = read_speakers(store.get(key).decode()) if store.check([key]) else None
         return self._watching["speakers"]
 
     def _links(self):
@@ -123,7 +124,7 @@ class StepCommit:
             try:
                 return wait_watching(arriving.wait, "the per-step commit", max(0.0, deadline - time.monotonic()),
                                      troubled)
-            except RuntimeError as exc:  # Gloo's word for a peer gone: the store decides
+            except RuntimeError as exc:  # the tree's connection to that peer ended: the store decides
                 raise PeerDiedError(str(exc).splitlines()[0] if str(exc) else "a peer gone") from None
         return wait
 

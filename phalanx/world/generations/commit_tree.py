@@ -57,8 +57,8 @@ def read_speakers(text: str) -> tuple[dict[int, int], dict[int, str]]:
     >>> read_speakers("4:2:10.0.0.2:5001,0:4:10.0.0.1:5000,")
     ({0: 4, 4: 2}, {0: '10.0.0.1:5000', 4: '10.0.0.2:5001'})
     """
-    lines = sorted(line.split(":", 2) for line in text.split(",") if line)
-    ordered = sorted((int(rank), int(weight), address) for rank, weight, address in lines)
+    ordered = sorted((int(rank), int(weight), address)
+                     for rank, weight, address in (line.split(":", 2) for line in text.split(",") if line))
     return {rank: weight for rank, weight, _ in ordered}, {rank: address for rank, _, address in ordered}
 
 
@@ -97,7 +97,9 @@ class SocketLinks:
         return _Incoming(self, peer)
 
     def send(self, peer: int, tag: str, number: int, value: int) -> None:
-        if peer not in self._peers and peer not in self._connecting and peer not in self._ended:
+        """Send (number, value) to `peer` (`tag`: its direction, which the connection's order already says). A child
+        opens the connection to its parent, the lower rank; a word to a child not connected yet waits for it."""
+        if peer < self.me and peer not in self._peers and peer not in self._connecting and peer not in self._ended:
             self._connect(peer)
         self._outbox.setdefault(peer, bytearray()).extend(_WORD.pack(number, value))
         self._flush(peer)
@@ -262,7 +264,7 @@ class CommitTree:
 
     speakers: dict[int, int]
     me: int
-    links: object  # GlooLinks, or a test's
+    links: object  # SocketLinks, or a test's
     parent: int | None = field(init=False)
     children: list[int] = field(init=False)
 

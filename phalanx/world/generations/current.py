@@ -67,7 +67,7 @@ class Generation(StepCommit):
         return self.watch(store).gone()
 
     def close_watch(self) -> None:
-        """The generation is over: its watch closed, its commit's tree let go (it holds the control group)."""
+        """The generation is over: its watch closed, its commit tree's connections and listener closed."""
         self._watching.pop("tree", None)
         links = self._watching.pop("links", None)
         if links is not None:
