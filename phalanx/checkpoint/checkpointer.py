@@ -249,7 +249,7 @@ class Checkpointer:
 
     def _save_recovering(self, state: dict) -> Path:
         """save(state); with live recovery, a peer lost during the save regroups the ranks left, which save again."""
-        return generation.again_after_loss(lambda: self.save(state))
+        return generation.again_after_loss(lambda: self.save(state), what="a checkpoint's save")
 
     def _leave(self, path: Path) -> None:
         """The agreed stop: everything is saved; leave the world together and end the process."""

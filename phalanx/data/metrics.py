@@ -27,18 +27,20 @@ def _all_reduce(value, op, group):
             result = tensor.detach().to(collective_device(ranks), copy=True)
             generation.wait_for(dist.all_reduce(result, op=op, group=ranks, async_op=True), "a metric's all-reduce")
             return result
-        tensor = _on_the_ranks(reduce, group).to(tensor.device)
+        tensor = _on_the_ranks(reduce, group, tensor).to(tensor.device)
     return tensor.item() if is_number else tensor
 
 
-def _on_the_ranks(collective, group):
-    """`collective(group)`, by default on the ranks that train. With live recovery, a peer lost before it ends
-    regroups the ranks left (the model and loader too), which run it again: the value then covers them only."""
+def _on_the_ranks(collective, group, like: torch.Tensor):
+    """`collective(group)`, by default on the ranks that train; `like`: a tensor shaped as its result. With live
+    recovery, a peer lost before it ends regroups the ranks left (the model and loader too), which run it again: the
+    value then covers them only. When it had ended on some of them, the others take that value (it covers the lost
+    rank too): every rank goes on with the same one."""
     if group is not None:
         return collective(group)
     return generation.again_after_loss(lambda: collective(live_group()),
                                        "a rank was lost during a metric's collective: its value covers the {left} "
-                                       "ranks left")
+                                       "ranks left", "a metric's collective", like)
 
 
 def all_reduce_sum(value, group=None):

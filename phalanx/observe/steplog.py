@@ -144,7 +144,7 @@ class StepLog(FollowsGenerations):
         progress.logged(self.steps, self.total_steps)
         if self.steps % self.every == 0:
             self._end_window()
-            if len(self._rows) >= self._gather_every:
+            if not self._logged_by_the_others() and len(self._rows) >= self._gather_every:
                 self._exchange(wait=self._gather_every == 1)
         self._mark()
 

@@ -6,7 +6,10 @@ momentum) with a Checkpointer saving every 2 steps, the step's loss summed over 
 and a StepLog of every step (`directory/steplog/steps.jsonl`: steplog_records()). The doomed rank SIGKILLs itself in
 step `at` = (epoch, step) at `moment`: "forward" (before its first forward of the step), "exchange" (from a gradient
 hook in its last backward: with a bucket per parameter, some buckets are in flight), or "optimizer" (after its backward,
-before its optimizer step; the step was committed, so its samples are logged as applied), "commit" or "committed" (in
+before its optimizer step; the step was committed, so its samples are logged as applied), "metric" (in the step's
+metric, once its value reached rank 0 and no other rank: rank 0 finishes the metric and goes on, the others do not:
+_MetricReachingOneRank) or "metric-to-1" (the same, its value reaching rank 1 only: the main rank is behind),
+"commit" or "committed" (in
 the step's commit as its host's leader, rank 0 over Gloo on one host, world/generations/host_board.py: once it decided,
 before it tells the others or right after it: its samples logged as applied then); with a sharded model also "clip"
 (before `model.clip_grad_norm_`, whose all-reduce the others are then in), or "save" (in a background save, once the
@@ -19,6 +22,7 @@ alive in them (none: each is freed once its collectives ended).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import json
@@ -29,6 +33,7 @@ import traceback
 import weakref
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -47,7 +52,7 @@ from tests.helpers.global_batch_cases import (
     parameters,
 )
 
-MOMENTS = ("forward", "exchange", "optimizer")
+MOMENTS = ("forward", "exchange", "optimizer", "metric", "metric-to-1")
 
 
 def _die(directory: str) -> None:
@@ -115,7 +120,10 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                 if not step.undone:
                     log.write(json.dumps([epoch, step.index, ids, time.time()]) + "\n")
                     log.flush()
-                loss = px.metrics.all_reduce_sum(step.loss).item()  # over the ranks that train
+                straddled = moment.startswith("metric") and (epoch, step.index) == at  # every rank: one all-reduce
+                reaches = 1 if moment == "metric-to-1" else 0
+                with _MetricReachingOneRank(directory, doomed, reaches) if straddled else contextlib.nullcontext():
+                    loss = px.metrics.all_reduce_sum(step.loss).item()  # over the ranks that train
                 if not step.undone:
                     losses.append(loss)
                     steplog.step(loss, samples=len(ids))
@@ -127,6 +135,65 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
             "params": parameters(model), "losses": losses, "main": px.is_main(), "groups_made": groups_made,
             "older_groups_alive": groups.older_alive(current.number), "views": sorted(views)}
+
+
+class _MetricReachingOneRank:
+    """Inside the block, the metric's all-reduce is made of point-to-point messages (each rank sends its value to
+    every other and sums what it receives), and the doomed rank, once it received the others' values, sends its own to
+    rank `reaches` only and dies: that rank finishes the metric with every rank's value and goes on to its next
+    collective, while the others meet the loss in the metric (as Gloo's own all-reduce can end, on a peer lost at the
+    wrong moment)."""
+
+    def __init__(self, directory: str, doomed: bool, reaches: int):
+        self.directory, self.doomed, self.reaches = directory, doomed, reaches
+        self._metrics = px.metrics
+
+    def __enter__(self):
+        self._metrics.dist = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._metrics.dist = dist
+
+    def __getattr__(self, name: str):
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        me = dist.get_rank()
+        others = [rank for rank in ranks if rank != me]
+        received = {rank: torch.empty_like(tensor) for rank in others}
+        receives = [dist.irecv(received[rank], src=rank, group=group) for rank in others]
+        if self.doomed:
+            for work in receives:
+                work.wait()
+            dist.isend(tensor, dst=ranks[self.reaches], group=group).wait()
+            time.sleep(0.5)  # its value is taken in before the connection closes
+            _die(self.directory)
+        sends = [dist.isend(tensor, dst=rank, group=group) for rank in others]
+        return _Summed(tensor, received, receives + sends)
+
+
+class _Summed:
+    """The point-to-point all-reduce's Work: its waits run in a thread (a Gloo receive's own timed wait unbinds its
+    buffer), and the values received are added once every message went through."""
+
+    def __init__(self, tensor, received: dict, works: list):
+        self.tensor, self.received = tensor, received
+        self.done = concurrent.futures.ThreadPoolExecutor(1).submit(lambda: [work.wait() for work in works])
+
+    def is_completed(self) -> bool:
+        return self.done.done() and self.done.exception() is None
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            self.done.result(timeout=None if timeout is None else timeout.total_seconds())
+        except concurrent.futures.TimeoutError:
+            raise RuntimeError("timed out waiting for the metric's messages") from None
+        for value in self.received.values():
+            self.tensor += value
+        self.received = {}
+        return True
 
 
 def _die_in_commit(directory: str, log, in_commit: list, moment: str) -> None:

@@ -5,7 +5,10 @@ live_recovery_cases.py: a global batch, a Checkpointer, a metric per step), with
 Gloo's (PHALANX_SHM=0). Rank 2 kills itself in step 1 of epoch 0: before its forward, in the middle of the gradient
 exchange (some buckets in flight), after the exchange and before its optimizer step, or in a background save (its
 part never written: the checkpoint is given up, not waited for); over Gloo, rank 0, which speaks for the host in the
-per-step commit, dies in it, before it tells the others the outcome or after. Ranks 0 and 1 keep their
+per-step commit, dies in it, before it tells the others the outcome or after; or rank 2 dies in the step's metric
+once its value reached one rank only (rank 0, or rank 1: the main rank behind), which finishes the metric and goes on
+while the other meets the loss in it: the one behind takes the value (world/resume_point.py), and the StepLog and the
+Checkpointer line up on the same steps. Ranks 0 and 1 keep their
 processes, agree on generation 1 through the store, regroup the model and the loader, and redo at most the step in
 flight. Their final parameters equal one process's on whole global batches (the run that never lost a rank: a
 global batch averages the same samples at any world size), every sample weighs in exactly once per epoch, the
@@ -47,11 +50,13 @@ LOST_AT = (0, 1)  # step 1 of epoch 0
     ("exchange", "1", "none", 2), ("exchange", "0", "none", 2), ("forward", "1", "none", 0),
     ("optimizer", "0", "none", 2), ("exchange", "0", "gradients", 1), ("optimizer", "1", "gradients", 1),
     ("forward", "0", "optimizer", 1), ("optimizer", "0", "optimizer", 1), ("save", "1", "none", 2),
-    ("commit", "0", "none", 0), ("committed", "0", "none", 0)],
+    ("commit", "0", "none", 0), ("committed", "0", "none", 0), ("metric", "0", "none", 2),
+    ("metric-to-1", "1", "none", 2)],
     ids=["mid-exchange-shm", "mid-exchange-gloo", "rank0-mid-forward-shm", "before-optimizer-gloo",
          "gradients-mid-exchange-gloo", "gradients-before-optimizer-shm", "optimizer-mid-forward-gloo",
          "optimizer-before-optimizer-gloo", "mid-save-shm", "host-leader-mid-commit-gloo",
-         "host-leader-after-its-word-gloo"])
+         "host-leader-after-its-word-gloo", "mid-metric-ended-on-rank0-only-gloo",
+         "mid-metric-ended-on-rank1-only-shm"])
 def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost):
     results = run_ranks(train, 3, (str(tmp_path), lost, LOST_AT, moment, 0.0, shard), min_world_size=2, timeout=180,
                         env={"PHALANX_SHM": shm, "PHALANX_DDP_STALL_TIMEOUT": "20", "PHALANX_MEMBERSHIP_TIMEOUT": "30"})

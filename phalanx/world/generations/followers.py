@@ -7,6 +7,7 @@ import time
 import weakref
 
 from ...diagnose import progress
+from .. import resume_point
 from . import release
 from .current import current
 
@@ -24,6 +25,8 @@ def regroup_followers(number: int, members, lost, started: float, redoing: bool 
                       healed: tuple[int, float] | None = None) -> None:
     """Every model and loader that follows the generations regrouped onto the current one, and the change
     recorded for the launcher's run summary."""
+    if joined:  # every member is at the same step: the collectives that redo themselves count from here
+        resume_point.restart_count()
     _followers[:] = [ref for ref in _followers if ref() is not None]
     for ref in list(_followers):
         method = ref()

@@ -11,7 +11,7 @@ from ...diagnose.watch import ddp_stall_seconds
 from ...errors import PeerFailedError
 from ...log import logger
 from .. import group as world
-from .. import joining
+from .. import joining, resume_point
 from .agreement import next_generation
 from .current import Generation, current
 from .followers import regroup_followers
@@ -23,7 +23,7 @@ from .settings import (
     membership_timeout,
     min_world_size,
 )
-from .waits import peer_gone
+from .waits import peer_gone, wait_for
 
 _undoing = False  # during recover(undone=True)
 
@@ -36,6 +36,7 @@ def recover(cause: BaseException, redoing: bool = False, undone: bool = False) -
     global _undoing
     started, before = time.monotonic(), current().members
     survivors = next_generation(cause)
+    resume_point.settle(world.control_group(), survivors.rank, wait_for)  # a rank behind takes what others finished
     _undoing = undone
     try:
         regroup_followers(survivors.number, survivors.members, sorted(set(before) - set(survivors.members)),
@@ -55,19 +56,27 @@ def is_loss(failure: BaseException) -> bool:
     return live_recovery() and (isinstance(failure, PeerFailedError) or peer_gone(failure))
 
 
-def again_after_loss(action, warning: str | None = None):
-    """`action()`; with live recovery, when a peer is lost during it (PeerFailedError, or Gloo's words for a closed
-    connection), the ranks left regroup (recover) and do it again. `warning`, formatted with `left` (how many ranks
-    are left), is logged when that happens."""
+def again_after_loss(action, warning: str | None = None, what: str = "a collective", like=None):
+    """`action()`, a collective (`what` it is); with live recovery, when a peer is lost during it (PeerFailedError, or
+    Gloo's words for a closed connection), the ranks left regroup (recover) and do it again. `warning`, formatted
+    with `left` (how many ranks are left), is logged when that happens. `like`: a tensor of the result's shape and
+    dtype: a rank whose peers finished the action before the loss takes their result instead (world/resume_point.py:
+    the action may end on some ranks and not others, and those went on)."""
+    resume_point.entering(what, like)
     try:
-        return action()
+        result = action()
     except RuntimeError as lost:  # PeerFailedError is one
         if not is_loss(lost):
+            resume_point.abandoned()
             raise
         survivors = recover(lost)
-        if warning:
-            logger.warning(warning.format(left=survivors.world_size))
-        return action()
+        result = resume_point.take_handed()
+        if result is None:
+            if warning:
+                logger.warning(warning.format(left=survivors.world_size))
+            result = action()
+    resume_point.finished(result)
+    return result
 
 
 _mode: bool | None = None  # what say_mode() said: a loss recovered in-process (True) or by a restart (False)
