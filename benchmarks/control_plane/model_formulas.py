@@ -31,6 +31,8 @@ class Units:
         self.full_mesh = GroupFit(raw["group"], self.s, lazy=False)
         self.lazy = GroupFit(raw["group_lazy"], self.s, lazy=True) if "group_lazy" in raw else None
         self.t_end = raw.get("watch_end", {}).get("seconds", 0.0)
+        # of which the victim's own teardown (its exit, as the kernel tells it): the rest is the watcher's part
+        self.t_teardown = raw.get("watch_end", {}).get("teardown")
         self.hop = raw.get("tree", {}).get("hop", self.rtt / 2)  # tree_units.py's: a tree message, one way
 
     def r(self, ranks: int) -> float:

@@ -16,7 +16,10 @@ with the times.
     sudo PYTHONPATH=. python benchmarks/control_plane/watch_end.py [--rounds 5] [--into UNITS.json]
 
 measures it alone (control_plane_units.py measures it with the other units): `--into` replaces the `watch_end`
-entry of a units file (control_plane_units.py --json's), saying when it was measured.
+entry of a units file (control_plane_units.py --json's), saying when it was measured. Each kill also times the
+victim's exit as the kernel tells it (`teardown`: its pidfd turning readable, tests/helpers/control_plane.py's
+ExitTimes): the verdict comes with it, so the naming is the teardown; control_plane_model.py compares the loss runs
+with their own teardown too, which 16 hosts on 2 cores stretch.
 """
 
 from __future__ import annotations
@@ -85,15 +88,16 @@ def watcher() -> None:
 
 
 def watch_ends(hosts: list[dict], env: dict, rounds: int = 5) -> dict:
-    """{"seconds": [from a SIGKILL of a worker in hosts[1] to its kept watch's verdict in hosts[2]], "rss_kb": [...],
-    "threads": [...]}, `rounds` times."""
+    """{"seconds": [from a SIGKILL of a worker in hosts[1] to its kept watch's verdict in hosts[2]], "exited": [to the
+    worker's exit, as the kernel told it: its teardown], "rss_kb": [...], "threads": [...]}, `rounds` times."""
     from tests.e2e.test_elastic import job_env  # the loss runs' commands' environment (a warm launcher)
+    from tests.helpers.control_plane import ExitTimes
 
     me = [sys.executable, str(Path(__file__).resolve())]
     launch_env = {**job_env(), "PYTHONPATH": env["PYTHONPATH"]}
     follower = subprocess.Popen(["ip", "netns", "exec", hosts[2]["ns"], *me, "--watcher"], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-    found: dict[str, list] = {"seconds": [], "rss_kb": [], "threads": []}
+    found: dict[str, list] = {"seconds": [], "exited": [], "rss_kb": [], "threads": []}
     try:
         for _ in range(rounds):
             port = free_port()  # for the world of one's store: none listens in host 1 yet
@@ -116,9 +120,11 @@ def watch_ends(hosts: list[dict], env: dict, rounds: int = 5) -> dict:
                 follower.stdin.write(beacon + "\n")  # a line: sent at once (bufsize=1)
                 assert follower.stdout.readline().strip() == "ready"
                 time.sleep(1.0)  # a few ticks
+                exits = ExitTimes([worker])
                 struck = time.time()
                 _kill(parent, worker)  # as the loss runs do; the launcher itself once the worker is gone
                 found["seconds"].append(json.loads(follower.stdout.readline())["at"] - struck)
+                found["exited"].append(exits.last(struck))
                 found["rss_kb"].append(rss_kb)
                 found["threads"].append(threads)
             finally:
@@ -143,7 +149,10 @@ def main() -> None:
     root = Path(__file__).resolve().parents[2]
     with bridged_hosts("pwe", 223, 3) as hosts:
         ends = watch_ends(hosts, {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}, args.rounds)
-    entry = {"seconds": statistics.median(ends["seconds"]), "all": ends["seconds"], "rss_kb": ends["rss_kb"],
+    exited = [seconds for seconds in ends["exited"] if seconds is not None]
+    entry = {"seconds": statistics.median(ends["seconds"]), "all": ends["seconds"],
+             "teardown": statistics.median(exited) if exited else None, "exited": ends["exited"],
+             "rss_kb": ends["rss_kb"],
              "threads": ends["threads"], "measured": time.strftime("%Y-%m-%d %H:%M"), "load": os.getloadavg()[0]}
     print(json.dumps(entry))
     if args.into:

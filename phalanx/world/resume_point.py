@@ -38,7 +38,8 @@ def finished(result) -> None:
     """The collective under way ended here with `result` (the same on every rank that finished it)."""
     global _finished, _last, _in_flight
     _finished += 1
-    _last = result.detach() if isinstance(result, torch.Tensor) else None
+    # A copy: the caller may change the tensor it got in place (a mean divided into it), not what was reduced.
+    _last = result.detach().clone() if isinstance(result, torch.Tensor) else None
     _in_flight = None
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -186,7 +187,9 @@ class Loss:
     the lost ranks less the regroup it reports ("lost line")), the regroup (`regroup`: the agreement and the new
     groups, as that line says; `regroup_summary`: the launcher's run summary, the models and loaders too), and to the
     first step every rank left applied in the generation after it (`next_step`); for a kill, when the victim's workers
-had exited (`died`), and the regroup's parts on every survivor (`parts`, regroup_parts)."""
+    had exited (`died`, polled; `exited`, as the kernel told it: ExitTimes), what they held then (`victim`: resident kB
+    and threads, as watch_end.py reports its own victim's: a process's teardown, which its sockets' close waits for,
+    grows with both), and the regroup's parts on every survivor (`parts`, regroup_parts)."""
 
     how: str
     detected: float | None
@@ -196,7 +199,9 @@ had exited (`died`), and the regroup's parts on every survivor (`parts`, regroup
     next_step: float | None
     lost: list[int]
     died: float | None = None  # a kill: seconds until the victim's workers had exited (their sockets closed)
+    exited: float | None = None  # the same, as the kernel told it (ExitTimes): no polling's own delay
     parts: dict | None = None  # regroup_parts()
+    victim: dict | None = None  # a kill: {"rss_kb": [...], "threads": [...]}, a value per worker killed
 
 
 def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, after: int = 8, steps: int = 30,
@@ -225,10 +230,14 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
             # delay, not the control plane's)
             pids = [int((run_dir / f"pid-{rank}.txt").read_text()) for rank in range(watched, watched + per_host)]
             launchers = {int(stat_fields(pid)[1]) for pid in pids}
+            held = [_held(pid) for pid in pids]
+            victim_held = {"rss_kb": [rss for rss, _ in held], "threads": [threads for _, threads in held]}
+            exits = ExitTimes(pids)
             struck = time.time()
             for pid in [*launchers, *pids]:
                 os.kill(pid, signal.SIGKILL)
             died = _dead_after(pids, struck)
+            exited = exits.last(struck)
             kill_node(job.launchers[victim])
         job.wait(range(victim))
     finally:
@@ -236,7 +245,44 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
     survivors = [rank for rank in range(job.ranks) if rank // per_host != victim]
     return Loss(how, *_named(job, survivors, struck), _summary_regroup(job.output(0)),
                 _next_step(job, survivors, struck), list(range(victim * per_host, job.ranks)),
-                died if how == "kill" else None, regroup_parts(job, survivors, struck))
+                died if how == "kill" else None, exited if how == "kill" else None,
+                regroup_parts(job, survivors, struck), victim_held if how == "kill" else None)
+
+
+class ExitTimes:
+    """When each of `pids` exited, as the kernel tells it: a thread per process blocks in poll() on its pidfd, which
+    turns readable once its last thread has exited (its files, and so its sockets, closed just before). A thread
+    asleep in poll() is woken as a kept watch's is, so on a loaded machine this is the victim's teardown as the
+    control plane meets it, without a polling loop's own delay."""
+
+    def __init__(self, pids: list[int]):
+        self.times: dict[int, float] = {}
+        self.threads = [threading.Thread(target=self._wait, args=(pid, os.pidfd_open(pid)), daemon=True)
+                        for pid in pids]
+        for thread in self.threads:
+            thread.start()
+
+    def _wait(self, pid: int, pidfd: int) -> None:
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll()
+            self.times[pid] = time.time()
+        finally:
+            os.close(pidfd)
+
+    def last(self, struck: float, limit: float = 5.0) -> float | None:
+        """Seconds from `struck` to the last of them exiting (None: one outlived `limit`)."""
+        for thread in self.threads:
+            thread.join(timeout=max(0.0, struck + limit - time.time()))
+        return None if len(self.times) < len(self.threads) else max(self.times.values()) - struck
+
+
+def _held(pid: int) -> tuple[int, int]:
+    """(resident kB, threads) of process `pid`, from /proc/<pid>/status."""
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
 
 
 def _dead_after(pids: list[int], struck: float, limit: float = 5.0) -> float | None:
