@@ -32,6 +32,11 @@ from .replicas import check_same_signature
 class RegroupMixin:
     """`regroup`, mixed into DistributedDataParallel (which provides `_build_engine` and the engine's state)."""
 
+    # DiLoCo under live recovery: whether every host's exchange settles alike (_agree_on_commits); None otherwise. A
+    # class default, so that the per-step question finds it: a missing attribute costs nn.Module's __getattr__ and
+    # an exception, tens of microseconds a step on the commit's critical path.
+    _hosts_settle: bool | None = None
+
     def regroup(self, process_group) -> None:
         """Train on `process_group` from the next forward on, in place of the group the model had.
 
@@ -109,7 +114,7 @@ class RegroupMixin:
         no map of used parameters (a Gloo all-reduce after the exchange). Under DiLoCo the commit is the whole
         world's while each host exchanges alone: every rank answers alike (_agree_on_commits)."""
         reducer = self._reducer
-        if getattr(self, "_hosts_settle", None) is not None:  # asked once a step (its last backward)
+        if self._hosts_settle is not None:  # asked once a step (its last backward)
             fresh, self._engine_fresh = self._engine_fresh, False
             return reducer is not None and self._hosts_settle and not fresh
         return (reducer is not None and reducer.rebuilt and not reducer.tolerate_unused
