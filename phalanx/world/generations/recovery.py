@@ -62,6 +62,8 @@ def again_after_loss(action, warning: str | None = None, what: str = "a collecti
     with `left` (how many ranks are left), is logged when that happens. `like`: a tensor of the result's shape and
     dtype: a rank whose peers finished the action before the loss takes their result instead (world/resume_point.py:
     the action may end on some ranks and not others, and those went on)."""
+    if not live_recovery():  # nothing to line up after a loss: it fails the run
+        return action()
     resume_point.entering(what, like)
     try:
         result = action()
