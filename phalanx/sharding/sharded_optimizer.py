@@ -11,6 +11,8 @@ torch's own format for the whole model, as the unsharded optimizer would, gather
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 import torch.distributed as dist
 
@@ -18,6 +20,7 @@ from ..bucket.shard_plan import Piece
 from ..errors import ShardingError, explain
 from ..exchange.sharded import ShardedExchange, all_gather
 from ..world import generation
+from ..world.group import collective_device
 from .optimizer_view import OptimizerView
 from .shard_copies import ShardCopies
 
@@ -212,8 +215,7 @@ class ShardedOptimizer(OptimizerView):
                 found = self.state.get(piece.tensor)
                 if found:
                     mine[piece.index] = {key: self._describe(key, value, piece) for key, value in found.items()}
-        everyone = [None] * self.exchange.world_size
-        dist.all_gather_object(everyone, mine, group=group)
+        everyone = _gather_objects(mine, group, self.exchange.world_size)
         layout = {}
         for rank_layout in everyone:
             for index, entries in rank_layout.items():
@@ -231,7 +233,7 @@ class ShardedOptimizer(OptimizerView):
                     if value is not None and _per_element(value, piece):
                         own[piece.offset:piece.offset + piece.numel].copy_(value.reshape(-1))
                 full = torch.empty(shard.padded, dtype=dtype, device=bucket.storage.device)
-                all_gather(full, own, group=group)
+                generation.wait_for(all_gather(full, own, group=group, async_op=True), "a sharded state's gather")
                 if wanted:
                     gathered[key] = full
             if not wanted:
@@ -322,3 +324,22 @@ def _slice_for(value, piece: Piece, param: torch.Tensor):
     if piece.whole or not (isinstance(value, torch.Tensor) and value.shape == param.shape):
         return value
     return value.reshape(-1)[piece.start:piece.stop].clone()
+
+
+def _gather_objects(mine, group, size: int) -> list:
+    """Every rank's `mine` (small: a layout of keys and scalars), in rank order; a collective whose waits are watched
+    (generation.wait_for: under live recovery a peer lost during a save ends it at once, where
+    dist.all_gather_object would wait for the group's timeout). Pickled as dist.all_gather_object does: bytes from
+    the ranks of this run, never a file."""
+    device = collective_device(group)  # NCCL's groups move CUDA tensors only
+    payload = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    generation.wait_for(dist.all_gather(sizes, torch.tensor([payload.numel()], device=device), group=group,
+                                        async_op=True), "the sizes of a sharded state's layout")
+    lengths = [int(n) for n in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[:payload.numel()] = payload
+    pieces = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(size)]
+    generation.wait_for(dist.all_gather(pieces, padded.to(device), group=group, async_op=True),
+                        "a sharded state's layout")
+    return [pickle.loads(piece[:n].cpu().numpy().tobytes()) for piece, n in zip(pieces, lengths)]
