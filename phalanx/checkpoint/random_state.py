@@ -109,14 +109,4 @@ def gather(states: dict[str, torch.Tensor], device: torch.device) -> list[dict[s
     if not dist.is_initialized() or world.group_size() == 1:
         return [states]
     group = world.live_group()  # after a loss, the ranks left
-    blob = encode(states).to(device)
-    # all_gather needs equal sizes: exchange lengths first, then pad every blob to the longest
-    size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world.group_size())]
-    generation.wait_for(dist.all_gather(sizes, size, group=group, async_op=True), "the random states' sizes")
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:blob.numel()] = blob
-    blobs = [torch.empty_like(padded) for _ in sizes]
-    generation.wait_for(dist.all_gather(blobs, padded, group=group, async_op=True), "the random states")
-    return [decode(b[:int(s)]) for b, s in zip(blobs, sizes)]
+    return [decode(blob) for blob in generation.all_gather_bytes(encode(states).to(device), group, "the random states")]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import pickle
 
 import torch
-import torch.distributed as dist
 
 from ..bucket.shard_plan import Piece
 from ..errors import ShardingError, explain
@@ -215,7 +214,7 @@ class ShardedOptimizer(OptimizerView):
                 found = self.state.get(piece.tensor)
                 if found:
                     mine[piece.index] = {key: self._describe(key, value, piece) for key, value in found.items()}
-        everyone = _gather_objects(mine, group, self.exchange.world_size)
+        everyone = _gather_objects(mine, group)
         layout = {}
         for rank_layout in everyone:
             for index, entries in rank_layout.items():
@@ -326,20 +325,10 @@ def _slice_for(value, piece: Piece, param: torch.Tensor):
     return value.reshape(-1)[piece.start:piece.stop].clone()
 
 
-def _gather_objects(mine, group, size: int) -> list:
+def _gather_objects(mine, group) -> list:
     """Every rank's `mine` (small: a layout of keys and scalars), in rank order; a collective whose waits are watched
-    (generation.wait_for: under live recovery a peer lost during a save ends it at once, where
-    dist.all_gather_object would wait for the group's timeout). Pickled as dist.all_gather_object does: bytes from
-    the ranks of this run, never a file."""
-    device = collective_device(group)  # NCCL's groups move CUDA tensors only
-    payload = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    generation.wait_for(dist.all_gather(sizes, torch.tensor([payload.numel()], device=device), group=group,
-                                        async_op=True), "the sizes of a sharded state's layout")
-    lengths = [int(n) for n in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8)
-    padded[:payload.numel()] = payload
-    pieces = [torch.empty(max(lengths), dtype=torch.uint8, device=device) for _ in range(size)]
-    generation.wait_for(dist.all_gather(pieces, padded.to(device), group=group, async_op=True),
-                        "a sharded state's layout")
-    return [pickle.loads(piece[:n].cpu().numpy().tobytes()) for piece, n in zip(pieces, lengths)]
+    (under live recovery a peer lost during a save ends it at once, where dist.all_gather_object would wait for the
+    group's timeout). Pickled as dist.all_gather_object does: bytes from the ranks of this run, never a file."""
+    blob = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8).to(collective_device(group))
+    return [pickle.loads(gathered.cpu().numpy().tobytes())
+            for gathered in generation.all_gather_bytes(blob, group, "a sharded state's layout")]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from ...errors import PeerDiedError, explain
@@ -102,3 +103,17 @@ def wait_for(work, what: str, aside: bool = False) -> None:
         watch(work, what, aside)
     else:
         work.wait()
+
+
+def all_gather_bytes(blob: torch.Tensor, group, what: str) -> list[torch.Tensor]:
+    """Every rank's `blob` (a uint8 tensor of any length, on the device `group` moves), in the group's rank order; a
+    collective: the lengths, then the blobs padded to the longest, each waited for with wait_for (`what` they are)."""
+    size = torch.tensor([blob.numel()], dtype=torch.int64, device=blob.device)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    wait_for(dist.all_gather(sizes, size, group=group, async_op=True), f"the sizes of {what}")
+    lengths = [int(n) for n in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=blob.device)
+    padded[:blob.numel()] = blob
+    blobs = [torch.empty_like(padded) for _ in lengths]
+    wait_for(dist.all_gather(blobs, padded, group=group, async_op=True), what)
+    return [gathered[:n] for gathered, n in zip(blobs, lengths)]
