@@ -49,6 +49,7 @@ def victim(address: str) -> None:
 
     import phalanx as px
     from tests.e2e.jobs.control_plane_job import build
+    from tests.helpers.control_plane import held_by
 
     px.init()
     model, optimizer = build()
@@ -57,10 +58,8 @@ def victim(address: str) -> None:
         model(torch.randn(4, 4)).square().mean().backward()
         optimizer.step()
     beacon = socket.create_server((address, 0), backlog=64)
-    with open("/proc/self/status") as status:
-        fields = dict(line.split(":", 1) for line in status)
-    print(f"VICTIM {address}:{beacon.getsockname()[1]} {fields['VmRSS'].split()[0]} {fields['Threads'].strip()} "
-          f"{os.getpid()}", flush=True)
+    rss_kb, threads = held_by(os.getpid())
+    print(f"VICTIM {address}:{beacon.getsockname()[1]} {rss_kb} {threads} {os.getpid()}", flush=True)
     connection, _ = beacon.accept()
     while connection.recv(64):
         pass

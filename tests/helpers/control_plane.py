@@ -187,7 +187,7 @@ class Loss:
     the lost ranks less the regroup it reports ("lost line")), the regroup (`regroup`: the agreement and the new
     groups, as that line says; `regroup_summary`: the launcher's run summary, the models and loaders too), and to the
     first step every rank left applied in the generation after it (`next_step`); for a kill, when the victim's workers
-    had exited (`died`, polled; `exited`, as the kernel told it: ExitTimes), what they held then (`victim`: resident kB
+    had exited (`exited`, as the kernel told it: ExitTimes), what they held then (`victim`: resident kB
     and threads, as watch_end.py reports its own victim's: a process's teardown, which its sockets' close waits for,
     grows with both), and the regroup's parts on every survivor (`parts`, regroup_parts)."""
 
@@ -198,8 +198,7 @@ class Loss:
     regroup_summary: float | None
     next_step: float | None
     lost: list[int]
-    died: float | None = None  # a kill: seconds until the victim's workers had exited (their sockets closed)
-    exited: float | None = None  # the same, as the kernel told it (ExitTimes): no polling's own delay
+    exited: float | None = None  # a kill: seconds until the victim's workers had exited, as the kernel told it
     parts: dict | None = None  # regroup_parts()
     victim: dict | None = None  # a kill: {"rss_kb": [...], "threads": [...]}, a value per worker killed
 
@@ -230,13 +229,12 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
             # delay, not the control plane's)
             pids = [int((run_dir / f"pid-{rank}.txt").read_text()) for rank in range(watched, watched + per_host)]
             launchers = {int(stat_fields(pid)[1]) for pid in pids}
-            held = [_held(pid) for pid in pids]
+            held = [held_by(pid) for pid in pids]
             victim_held = {"rss_kb": [rss for rss, _ in held], "threads": [threads for _, threads in held]}
             exits = ExitTimes(pids)
             struck = time.time()
             for pid in [*launchers, *pids]:
                 os.kill(pid, signal.SIGKILL)
-            died = _dead_after(pids, struck)
             exited = exits.last(struck)
             kill_node(job.launchers[victim])
         job.wait(range(victim))
@@ -245,7 +243,7 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
     survivors = [rank for rank in range(job.ranks) if rank // per_host != victim]
     return Loss(how, *_named(job, survivors, struck), _summary_regroup(job.output(0)),
                 _next_step(job, survivors, struck), list(range(victim * per_host, job.ranks)),
-                died if how == "kill" else None, exited if how == "kill" else None,
+                exited if how == "kill" else None,
                 regroup_parts(job, survivors, struck), victim_held if how == "kill" else None)
 
 
@@ -278,31 +276,11 @@ class ExitTimes:
         return None if len(self.times) < len(self.threads) else max(self.times.values()) - struck
 
 
-def _held(pid: int) -> tuple[int, int]:
+def held_by(pid: int) -> tuple[int, int]:
     """(resident kB, threads) of process `pid`, from /proc/<pid>/status."""
     with open(f"/proc/{pid}/status") as status:
         fields = dict(line.split(":", 1) for line in status)
     return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
-
-
-def _dead_after(pids: list[int], struck: float, limit: float = 5.0) -> float | None:
-    """Seconds from `struck` until every process of `pids` has exited (gone, or a zombie: its sockets are closed by
-    then), polled every millisecond."""
-    while time.time() - struck < limit:
-        if all(_ended(pid) for pid in pids):
-            return time.time() - struck
-        time.sleep(0.001)
-    return None
-
-
-def _ended(pid: int) -> bool:
-    """Whether every thread of `pid` has exited: only then are its sockets closed (the group's leader is a zombie as
-    soon as it exits itself; the others leave /proc/<pid>/task as they exit)."""
-    fields = stat_fields(pid)
-    try:
-        return not fields or (fields[0] in ("Z", "X") and len(os.listdir(f"/proc/{pid}/task")) <= 1)
-    except OSError:
-        return True
 
 
 def regroup_parts(job: Job, survivors: list[int], struck: float) -> dict:
