@@ -63,17 +63,26 @@ def restart_count() -> None:
     _finished, _last = 0, None
 
 
-def settle(group, rank: int, wait) -> None:
+def settle(group, rank: int, wait, applied: int = -1) -> None:
     """Collective over the ranks left after a loss, on their new Gloo `group` (None: one rank left): compare how many
     collectives each finished; those one behind take the last one's result from the first rank that finished it.
-    `rank`: this rank's (for the errors); `wait(work, what)`: a watched wait (generation.wait_for)."""
+    `rank`: this rank's (for the errors); `wait(work, what)`: a watched wait (generation.wait_for); `applied`: the
+    last step of the generation before that this rank applied, the same on every rank left (else the regroup fails:
+    generations/commit.py's ranks in doubt, past the membership timeout)."""
     global _handed
     if group is None:
         return
     like = _in_flight[1] if _in_flight is not None else None
-    mine = torch.tensor([_finished, int(_last is not None), int(like is not None)], dtype=torch.int64)
+    mine = torch.tensor([_finished, int(_last is not None), int(like is not None), applied], dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(group.size())]
     wait(dist.all_gather(everyone, mine, group=group, async_op=True), "the ranks' collectives finished, at a regroup")
+    steps = [int(row[3]) for row in everyone]
+    if len(set(steps)) > 1:
+        raise MembershipError(explain(
+            "the ranks left applied different steps before the loss", rank=rank,
+            seen=f"the last step applied, per rank of the new group: {steps}", expected="the same step on each",
+            fix="A rank in doubt about a step's outcome waited past the membership timeout for a rank that applied "
+                "it (PHALANX_MEMBERSHIP_TIMEOUT): the run falls back to a restart from its newest checkpoint."))
     counts = [int(row[0]) for row in everyone]
     most, least = max(counts), min(counts)
     if most == least:

@@ -31,11 +31,13 @@ DECISION_LOOK = 0.02  # seconds between the other survivors' looks at the decisi
 
 def agree_on_survivors(generation: Generation, store) -> tuple[int, ...]:
     """Collective over the survivors of `generation`: the members that go on, the same tuple on each of them. Each
-    appends its rank to one list; the first of them decides once every member is on it or known gone (its watcher said
-    so, or after ORPHAN_AFTER its own probe: a member whose watcher is lost too), or the membership timeout passed. The
-    others look for the decision, and read the list only now and then (the first of them may be lost too)."""
+    says which step it applied last (for the ranks in doubt about one: commit.py), then appends its rank to one
+    list; the first of them decides once every member is on it or known gone (its watcher said so, or after
+    ORPHAN_AFTER its own probe: a member whose watcher is lost too), or the membership timeout passed. The others
+    look for the decision, and read the list only now and then (the first of them may be lost too)."""
     me = dist.get_rank()
     decision, listed = generation._key("next"), generation._key("alive")
+    generation.say_applied(store)  # first: a rank in doubt about the last step learns from it (commit.py)
     store.append(listed, f"{me},")
     watch, timeout = generation.watch(store), membership_timeout()
     started = time.monotonic()

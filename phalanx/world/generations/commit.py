@@ -16,10 +16,17 @@ the membership timeout passes (watch.py). Each speaker also writes its rank, its
 address to the generation's `speakers` key, before its add.
 
 From the second step on, the speakers vote along a tree of fan-out 8 over connections of their own, and its root
-claims the step in the store with one compare-and-set (commit_tree.py): one store operation a step, whatever
-the world, where the first step's protocol costs three a host (an add, the wait, a read). A rank that cannot learn
-the outcome from the tree gives the step up in the store the same way, so the store still decides. One given up
-ends the generation; its keys are reused every COMMIT_SLOTS steps (the first step's counters add up).
+decides alone and sends the outcome down (commit_tree.py): no store operation in a healthy step, whatever the world,
+where the first step's protocol costs three a host (an add, the wait, a read). A speaker that said ready and then
+cannot hear the outcome (its parent gone, or the root) is in doubt: the root may have decided "applied" and told
+some of the others before it was lost. It asks the ranks left instead (_doubt): each rank that meets a loss says in
+the store which step it applied last before it regroups (say_applied: agreement.py); an in-doubt rank applies the
+step once any member says it applied it, and redoes it once every other member has said it did not or is known gone.
+Whoever said "applied" first heard it from the tree, and a rank that said "not" changes its word only after someone
+said "applied": so no two ranks left conclude apart. The ranks left compare their last applied step as they regroup
+(resume_point.settle), and a difference, which only a member silent past the membership timeout can make, fails the
+regroup on every rank. One step given up ends the generation; the first step's counters are reused every
+COMMIT_SLOTS steps (they add up).
 """
 
 from __future__ import annotations
@@ -29,19 +36,38 @@ import time
 from ...errors import MembershipError, PeerDiedError, explain
 from .. import group as world
 from ..liveness import reachable_host
-from .commit_tree import CommitTree, SocketLinks, outcome_value, read_speakers
-from .settings import membership_timeout, wait_watching
+from .commit_tree import CommitTree, SocketLinks, read_speakers
+from .settings import ORPHAN_AFTER, membership_timeout, wait_watching
 
 COMMIT_SLOTS = 4  # the per-step commit's counters, reused: step n's is slot n % 4's (a member is at most 1 step ahead)
 GIVEN_UP = -(1 << 40)  # what a commit counter is set to when its step is given up: later adds leave it negative
+DOUBT_LOOK = 0.01  # seconds between an in-doubt rank's reads of the steps the others applied (after a loss only)
 
 
 class StepCommit:
     """The commit protocol of a generation (current.py's Generation): its `_key`, `world_size` and `watch`."""
 
     def commit(self, store, number: int) -> bool:
-        """Collective over the members, through the store: True if every member is ready to apply step
-        `number` of this generation, False if the step failed somewhere and is to be redone."""
+        """Collective over the members: True if every member is ready to apply step `number` of this generation,
+        False if the step failed somewhere and is to be redone."""
+        applied = self._commit(store, number)
+        if applied:
+            self._watching["applied"] = number
+        return applied
+
+    def last_applied(self) -> int:
+        """The last step of this generation this rank applied (-1: none)."""
+        return self._watching.get("applied", -1)
+
+    def say_applied(self, store) -> None:
+        """Say in the store which step this rank applied last: a rank that met a loss, before it regroups, so that
+        a rank in doubt about a step learns whether one left applied it (_doubt)."""
+        self._say_applied(store, (self.watch(store).me,), self.last_applied())
+
+    def _say_applied(self, store, ranks, last: int) -> None:
+        store.append(self._key("applied"), "".join(f"{rank}:{last}," for rank in ranks))
+
+    def _commit(self, store, number: int) -> bool:
         board = self.watch(store).board()
         if board is None:
             return self._speak(store, number, 1)
@@ -57,7 +83,9 @@ class StepCommit:
                     seen=f"its process still running after {waited:g} s", expected="its word within that time",
                     fix=f"Rank {board.block[0]} is stuck outside phalanx's bounded waits (a debugger, SIGSTOP?): "
                         "see its stack (py-spy dump). The run ends rather than guess the step's outcome."))
-            return applied if applied is not None else self.fail_commit(store, number)
+            if applied is not None:
+                return applied
+            return self._doubt(store, number) if self._tree_step(store, number) else self.fail_commit(store, number)
         deadline, watch = time.monotonic() + membership_timeout(), self.watch(store)
         votes = board.votes(number, deadline, lambda: watch.troubled())
         if all(votes):  # a host alone is the whole generation: what its ranks agreed is the outcome
@@ -80,8 +108,8 @@ class StepCommit:
             if number == 0 and self._links() is not None:  # read by every speaker from the second step on
                 store.append(self._key("speakers"), f"{self.watch(store).me}:{weight}:{self._links().address},")
             return self._commit_for(store, number, weight)
-        return tree.settle(number, weight, self.world_size, lambda: self._claim(store, number),
-                           lambda: self.fail_commit(store, number), self._tree_wait(store))
+        return tree.settle(number, weight, self.world_size, lambda: self._doubt(store, number),
+                           self.watch(store).say_trouble, self._tree_wait(store))
 
     def _tree(self, store, number: int) -> CommitTree | None:
         """This speaker's place in the tree of the generation's speakers (commit_tree.py); None at the first step,
@@ -128,16 +156,31 @@ class StepCommit:
                 raise PeerDiedError(str(exc).splitlines()[0] if str(exc) else "a peer gone") from None
         return wait
 
-    def _outcome_slot(self, number: int) -> tuple[str, str]:
-        """Step `number`'s outcome key (from the second step on) and the value it holds before: the step
-        COMMIT_SLOTS before it, applied, or nothing."""
-        before = number - COMMIT_SLOTS
-        return self._key("outcome", number % COMMIT_SLOTS), outcome_value(before, True) if before >= 1 else ""
+    def _tree_step(self, store, number: int) -> bool:
+        """Whether the speakers' tree decides step `number` (else the store does: a first step, one host)."""
+        return self._speakers(store, number) is not None
 
-    def _claim(self, store, number: int) -> bool:
-        """The tree's root: every member is ready to apply step `number`; True unless it was given up first."""
-        key, before = self._outcome_slot(number)
-        return store.compare_set(key, before, outcome_value(number, True)).decode() == outcome_value(number, True)
+    def _doubt(self, store, number: int) -> bool:
+        """This rank (with its host's, when it speaks for them) said ready to tree step `number` and cannot hear the
+        outcome: whether the step is applied, as the ranks left say (see the module docstring). Each look reads one
+        key; past the membership timeout the step is redone (resume_point.settle then finds any rank that applied
+        it and fails the regroup, never silently apart)."""
+        watch, started = self.watch(store), time.monotonic()
+        board = watch.board(wait=False)
+        mine = board.block if board is not None and board.leads else (watch.me,)
+        self._say_applied(store, mine, number - 1)
+        watch.say_trouble()  # the others' waits on their peers end at their next look: they come to say theirs
+        others, key = set(self.members) - set(mine), self._key("applied")
+        while True:
+            said = _last_applied(store.get(key).decode())
+            if any(last >= number for last in said.values()):
+                return True
+            unknown = others - set(said) - watch.gone()
+            if unknown and time.monotonic() - started > ORPHAN_AFTER:
+                unknown -= watch.probe(unknown)
+            if not unknown or time.monotonic() - started > membership_timeout():
+                return False
+            time.sleep(DOUBT_LOOK)
 
     def _commit_for(self, store, number: int, weight: int) -> bool:
         """Add `weight` ranks ready to step `number`'s counter (this rank's own, or its host's) and wait for the
@@ -173,14 +216,12 @@ class StepCommit:
         return self.fail_commit(store, number)
 
     def fail_commit(self, store, number: int) -> bool:
-        """Give step `number` up: this rank cannot apply it (its exchange failed), or a peer is gone while this
-        rank waits. Returns whether the step is applied after all: every member was ready before it was given up
-        (a peer lost after it said ready), which only a rank that said ready itself can find."""
-        if self._speakers(store, number) is not None:
-            key, before = self._outcome_slot(number)
-            applied = store.compare_set(key, before, outcome_value(number, False)).decode() == outcome_value(
-                number, True)
-        else:
+        """Give step `number` up: this rank cannot apply it (its exchange failed, or a member of its host is gone),
+        or, at a step the store decides, a peer is gone while this rank waits. Returns whether the step is applied
+        after all: every member was ready before it was given up (a peer lost after it said ready), which only a
+        rank that said ready itself can find, at a step the store decides (at a tree step it is in doubt: _doubt)."""
+        applied = False
+        if not self._tree_step(store, number):
             counter, full = self._counter(number)
             count = store.add(counter, 0)
             while 0 <= count < full:  # others may add meanwhile: then try again from what they made it
@@ -200,3 +241,18 @@ class StepCommit:
             board.say(number, False)
         if self._tree(store, number) is not None:  # a speaker: its tree's neighbours hear from it all the same
             self._speak(store, number, None)
+
+
+def _last_applied(text: str) -> dict[int, int]:
+    """The `applied` key's lines, "rank:step," each: {rank: the last step it said it applied} (a rank's word only
+    grows).
+
+    >>> _last_applied("3:4,5:3,3:5,")
+    {3: 5, 5: 3}
+    """
+    said: dict[int, int] = {}
+    for line in text.split(","):
+        if line:
+            rank, last = map(int, line.split(":"))
+            said[rank] = max(last, said.get(rank, last))
+    return said

@@ -1,23 +1,20 @@
-"""The per-step commit among hosts along a tree, so that the store takes one operation per step whatever the world.
+"""The per-step commit among hosts along a tree, so that a healthy step costs the store nothing whatever the world.
 
 A generation's first commit goes through the store alone (commit.py), and each rank that speaks in it for its host
 (a board's leader, or a rank alone on its host) writes its rank, its weight (the ranks it speaks for) and the address
 of a listening socket of its own to the generation's `speakers` key first: once that commit is applied, every
 speaker's line is there. From the second step on, the speakers, in rank order, form a tree of fan-out FANOUT. Each one
 waits for its children's votes (the ranks ready in their subtrees), sends the sum with its own host's to its parent,
-and waits for the outcome to come down; the root, once the whole world said ready, claims the step in the store with
-one compare-and-set and sends the outcome down. The messages go over a TCP connection per edge of the tree that the
-child opens at its first vote and both keep for the generation (SocketLinks): 16 bytes, one segment each, read in the
-caller's own thread by a bounded poll(), so that a hop costs a wake-up, not a thread's hand-off; a speaker sends and
-receives at most FANOUT + 1 of them a step, and the store serves one operation a step.
+and waits for the outcome to come down; the root, once the whole world said ready, decides "applied" and sends it
+down at once. The messages go over a TCP connection per edge of the tree that the child opens at its first vote and
+both keep for the generation (SocketLinks): 16 bytes, one segment each, read in the caller's own thread by a bounded
+poll(), so that a hop costs a wake-up, not a thread's hand-off; a speaker sends and receives at most FANOUT + 1 of
+them a step.
 
-The store stays what decides. A rank that cannot learn the outcome from the tree (a peer gone, a wait outlasting the
-membership timeout) gives the step up there, with a compare-and-set from the same previous value: a step the root
-claimed first stays applied, one given up first can no longer be claimed, so every member reads one outcome. Each
-speaker sends exactly one message a step up to its parent and one down to each child, whichever way the step ends
-(a vote or NOT_READY up, the outcome down), and reads one from each, in order: a connection's messages are a step's
-each. A member one step ahead of another is the most there can be, so a step's outcome shares one of COMMIT_SLOTS
-keys with the steps COMMIT_SLOTS apart, its value naming the step.
+A speaker whose vote went up ready and whose parent's word cannot come (a peer gone, a wait outlasting the membership
+timeout) is in doubt: it asks the ranks left (commit.py's _doubt), and passes what they say down. Each speaker sends
+exactly one message a step up to its parent and one down to each child, whichever way the step ends (a vote or
+NOT_READY up, the outcome down), and reads one from each, in order: a connection's messages are a step's each.
 """
 
 from __future__ import annotations
@@ -64,10 +61,6 @@ def read_speakers(text: str) -> tuple[dict[int, int], dict[int, str]]:
     ordered = sorted((int(rank), int(weight), address)
                      for rank, weight, address in (line.split(":", 2) for line in text.split(",") if line))
     return {rank: weight for rank, weight, _ in ordered}, {rank: address for rank, _, address in ordered}
-
-
-def outcome_value(number: int, applied: bool) -> str:
-    return f"{number}:{int(applied)}"
 
 
 _open_links: set = set()  # every SocketLinks not closed: a forked child (a DataLoader worker) closes its copies
@@ -283,12 +276,13 @@ class CommitTree:
         self.parent = None if parent is None else order[parent]
         self.children = [order[child] for child in children]
 
-    def settle(self, number: int, weight: int | None, world_size: int, claim, give_up, watched_wait) -> bool:
+    def settle(self, number: int, weight: int | None, world_size: int, in_doubt, give_up, watched_wait) -> bool:
         """Step `number`'s outcome, through the tree: `weight` ranks of this speaker's host are ready (None: this
-        host gave the step up in the store already). `claim()`: the root's compare-and-set of "applied" (True if it
-        holds); `give_up()`: the store's give-up (True if the step was claimed first); `watched_wait(arriving)`:
-        waits for a message, raising PeerDiedError once the step is given up or a member found gone, False past
-        the membership timeout."""
+        host cannot apply the step). The root decides. `in_doubt()`: the outcome as the ranks left say it, for a
+        speaker whose vote went up ready and whose parent's word cannot come (commit.py's _doubt); `give_up()`: the
+        step fails here before this speaker's vote went up (says so to the others' waits); `watched_wait(arriving)`:
+        waits for a message, raising PeerDiedError once the step is given up or a member found gone, False past the
+        membership timeout."""
         votes = [(child, self.links.receive(child, _UP)) for child in self.children]
         heard = self.links.receive(self.parent, _DOWN) if self.parent is not None else None
         total, sent_up = (weight if weight is not None else NOT_READY), False
@@ -299,20 +293,24 @@ class CommitTree:
                 vote = self._heard(arriving, number, child, watched_wait)
                 total = NOT_READY if vote == NOT_READY else total + vote
             if self.parent is None:
-                applied = total == world_size and claim()
                 if total not in (NOT_READY, world_size):
                     raise MembershipError(explain(
                         f"the per-step commit of step {number} counted {total} ranks ready", rank=self.me,
                         seen=f"speakers {self.speakers}", expected=f"{world_size}, the generation's members",
                         fix="This is a bug in phalanx: please report it with the run's log."))
+                applied = total == world_size  # the root's word is the outcome: nobody else decides
             else:
                 self.links.send(self.parent, _UP, number, total)
                 sent_up = True
                 applied = total != NOT_READY and self._heard(heard, number, self.parent, watched_wait) == 1
         except PeerDiedError:
-            applied = give_up()
-            if self.parent is not None and not sent_up:
-                self.links.send(self.parent, _UP, number, NOT_READY)
+            if sent_up and total != NOT_READY:  # the root may have decided either way
+                applied = in_doubt()
+            else:  # this subtree's vote is missing or NOT_READY: the root cannot apply the step
+                applied = False
+                give_up()
+                if self.parent is not None and not sent_up:
+                    self.links.send(self.parent, _UP, number, NOT_READY)
         for child in self.children:
             self.links.send(child, _DOWN, number, int(applied))
         return applied

@@ -34,9 +34,11 @@ def recover(cause: BaseException, redoing: bool = False, undone: bool = False) -
     launcher's run summary). `undone`: the step whose micro-batch loop ended last was rolled back (a sharded
     optimizer's step that could not count everywhere): the loaders hand it out again (undoing())."""
     global _undoing
-    started, before = time.monotonic(), current().members
+    started, old = time.monotonic(), current()
+    before = old.members
     survivors = next_generation(cause)
-    resume_point.settle(world.control_group(), survivors.rank, wait_for)  # a rank behind takes what others finished
+    # A rank behind takes what others finished; every rank applied the same steps of the generation before
+    resume_point.settle(world.control_group(), survivors.rank, wait_for, old.last_applied())
     _undoing = undone
     try:
         regroup_followers(survivors.number, survivors.members, sorted(set(before) - set(survivors.members)),
