@@ -41,15 +41,15 @@ Per rank and step, healthy:
           0.25 s and acknowledges the byte of the rank that watches it)
   tree    (phalanx now: new with 1/L, then from a generation's second step the speakers' tree, commit_tree.py)
           X = 0 (a look asks what the watch's thread heard on the generation's alarm key: no store operation)
-          O = 1 / P (the root's claim: one compare-and-set a step for the whole world)
+          O = 0 (the root decides alone; a rank in doubt after a loss asks the store, on the loss's path only)
           K = 0
           S = (seg_op + seg_ack) (O + 2 (H - 1) / P) + 2 T / TICK   (H = P / L speakers: each of the tree's H - 1
           edges carries a vote up and the outcome down a step, counted at both its ends)
   the store: P O operations per step, busy P O s / T of the time.
 A healthy commit's delay, once the last host is ready (H hosts):
   new-host  3 rtt + 2 H s      (an add, the wait, a read, behind the store's service of every host's add and read)
-  tree      2 d hop + rtt      (d = the tree's depth, fan-out 8, 3 at 512 hosts: a message up and one down per
-                                level, then the root's claim; `hop` from tree_units.py, rtt / 2 when not measured)
+  tree      2 d hop            (d = the tree's depth, fan-out 8, 3 at 512 hosts: a message up and one down per
+                                level; `hop` from tree_units.py, rtt / 2 when not measured)
 
 Named (worst case, from the loss to the first rank that names it; then to every waiting rank knowing it):
   today, process gone   WATCH + X                   (a look's scan reaches its beacon, refused; a Gloo peer that
@@ -173,8 +173,8 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             got = per_step(units, design, ranks, per_host, waits, step)
             # the runs count local rank 0's store connection: its own commit, or its host's as the leader
             looks = (ranks - 1) / ranks * got["looks"]
-            if design == "tree":  # the root's claim, rank 0's, alone on its connection; the looks ask no store
-                store_model = (units.seg_op + units.seg_ack) / row["hosts"]
+            if design == "tree":  # no store operation in a healthy step; the looks ask no store
+                store_model = 0.0
             else:
                 store_model = units.seg_op * (1 + WAITED_COMMIT + looks) + units.seg_ack * (1 + looks)
             own = own_segments(row)

@@ -77,12 +77,12 @@ def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: 
         ops = 1 + r + f * c
         conns = f * c * others
         segs = units.seg_op * ops + units.seg_ack * (1 + f * c) + units.q * conns
-    elif design == "tree":  # the root's claim; the looks ask the alarm's thread; the tree's edges, seen at both ends
+    elif design == "tree":  # the root decides alone; the looks ask the alarm's thread; the tree's edges, both ends
         c = statistics.mean(looks(w, 0.0) for w in waits)
-        ops = 1 / ranks
+        ops = 0.0
         conns = 0.0
         edges = ranks // per_host - 1
-        segs = ((units.seg_op + units.seg_ack) * (ops + 2 * edges / ranks)) + 2 * step / TICK
+        segs = (units.seg_op + units.seg_ack) * 2 * edges / ranks + 2 * step / TICK
     else:
         u = 1.0 if design == "new" else 1.0 / per_host
         c = statistics.mean(looks(w, units.rtt) for w in waits)
@@ -104,14 +104,14 @@ def tree_depth(speakers: int) -> int:
 def commit_delay(units: Units, design: str, ranks: int, per_host: int) -> float | None:
     """Seconds a healthy step's commit adds once the last host is ready (None: not modelled for `design`).
     new-host: an add, the wait, a read (3 rtt), behind the store's serial service of every host's add and, once
-    woken, of every host's read; tree: a message up and one down per level (`hop` each) and the root's claim."""
+    woken, of every host's read; tree: a message up and one down per level (`hop` each), the root deciding alone."""
     hosts = ranks // per_host
     if hosts < 2:
         return 0.0
     if design == "new-host":
         return 3 * units.rtt + 2 * hosts * units.s
     if design == "tree":
-        return 2 * tree_depth(hosts) * units.hop + units.rtt
+        return 2 * tree_depth(hosts) * units.hop
     return None
 
 

@@ -3,13 +3,12 @@
     PYTHONPATH=. python benchmarks/control_plane/tree_units.py [--speakers 2 4 8 16] [--steps 1000]
         [--into benchmarks/results/UNITS.json] [--json FILE]
 
-H processes on this machine, one speaker each (a host's), on one TCPStore over the loopback, commit steps back to
-back through phalanx's own CommitTree and SocketLinks, each speaker voting as soon as it knows the step before: the
-root's time per step is a round, from a vote to the next. The depth d of the tree (fan-out 8) is 1 up to 9 speakers,
-2 up to 73; a round is 2 d hops (a vote up and the outcome down per level: a segment over a kept connection, the
-receiving process woken) and the root's claim, a store round trip (its segments alone, a step apart, are measured
-too: the reply carries the value). `hop` is taken from 2 speakers, (round - claim) / 2, where each process has a core
-of this 2-core machine, as a host has its own; beyond 2, the processes share the two cores and a round holds their
+H processes on this machine, one speaker each (a host's), commit steps back to back through phalanx's own CommitTree
+and SocketLinks, each speaker voting as soon as it knows the step before: the root's time per step is a round, from
+a vote to the next. The depth d of the tree (fan-out 8) is 1 up to 9 speakers, 2 up to 73; a round is 2 d hops (a
+vote up and the outcome down per level: a segment over a kept connection, the receiving process woken; the root
+decides alone, with no store operation). `hop` is taken from 2 speakers, round / 2, where each process has a core of
+this 2-core machine, as a host has its own; beyond 2, the processes share the two cores and a round holds their
 turns (shown, not fitted). `--into` adds {"tree": {...}} to a units file of control_plane_units.py, which
 control_plane_model.py reads. One intra-op thread per process.
 """
@@ -19,9 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import statistics
-import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -33,7 +29,7 @@ import torch.multiprocessing as mp
 from benchmarks.control_plane.model_formulas import tree_depth
 from phalanx.testing import free_port
 from phalanx.tools.bench_compare import add_json_flag, write_figures
-from phalanx.world.generations.commit_tree import CommitTree, SocketLinks, outcome_value, read_speakers
+from phalanx.world.generations.commit_tree import CommitTree, SocketLinks, read_speakers
 
 
 def _speaker(rank: int, count: int, steps: int, port: int, out: str) -> None:
@@ -46,77 +42,30 @@ def _speaker(rank: int, count: int, steps: int, port: int, out: str) -> None:
     dist.barrier()
     weights, links.addresses = read_speakers(store.get("speakers").decode())
     tree = CommitTree(weights, rank, links)
-    claims = []
-
-    def claim(number: int) -> bool:
-        started = time.perf_counter()
-        held = store.compare_set(f"outcome/{number}", "", outcome_value(number, True)).decode()
-        claims.append(time.perf_counter() - started)
-        return held == outcome_value(number, True)
-
     dist.barrier()
     started = None
     for number in range(1, steps + 1):
         if number == steps // 10 + 1:  # past the first rounds (the pairs' first messages)
             started = time.perf_counter()
-        applied = tree.settle(number, 1, count, lambda n=number: claim(n), lambda: False,
-                              lambda arriving: arriving.wait(30.0))
+        applied = tree.settle(number, 1, count, lambda: False, lambda: None, lambda arriving: arriving.wait(30.0))
         assert applied, f"step {number} was not applied"
     round_seconds = (time.perf_counter() - started) / (steps - steps // 10)
-    if rank == 1:  # a process that does not serve the store: its connection's other end is not its own
-        store.set("claim_segments", repr(_claim_segments(store)))
     if rank == 0:
-        store.wait(["claim_segments"])
-        Path(out).write_text(json.dumps({"round": round_seconds, "claim": statistics.median(claims[steps // 10:]),
-                                         "claim_segments": float(store.get("claim_segments"))}))
+        Path(out).write_text(json.dumps({"round": round_seconds}))
     links.close()
     dist.destroy_process_group()
 
 
-def _claim_segments(store) -> float:
-    """The TCP segments of a claim alone (a compare-and-set whose reply carries the value), a step apart as in a run
-    (0.1 s: each delayed ACK goes alone): both ways on a connection of its own (ss's counters for its socket)."""
-    def sockets() -> set[str]:
-        found = set()
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                found.add(os.readlink(f"/proc/self/fd/{fd}"))
-            except OSError:  # the listing's own descriptor, closed since
-                continue
-        return {link for link in found if link.startswith("socket:")}
-
-    before_sockets = sockets()
-    client = store.clone()
-    inodes = {link[len("socket:["):-1] for link in sockets() - before_sockets}
-
-    def segments() -> int:
-        shown = subprocess.run(["ss", "-tinepH"], capture_output=True, text=True).stdout
-        return sum(int(count) for entry in re.split(r"\n(?=\S)", shown)
-                   if any(f"ino:{inode} " in entry for inode in inodes)
-                   for count in re.findall(r"\bsegs_(?:in|out):(\d+)", entry))
-
-    before = segments()
-    for number in range(30):
-        client.compare_set(f"claims/{number % 4}", "", outcome_value(number, True))
-        time.sleep(0.1)
-    return (segments() - before) / 30
-
-
 def measure(counts: list[int], steps: int) -> dict:
-    rounds, claims, segments = {}, {}, []
+    rounds = {}
     for count in counts:
         out = f"/tmp/phalanx-tree-units-{os.getpid()}-{count}.json"
         mp.spawn(_speaker, args=(count, steps, free_port(), out), nprocs=count)
-        got = json.loads(Path(out).read_text())
+        rounds[count] = json.loads(Path(out).read_text())["round"]
         os.unlink(out)
-        rounds[count], claims[count] = got["round"], got["claim"]
-        segments.append(got["claim_segments"])
-        print(f"{count} speakers (depth {tree_depth(count)}): a round {1e3 * got['round']:.2f} ms, the root's claim "
-              f"{1e3 * got['claim']:.3f} ms", flush=True)
+        print(f"{count} speakers (depth {tree_depth(count)}): a round {1e3 * rounds[count]:.2f} ms", flush=True)
     first = min(counts)
-    hop = (rounds[first] - claims[first]) / (2 * tree_depth(first))
-    return {"round": rounds, "claim": claims, "hop": hop, "hop_from": first, "steps": steps,
-            "claim_segments": statistics.median(segments)}
+    return {"round": rounds, "hop": rounds[first] / (2 * tree_depth(first)), "hop_from": first, "steps": steps}
 
 
 def main() -> None:
@@ -127,10 +76,9 @@ def main() -> None:
     add_json_flag(parser)
     args = parser.parse_args()
     tree = measure(args.speakers, args.steps)
-    write_figures(args.json_path, {"hop ms": round(1e3 * tree["hop"], 3), "claim segments": tree["claim_segments"],
+    write_figures(args.json_path, {"hop ms": round(1e3 * tree["hop"], 3),
                                    **{f"{n} speakers round ms": round(1e3 * r, 2) for n, r in tree["round"].items()}})
-    print(f"a hop: {1e3 * tree['hop']:.3f} ms (from {tree['hop_from']} speakers); a claim alone: "
-          f"{tree['claim_segments']:.1f} segments")
+    print(f"a hop: {1e3 * tree['hop']:.3f} ms (from {tree['hop_from']} speakers)")
     if args.into:
         units = json.loads(args.into.read_text()) if args.into.exists() else {}
         units["tree"] = tree
