@@ -161,7 +161,8 @@ def gather_in_order(local, sampler: DistributedSampler, group=None):
         return result
     pieces = [list(local)] * replicas
     if replicas > 1:
-        dist.all_gather_object(pieces, list(local), group=group if group is not None else live_group())
+        pieces = generation.all_gather_objects(list(local), group if group is not None else live_group(),
+                                               "gather_in_order's lists")
     by_position = [pieces[p % replicas][p // replicas] for p in range(kept)]
     pairs = sorted(zip(order[:kept].tolist(), by_position), key=lambda pair: pair[0])
     return [value for _, value in pairs]

@@ -11,15 +11,12 @@ torch's own format for the whole model, as the unsharded optimizer would, gather
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 
 from ..bucket.shard_plan import Piece
 from ..errors import ShardingError, explain
 from ..exchange.sharded import ShardedExchange, all_gather
 from ..world import generation
-from ..world.group import collective_device
 from .optimizer_view import OptimizerView
 from .shard_copies import ShardCopies
 
@@ -214,7 +211,7 @@ class ShardedOptimizer(OptimizerView):
                 found = self.state.get(piece.tensor)
                 if found:
                     mine[piece.index] = {key: self._describe(key, value, piece) for key, value in found.items()}
-        everyone = _gather_objects(mine, group)
+        everyone = generation.all_gather_objects(mine, group, "a sharded state's layout")
         layout = {}
         for rank_layout in everyone:
             for index, entries in rank_layout.items():
@@ -323,12 +320,3 @@ def _slice_for(value, piece: Piece, param: torch.Tensor):
     if piece.whole or not (isinstance(value, torch.Tensor) and value.shape == param.shape):
         return value
     return value.reshape(-1)[piece.start:piece.stop].clone()
-
-
-def _gather_objects(mine, group) -> list:
-    """Every rank's `mine` (small: a layout of keys and scalars), in rank order; a collective whose waits are watched
-    (under live recovery a peer lost during a save ends it at once, where dist.all_gather_object would wait for the
-    group's timeout). Pickled as dist.all_gather_object does: bytes from the ranks of this run, never a file."""
-    blob = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8).to(collective_device(group))
-    return [pickle.loads(gathered.cpu().numpy().tobytes())
-            for gathered in generation.all_gather_bytes(blob, group, "a sharded state's layout")]

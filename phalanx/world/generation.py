@@ -45,6 +45,7 @@ from .generations.settings import (
 )
 from .generations.waits import (
     all_gather_bytes,
+    all_gather_objects,
     peer_gone,
     step_abandoned,
     timed_wait,
@@ -58,7 +59,8 @@ from .process import lifecycle, live
 __all__ = [
     "AGREE_READ_EVERY", "AWAITED_SAY_EVERY", "COMMIT_SLOTS", "GIVEN_UP", "MEMBERSHIP_MARGIN",
     "MEMBERSHIP_TIMEOUT_ENV", "MIN_WORLD_ENV", "ORPHAN_AFTER", "REGROUP_CONNECT_SECONDS", "WAIT_THREADS",
-    "WATCH_EVERY", "Generation", "admit_joiners", "again_after_loss", "all_gather_bytes", "announce", "commit_step",
+    "WATCH_EVERY", "Generation", "admit_joiners", "again_after_loss", "all_gather_bytes",
+    "all_gather_objects", "announce", "commit_step",
     "current", "fail_step", "forget", "generation_group", "is_loss", "join_run", "live_recovery", "lost_since",
     "membership_timeout", "min_world_size", "next_generation", "on_regroup", "peer_gone", "recover",
     "recovers_in_process", "regroup_followers", "say_mode", "start_solo", "step_abandoned", "timed_wait", "undoing",

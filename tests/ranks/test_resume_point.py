@@ -49,3 +49,23 @@ def test_a_rank_ahead_of_a_save_fails_the_regroup_on_every_rank_with_what_to_do(
         assert error is not None and f"[rank {rank}]" in error, results
         assert "collectives finished per rank of the new group [3, 2, 2]" in error, error
         assert "restart from its newest checkpoint" in error, error
+
+
+def _settle_applied(rank: int, applied: tuple[int, ...]):
+    resume_point.restart_count()
+    try:
+        resume_point.settle(dist.group.WORLD, rank, generation.wait_for, applied[rank])
+    except MembershipError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_left_that_applied_different_steps_fail_the_regroup_on_every_rank():
+    """The ranks left must have applied the same steps of the generation before (a rank in doubt about a step waits
+    for a rank that applied it; past the membership timeout it would not): a difference is a restart, never a split."""
+    assert run_ranks(_settle_applied, 3, ((4, 4, 4),), timeout=60) == [None, None, None]
+    results = run_ranks(_settle_applied, 3, ((4, 3, 4),), timeout=60)
+    for rank, error in enumerate(results):
+        assert error is not None and f"[rank {rank}]" in error, results
+        assert "the last step applied, per rank of the new group: [4, 3, 4]" in error, error
+        assert "PHALANX_MEMBERSHIP_TIMEOUT" in error, error

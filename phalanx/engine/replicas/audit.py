@@ -254,8 +254,7 @@ class ReplicaAudit:
         param, name = self._params[column - count], self._names[column - count]
         state = _merged(optimizer.state.get(param) for optimizer in self._ordered_optimizers())
         mine = {str(k): int(state_fingerprint({k: v}, torch.device("cpu"))) for k, v in state.items()}
-        everyone = [None] * group.size()
-        dist.all_gather_object(everyone, mine, group=group)
+        everyone = generation.all_gather_objects(mine, group, "the replica audit's optimizer state prints")
         keys = sorted({k for found in everyone for k in found})
         key = next((k for k in keys if len({found.get(k) for found in everyone}) > 1), None)
         value = next((v for k, v in state.items() if str(k) == key), None)
@@ -285,8 +284,8 @@ class ReplicaAudit:
         if not verdict.agree:
             parts.append(self._describe(verdict, group))
         if changed:  # which sharded state changed where: gathered only now, on the error path
-            everyone = [None] * size
-            dist.all_gather_object(everyone, self.shard_check.findings, group=group)
+            everyone = generation.all_gather_objects(self.shard_check.findings, group,
+                                                     "the replica audit's sharded state findings")
             for f in (f for found in everyone for f in found):
                 parts.append(f"rank {f['rank']}'s optimizer state {f['key']!r} of {f['parameter']!r} (element "
                              f"{f['element']}) changed between steps {f['step'] - 1} and {f['step']}, which no step "

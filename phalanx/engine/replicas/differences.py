@@ -7,8 +7,8 @@ numbers, then gather the first piece that differs, so no rank ever sends the who
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ...world import generation
 from .fingerprint import fingerprint
 
 CHUNKS = 4096
@@ -21,16 +21,14 @@ def first_difference(tensor: torch.Tensor, group) -> tuple[tuple[int, ...], list
     flat = tensor.detach().reshape(-1)
     step = max(1, -(-flat.numel() // CHUNKS))
     prints = [int(fingerprint(flat[start:start + step])) for start in range(0, flat.numel(), step)]
-    everyone = [None] * group.size()
-    dist.all_gather_object(everyone, (tuple(tensor.shape), prints), group=group)
+    everyone = generation.all_gather_objects((tuple(tensor.shape), prints), group, "the replicas' chunk prints")
     if len({shape for shape, _ in everyone}) > 1:
         return None
     chunk = next((c for c in range(len(prints)) if len({found[c] for _, found in everyone}) > 1), None)
     if chunk is None:
         return None
     piece = flat[chunk * step:(chunk + 1) * step].cpu()
-    pieces = [None] * group.size()
-    dist.all_gather_object(pieces, piece, group=group)
+    pieces = generation.all_gather_objects(piece, group, "the replicas' differing chunk")
     offset = next(i for i in range(piece.numel()) if len({_bits(p[i]) for p in pieces}) > 1)
     index = chunk * step + offset
     position = tuple(int(i) for i in torch.unravel_index(torch.tensor(index), tensor.shape)) if tensor.dim() else ()

@@ -282,9 +282,7 @@ class NonFiniteCheck:
             found = sorted(order[id(p)] for bucket in bad for p in bucket.params
                            if p.grad is not None and not bool(torch.isfinite(_values(p.grad)).all()))
             mine = (dist.get_rank(verdict.group), found[0][1] if found else None, bad[0].index)
-        everyone = [None] * verdict.group.size()
-        dist.all_gather_object(everyone, mine, group=verdict.group)
-        return everyone
+        return generation.all_gather_objects(mine, verdict.group, "the non-finite gradients' first places")
 
 
 def _values(grad: torch.Tensor) -> torch.Tensor:

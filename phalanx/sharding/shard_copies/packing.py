@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ...bucket.shard_plan import BucketShard
 from ...errors import ShardingError, explain
+from ...world import generation
 
 
 class Layout:
@@ -72,8 +73,7 @@ def agree_on_layout(owner, group, size: int) -> Layout:
                 break
         if mine[0] or mine[1]:
             break
-    everyone = [None] * size
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = generation.all_gather_objects(mine, group, "the shard copies' layout")
     per_element = sorted({key for keys, _ in everyone for key in keys})
     scalars = {}
     for _, found in everyone:
