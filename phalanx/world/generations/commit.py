@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 
 from ...errors import MembershipError, PeerDiedError, explain
+from ...log import logger
 from .. import group as world
 from ..liveness import reachable_host
 from .commit_tree import CommitTree, SocketLinks, read_speakers
@@ -163,23 +164,30 @@ class StepCommit:
     def _doubt(self, store, number: int) -> bool:
         """This rank (with its host's, when it speaks for them) said ready to tree step `number` and cannot hear the
         outcome: whether the step is applied, as the ranks left say (see the module docstring). Each look reads one
-        key; past the membership timeout the step is redone (resume_point.settle then finds any rank that applied
-        it and fails the regroup, never silently apart)."""
+        key and the watch's verdicts; the members still silent are probed every ORPHAN_AFTER seconds (a member whose
+        watcher was lost with it: the others say within their next collective). Past the membership timeout the step
+        is redone (resume_point.settle then finds any rank that applied it and fails the regroup, never silently
+        apart)."""
         watch, started = self.watch(store), time.monotonic()
         board = watch.board(wait=False)
         mine = board.block if board is not None and board.leads else (watch.me,)
         self._say_applied(store, mine, number - 1)
         watch.say_trouble()  # the others' waits on their peers end at their next look: they come to say theirs
-        others, key = set(self.members) - set(mine), self._key("applied")
+        others, key, probed, probed_at = set(self.members) - set(mine), self._key("applied"), set(), started
         while True:
             said = _last_applied(store.get(key).decode())
-            if any(last >= number for last in said.values()):
-                return True
-            unknown = others - set(said) - watch.gone()
-            if unknown and time.monotonic() - started > ORPHAN_AFTER:
-                unknown -= watch.probe(unknown)
-            if not unknown or time.monotonic() - started > membership_timeout():
-                return False
+            applied = any(last >= number for last in said.values())
+            unknown = others - set(said) - watch.gone() - probed
+            now = time.monotonic()
+            if unknown and not applied and now - probed_at > ORPHAN_AFTER:
+                probed_at = now
+                probed |= watch.probe(unknown)
+                unknown -= probed
+            if applied or not unknown or now - started > membership_timeout():
+                logger.warning("rank %d was in doubt about step %d of generation %d (its parent or leader lost after "
+                               "its vote): %s, as the ranks left say (%.2f s)", watch.me, number, self.number,
+                               "applied" if applied else "redone", now - started)
+                return applied
             time.sleep(DOUBT_LOOK)
 
     def _commit_for(self, store, number: int, weight: int) -> bool:
