@@ -41,6 +41,7 @@ import phalanx as px
 from phalanx.checkpoint.atomic_files import checkpoint_files, load_safely
 from phalanx.world import generation, joining
 from phalanx.world import group as world
+from tests.helpers.emulated_hosts import emulate_host
 from tests.helpers.global_batch_cases import (
     EPOCHS,
     GLOBAL_BATCH,
@@ -63,11 +64,15 @@ def _die(directory: str) -> None:
 
 
 def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], moment: str, pause: float = 0.0,
-          shard: str = "none", adam: bool = False, hidden: int = 8, then: tuple | None = None) -> dict:
+          shard: str = "none", adam: bool = False, hidden: int = 8, then: tuple | None = None,
+          per_host: int | None = None) -> dict:
     """The loop; returns what the survivors' checks read (the doomed rank never returns). `pause`: seconds of
     sleep per step, so that a test can kill a host in the middle of the run. `shard`: the model's shard level
     (its optimizer then from model.shard_optimizer); a step rolled back after a loss (`step.undone`) is not
-    logged, and comes again. `adam`: AdamW instead of SGD with momentum; `hidden`: the model's hidden width."""
+    logged, and comes again. `adam`: AdamW instead of SGD with momentum; `hidden`: the model's hidden width.
+    `per_host`: ranks per emulated host (tests/helpers/emulated_hosts.py), so that the commit goes along the tree."""
+    if per_host is not None:
+        emulate_host(rank, per_host)
     dataset = Indexed()
     loader = px.DataLoader(dataset, batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH,
                            sampler=px.DistributedSampler(dataset, seed=SEED))
@@ -85,7 +90,7 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     first_layer.register_hook(lambda grad: _die(directory) if armed[0] else None)
     in_commit: list = [None]  # the doomed step's ids, during its last backward (and so its commit)
     with open(os.path.join(directory, f"ids-{rank}.jsonl"), "a") as log, _groups_made() as groups_made:
-        if doomed and moment in ("commit", "committed"):
+        if doomed and moment in ("commit", "committed", "decided", "undecided"):
             _die_in_commit(directory, log, in_commit, moment)
         for epoch in range(EPOCHS):
             loader.set_epoch(epoch)
@@ -198,16 +203,29 @@ class _Summed:
 
 def _die_in_commit(directory: str, log, in_commit: list, moment: str) -> None:
     """Die in the doomed step's commit as its host's leader, once it decided: before it tells the others ("commit")
-    or right after ("committed": its samples logged as applied, as the others apply the step)."""
+    or right after ("committed": its samples logged as applied, as the others apply the step); "decided": the tree's
+    root, once its word went to the other hosts and before its own host's followers heard it (its samples logged as
+    applied: the other hosts apply the step, and its followers, in doubt, hear it from them); "undecided": the tree's
+    root, before its word goes to anyone (nobody applies the step)."""
+    from phalanx.world.generations import commit_tree
     from phalanx.world.generations.host_board import HostBoard
 
-    say = HostBoard.say
+    say, send = HostBoard.say, commit_tree.SocketLinks.send
+    if moment == "undecided":
+        def dying_unheard(self, peer, tag, number, value):
+            if in_commit[0] is not None and tag == "down":
+                _die(directory)
+            return send(self, peer, tag, number, value)
+
+        commit_tree.SocketLinks.send = dying_unheard
+        return
 
     def dying(self, number, yes):
         if in_commit[0] is None or not self.leads:
             return say(self, number, yes)
-        if moment == "committed":
-            say(self, number, yes)
+        if moment in ("committed", "decided"):
+            if moment == "committed":
+                say(self, number, yes)
             log.write(json.dumps([*in_commit[0], time.time()]) + "\n")
             log.flush()
         _die(directory)

@@ -58,7 +58,27 @@ LOST_AT = (0, 1)  # step 1 of epoch 0
          "host-leader-after-its-word-gloo", "mid-metric-ended-on-rank0-only-gloo",
          "mid-metric-ended-on-rank1-only-shm"])
 def test_the_ranks_left_finish_the_run_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost):
-    results = run_ranks(train, 3, (str(tmp_path), lost, LOST_AT, moment, 0.0, shard), min_world_size=2, timeout=180,
+    _finish_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost)
+
+
+@pytest.mark.parametrize("moment, outcome", [("decided", "applied"), ("undecided", "redone")],
+                         ids=["root-lost-after-its-word-left-its-host", "root-lost-before-its-word-left"])
+def test_ranks_in_doubt_after_the_tree_root_is_lost_end_the_step_as_the_ranks_left_say(tmp_path, capfd, moment,
+                                                                                       outcome):
+    """Two emulated hosts, ranks 0 and 1 on the first, rank 2 on the second, over Gloo: the commit goes along the
+    tree, whose root is rank 0. It decides the doomed step and dies before its follower, rank 1, hears the word:
+    after the word went to rank 2 ("decided": rank 2 applies the step, and rank 1, in doubt, applies it once rank 2
+    says so as it regroups), or before it went anywhere (both in doubt; nobody left applied it: both redo it).
+    Either way the run ends as one process on whole global batches, every sample used once."""
+    _finish_as_if_no_rank_was_lost(tmp_path, moment, "0", "none", 0, per_host=2)
+    doubts = [line for line in capfd.readouterr().err.splitlines() if "was in doubt about step" in line]
+    assert doubts and all(f": {outcome}, as the ranks left say" in line for line in doubts), doubts
+    assert any("rank 1 was in doubt" in line for line in doubts), doubts
+
+
+def _finish_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost, per_host=None):
+    results = run_ranks(train, 3, (str(tmp_path), lost, LOST_AT, moment, 0.0, shard, False, 8, None, per_host),
+                        min_world_size=2, timeout=180,
                         env={"PHALANX_SHM": shm, "PHALANX_DDP_STALL_TIMEOUT": "20", "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
     assert results[lost] is None, f"rank {lost} was expected to die"
     survivors = tuple(rank for rank in range(3) if rank != lost)
