@@ -33,8 +33,10 @@ from ...errors import MembershipError, PeerDiedError, explain
 FANOUT = 8  # children per speaker: a speaker's messages per step stay at most 2 (FANOUT + 1) whatever the world
 # A wait polls without sleeping this long first: a vote or an outcome mostly comes within it, and a process woken from
 # sleep pays the scheduler's wake-up (tens of microseconds, more on a loaded host) on the step's critical path, twice
-# per hop. The rank has nothing else to do meanwhile: its step waits for the commit.
+# per hop. The rank has nothing else to do meanwhile: its step waits for the commit. Not on a host whose cores are all
+# wanted: there a yield runs another task (YIELDED_AWAY), and the spin would take the core from a peer's Gloo threads.
 SPIN_SECONDS = 0.0005
+YIELDED_AWAY = 0.00005  # a yield that long ran another task: the host's cores are all wanted, the spin stops
 NOT_READY = -1  # the vote of a subtree in which some rank cannot apply the step
 _UP, _DOWN = "up", "down"  # a message's direction: votes up, outcomes down (a connection carries both, in turn)
 _WORD = struct.Struct("<qq")  # a message: (step, value); a connection's first, (_HELLO, the child's rank)
@@ -154,8 +156,11 @@ class SocketLinks:
             poller.register(fd, mask)
         events, spin_until = poller.poll(0), time.monotonic() + min(seconds, SPIN_SECONDS)
         while not events and time.monotonic() < spin_until:
+            yielded = time.monotonic()
             os.sched_yield()  # a peer this wait is for may need this core: on a host with more ranks than cores
             events = poller.poll(0)
+            if time.monotonic() - yielded > YIELDED_AWAY:  # another task took this core: sleep, leave it to them
+                break
         if not events:
             events = poller.poll(max(0.0, seconds - SPIN_SECONDS) * 1000)
         ended = select.POLLERR | select.POLLHUP  # read or finish as asked: the error shows there
