@@ -4,7 +4,10 @@
         tests/e2e/jobs/control_plane_job.py RUN_DIR --host I --steps T --window A:B [--pause 0.15]
 
 A global batch of 4 samples per launched rank (one micro-batch each), SGD, a Checkpointer that saves only when asked
-to stop (its stop agreement runs as in any loop), T optimizer steps in one epoch. Launch rank 0 sleeps `--pause`
+to stop (its stop agreement runs as in any loop, every STOP_INTERVAL seconds: its steps between two agreements are a
+whole number, 0.5 s over steps of 0.164 s against 0.169 s would be every 3 steps with live recovery off and every 2
+with it on at 6 hosts, half as many Gloo all-reduces again, counted as live recovery's), T optimizer steps in one
+epoch. Launch rank 0 sleeps `--pause`
 seconds at the start of every step, so that the others wait on it in their collectives, as behind a slow peer. Every
 rank appends `step time generation world_size` (time.time(), after checkpointer.step) to RUN_DIR/steps-<launch
 rank>.txt per applied step, and writes the seconds it spent in the per-step commit (generation.commit_step, live
@@ -38,6 +41,7 @@ from phalanx.world.group import live_generation
 from phalanx.world.liveness import identity
 
 MICRO_BATCH = 4
+STOP_INTERVAL = "30"  # seconds between the stop agreements: none in the window, on or off (see the docstring)
 
 
 def tcp_counters() -> dict[str, int]:
@@ -165,6 +169,7 @@ def main():
     loader = px.DataLoader(data, batch_size=MICRO_BATCH, global_batch_size=global_batch,
                            sampler=px.DistributedSampler(data, seed=0))
     state = {"model": model, "optimizer": optimizer, "loader": loader}
+    os.environ.setdefault("PHALANX_STOP_INTERVAL", STOP_INTERVAL)
     checkpointer = px.Checkpointer(args.run_dir / "checkpoints")  # saves only when asked to stop
     counters, commits, current_step = {}, {}, [1]
     time_commits(commits, current_step)
