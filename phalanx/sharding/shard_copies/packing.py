@@ -61,8 +61,8 @@ class Packed:
         return self.state + self.scalars
 
 
-def agree_on_layout(owner, group, size: int) -> Layout:
-    """Collective over `group` (of `size` ranks), once state exists: the keys every rank's state has (a rank may
+def agree_on_layout(owner, group) -> Layout:
+    """Collective over `group`, once state exists: the keys every rank's state has (a rank may
     hold none). `owner`: the ShardedOptimizer, its pieces and its wrapped optimizer's state."""
     mine = ([], {})
     for piece_list in owner._pieces.values():

@@ -37,7 +37,7 @@ def whole_state(copies, survivors, old_members: tuple[int, ...]) -> tuple[dict, 
             seen=f"rank(s) {orphans} lost together with their keepers", expected="at most one of each pair",
             fix="The run restarts from its newest checkpoint (phalanx run does it, under --max-restarts)."))
     if copies.layout is None and not lost:  # a world of one keeps no copies, so never agreed on one: now
-        copies.layout = agree_on_layout(copies.owner, survivors.group, survivors.world_size)
+        copies.layout = agree_on_layout(copies.owner, survivors.group)
     group, layout = survivors.group, copies.layout
     own, ward_params = copies.snapshot if rolling_back else ({}, {})
     mine = [] if copies.joining else [copies.rank] + [w for w in copies.wards if w in lost]

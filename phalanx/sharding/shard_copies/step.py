@@ -106,7 +106,7 @@ class ShardCopies:
         if self.layout is None:
             if not self._anyone_has_state():  # collective: a rank may hold no state while others do
                 return {}, []
-            self.layout = agree_on_layout(self.owner, self.owner.exchange.group, self.world_size)
+            self.layout = agree_on_layout(self.owner, self.owner.exchange.group)
         check_keys(self.layout, self.owner)
         exchange = self.owner.exchange
         group = exchange.group
