@@ -16,7 +16,8 @@ watcher's thread woken: this machine's scheduling, under its load). With `--meas
 (benchmarks/control_plane/control_plane.py's --json), `r` is read from the namespace runs instead: a rank's own store
 connection's segments per step, less the rest of the formula below (the runs' ranks come to the commit further apart
 than the rounds' clients: more reads); the extrapolation takes the largest run's. phalanx's own constants: a waiting
-rank looks every WATCH = 0.1 s, the heartbeat window WINDOW = 4 s, a silent probe waits PROBE_TIMEOUT = 0.1 s, a kept
+rank looks every WATCH = 0.02 s (every 0.1 s in the designs before the tree, as the code they describe did), the
+heartbeat window WINDOW = 4 s, a silent probe waits PROBE_TIMEOUT = 0.1 s, a kept
 watch ticks every TICK = 0.25 s and ends when a tick stays unacknowledged for WINDOW (TCP_USER_TIMEOUT), the deciding
 survivor of an agreement makes AGREE_OPS = 8 store operations once every survivor is listed (its append, a check for
 a decision, a read of the list, 3 for the verdicts, its proposal, a read of the decision).
@@ -60,11 +61,16 @@ Named (worst case, from the loss to the first rank that names it; then to every 
                                                      store ops; the runs read the watcher's line, just before them)
   new, host cut off     WINDOW + TICK + t_end + 2 rtt  (a tick sent within TICK of the cut stays unacknowledged)
   new: every waiting rank knows it WATCH + rtt later (its next look); today each rank finds it by its own look;
-  tree: rtt + P s + WATCH later (the alarm key set, the store waking every member's thread in turn, then a look).
+  tree: rtt + P s + WATCH later (the alarm key set, the store waking every member's thread in turn, then a look);
+  one host: a peer's pid is read at most every LOOK_EVERY = 0.05 s (watch.py).
 Regroup (from the loss named to the ranks left training on new groups; what world/generations/ does):
   R = E + A + G2(S) + F, S = P - L survivors (a host lost)
-  E         WATCH + rtt: the last survivor enters at its next look (one blocked in the commit's wait is woken at once,
-            by the `done` keys the watcher sets)
+  E         the deciding survivor's wait for the last one to enter, + rtt: each enters at its next look (one blocked
+            in the commit's wait is woken at once, by the `done` keys the watcher sets). Before the tree: a whole
+            look (WATCH, the worst case). Tree: the looks' phases taken as independent and uniform, the expected
+            wait past the decider's own look, WATCH n / (2 (n + 2)) with n = S - 1 (model_formulas.last_entry); 0
+            when the survivors entered their waits together and look in phase (the runs' slow rank 0 decides, and
+            the others wait on it together); WATCH at the worst (the last survivor's look just missed the alarm)
   A, today  P rtt + P^2 s + (P - L) t_p             (each polls every member's key, P of them at once at the store,
                                                      and probes; a host cut off: + L PROBE_TIMEOUT, silent probes)
   A, new    AGREE_OPS rtt + S s                     (the survivor that decides, the first in rank order, once every
@@ -82,7 +88,7 @@ step's time less the step's own work, the step time with live recovery off less 
 taken on a rank's control-plane connections (its store connections and the kept watch it opened, ss's per-socket
 segments both ways): the kernel's on-minus-off, shown beside them, also holds Gloo's segments, which move with the
 on and off runs' step times. The runs' regroup is rank 0's (its "lost ranks" line, the launcher's summary): rank 0
-decides, and waits for the last survivor to enter, up to a look (E: the worst case, as taken here); the runs' parts
+decides, and waits for the last survivor to enter, up to a look (E above); the runs' parts
 show that wait, then A, then each group. Today's runs name a loss by rank 0's line, which comes only once rank 0 looks,
 after its pause: the model's figure there is pause + the worst case above; the new design's runs by the watcher's
 verdict.
@@ -199,7 +205,7 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             losses.setdefault((row["hosts"], row["per_host"], row["how"]), []).append(row)
     if losses:
         lines += ["", "| hosts x ranks | lost | runs | named: measured / model (agreement) | regroup, rank 0's line: "
-                  "measured / model, worst (agreement) | its agreement, the last survivor awaited / main group / "
+                  "measured / model (agreement) | its agreement, the last survivor awaited / main group / "
                   "control group: measured / model | regroup with models and loaders: measured / model (agreement) |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for (hosts, per_host, how), rows in losses.items():
@@ -213,7 +219,7 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             else:  # the runs read the watcher's verdict, the first rank to name it
                 model_named = named(units, design, ranks, per_host, how)[0]
             enter, agree, *groups = regroup_parts(units, design, ranks, per_host, how)
-            model_parts = [enter + agree, *groups]  # worst: rank 0 decides a look before the last survivor enters
+            model_parts = [enter + agree, *groups]  # rank 0 decides once the last survivor entered (E)
             spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
             exited = [r["exited"] for r in rows if r.get("exited") is not None]
             own_teardown = ""

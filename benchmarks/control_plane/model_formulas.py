@@ -10,10 +10,17 @@ from phalanx.world.generations.commit_tree import tree_place
 from phalanx.world.generations.settings import WATCH_EVERY as WATCH  # phalanx's own constants, as the code has them
 from phalanx.world.liveness import PROBE_TIMEOUT, TICK
 from phalanx.world.liveness import SILENT_WINDOW as WINDOW
+from phalanx.world.watch import LOOK_EVERY
 
 AGREE_OPS = 8  # the deciding survivor's store operations once every survivor is listed (generations/agreement.py)
 WAITED_COMMIT = 2.0  # the new commit's store operations after its add: one blocking wait, one read of the counter
 F_DEFAULT = 0.15  # seconds for the models and loaders, when no loss run was measured
+WATCH_BEFORE = 0.1  # seconds between a waiting rank's looks in the designs before the tree (the code they describe)
+
+
+def watch_every(design: str) -> float:
+    """Seconds between a waiting rank's looks in `design`: phalanx's own WATCH for the tree, the code it runs now."""
+    return WATCH if design == "tree" else WATCH_BEFORE
 
 
 class Units:
@@ -55,10 +62,10 @@ class Units:
         return (self.lazy if lazy and self.lazy else self.full_mesh).seconds(ranks)
 
 
-def looks(wait: float, look: float) -> int:
-    """How many times a rank waiting `wait` seconds looks, each look taking `look` seconds."""
+def looks(wait: float, look: float, every: float = WATCH_BEFORE) -> int:
+    """How many times a rank waiting `wait` seconds looks, `every` seconds apart, each look taking `look` seconds."""
     count = 0
-    while (count + 1) * WATCH + count * look <= wait:
+    while (count + 1) * every + count * look <= wait:
         count += 1
     return count
 
@@ -78,7 +85,7 @@ def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: 
         conns = f * c * others
         segs = units.seg_op * ops + units.seg_ack * (1 + f * c) + units.q * conns
     elif design == "tree":  # the root decides alone; the looks ask the alarm's thread; the tree's edges, both ends
-        c = statistics.mean(looks(w, 0.0) for w in waits)
+        c = statistics.mean(looks(w, 0.0, WATCH) for w in waits)
         ops = 0.0
         conns = 0.0
         edges = ranks // per_host - 1
@@ -122,21 +129,23 @@ def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tup
     if how == "cut" and not others:
         return None
     if design == "today":  # each rank finds it itself, at a look
-        first = WATCH + others * units.t_p + units.rtt + (WINDOW + per_host * PROBE_TIMEOUT if how == "cut" else 0.0)
+        first = WATCH_BEFORE + others * units.t_p + units.rtt
+        first += WINDOW + per_host * PROBE_TIMEOUT if how == "cut" else 0.0
         return first, first
-    if not others:  # one host: its ranks check each other's pids at their looks
-        return WATCH, WATCH
+    if not others:  # one host: its ranks check each other's pids at their looks (now at most every LOOK_EVERY)
+        every = LOOK_EVERY if design == "tree" else WATCH_BEFORE
+        return every, every
     first = units.t_end + 2 * units.rtt + (WINDOW + TICK if how == "cut" else 0.0)
     if design == "tree":  # the alarm wakes every member's thread, the store answering them in turn; then a look
         return first, first + units.rtt + ranks * units.s + WATCH
-    return first, first + WATCH + units.rtt
+    return first, first + WATCH_BEFORE + units.rtt
 
 
 def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill",
                   lazy: bool = True) -> tuple[float, ...]:
     """(E, A, main group, control group): the regroup's parts, from the loss named (see the module docstring)."""
     survivors = ranks - per_host  # a host lost; its members on other hosts, each probed today
-    enter = WATCH + units.rtt
+    enter = last_entry(design, survivors) + units.rtt
     if design == "today":
         agree = ranks * units.rtt + ranks * ranks * units.s + survivors * units.t_p
         if how == "cut":  # its poll probes the silent host's ranks, each waiting out the probe's timeout
@@ -144,6 +153,18 @@ def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str
     else:
         agree = AGREE_OPS * units.rtt + survivors * units.s
     return (enter, agree, *units.groups(max(1, survivors), lazy))
+
+
+def last_entry(design: str, survivors: int) -> float:
+    """Seconds the deciding survivor waits, past its own look, for the last survivor to enter the agreement. Before
+    the tree: a whole look (the worst case). Now: each survivor enters at its next look, `every` seconds apart, in a
+    phase of its own (independent phases: the expectation of max(0, M - U0), M the latest of the n others' phases, U0
+    the decider's, all uniform, which is every * n / (2 (n + 2))); ranks that entered their waits together look in
+    phase, and the wait is 0."""
+    if design != "tree":
+        return WATCH_BEFORE
+    others = max(0, survivors - 1)
+    return WATCH * others / (2 * (others + 2))
 
 
 def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill",

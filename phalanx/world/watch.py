@@ -59,6 +59,7 @@ class GenerationWatch:
         self.block: tuple[int, ...] = ()  # the members on this rank's host (itself included)
         self.watched: int | None = None
         self._found: set[int] = set()  # gone, as this rank found them (its watch, the pids of its host)
+        self._pids_read = float("-inf")  # when found() last read the pids of its host's members
         self._said: set[int] = set()
         self._kept: KeptWatch | None = None
         self._probes = PeerWatch()  # a regroup's probes of members nobody watches any more
@@ -84,10 +85,15 @@ class GenerationWatch:
     # -- what a rank asks ------------------------------------------------------------------------
 
     def found(self) -> set[int]:
-        """The members this rank knows are gone, asking nobody: its watch's verdict, and the pids of its host."""
-        for member in self.block:
-            if member != self.me and member not in self._found and same_host_gone(self.who[member]):
-                self._verdict(member, "its process ended")
+        """The members this rank knows are gone, asking nobody: its watch's verdict, and the pids of its host (read at
+        most every LOOK_EVERY seconds: a look comes more often, and a read of a peer's pid costs tens of
+        microseconds)."""
+        now = time.monotonic()
+        if now - self._pids_read >= LOOK_EVERY:
+            self._pids_read = now
+            for member in self.block:
+                if member != self.me and member not in self._found and same_host_gone(self.who[member]):
+                    self._verdict(member, "its process ended")
         return set(self._found)
 
     def troubled(self) -> bool:

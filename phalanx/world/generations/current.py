@@ -27,7 +27,7 @@ from ..liveness import identity
 from ..watch import GenerationWatch
 from . import release
 from .commit import StepCommit
-from .settings import REGROUP_CONNECT_SECONDS, WATCH_EVERY, live_recovery, membership_timeout
+from .settings import CONNECT_LOOK_EVERY, REGROUP_CONNECT_SECONDS, live_recovery, membership_timeout
 
 
 @dataclass(frozen=True)
@@ -179,7 +179,7 @@ def _connect(group, members, name: str, who: str) -> None:
     deadline, seen = time.monotonic() + _connect_time().total_seconds(), None
     while seen is None:
         try:
-            connected.result(timeout=min(WATCH_EVERY, max(0.0, deadline - time.monotonic())))
+            connected.result(timeout=min(CONNECT_LOOK_EVERY, max(0.0, deadline - time.monotonic())))
             return
         except concurrent.futures.TimeoutError:
             gone = lost_among(members)

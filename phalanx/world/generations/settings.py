@@ -28,7 +28,12 @@ MEMBERSHIP_MARGIN = 30.0
 AWAITED_SAY_EVERY = 10.0  # seconds between the lines naming the members the survivors still wait for
 AGREE_READ_EVERY = 0.5  # seconds between a survivor's reads of who is alive, when another one decides
 ORPHAN_AFTER = 0.5  # seconds into the agreement after which the deciding survivor probes the members it still misses
-WATCH_EVERY = 0.1  # seconds: how often a wait on a collective asks whether the step in flight was given up
+# Seconds between a waiting rank's looks at whether the step in flight was given up. What a look asks is in memory
+# (the watch's threads heard it: watch.py), so a look costs the rank tens of microseconds and the store nothing; it
+# bounds how long the last survivor of a loss takes to see it, which the regroup waits for: the looks of ranks that
+# entered their waits at different moments are out of phase by up to this much.
+WATCH_EVERY = 0.02
+CONNECT_LOOK_EVERY = 0.1  # seconds between a regroup's looks for a second loss while its groups connect (a store read)
 REGROUP_CONNECT_SECONDS = 30.0  # the ranks left making a new generation's process groups wait this long for each other
 WAIT_THREADS = 16  # threads that wait on collectives whose own waits cannot be bounded (waited_aside)
 
