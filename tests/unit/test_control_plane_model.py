@@ -1,0 +1,37 @@
+"""The control plane's scale model (benchmarks/control_plane/model_formulas.py): the terms a waiting rank's looks put
+into a regroup and into the naming of a loss, against what they stand for."""
+
+import random
+
+import pytest
+
+from benchmarks.control_plane.model_formulas import WATCH_BEFORE, last_entry, looks, watch_every
+from phalanx.world.generations.settings import WATCH_EVERY
+from phalanx.world.watch import LOOK_EVERY
+
+
+@pytest.mark.parametrize("survivors", [2, 3, 8, 15, 63])
+def test_last_entry_is_the_expected_wait_for_the_last_survivor_when_looks_are_out_of_phase(survivors):
+    """The deciding survivor sees the loss at its look, at a uniform phase in [0, WATCH); so does every other one, and
+    the decider waits for the latest of them, if it came later: the formula is that wait's expectation."""
+    draw = random.Random(survivors)
+    trials, total = 40_000, 0.0
+    for _ in range(trials):
+        decider = draw.uniform(0, WATCH_EVERY)
+        latest = max(draw.uniform(0, WATCH_EVERY) for _ in range(survivors - 1))
+        total += max(0.0, latest - decider)
+    assert last_entry("tree", survivors) == pytest.approx(total / trials, rel=0.03)
+    assert last_entry("tree", survivors) < WATCH_EVERY / 2
+
+
+def test_a_survivor_alone_waits_for_nobody_and_the_designs_before_the_tree_keep_their_whole_look():
+    assert last_entry("tree", 1) == 0.0
+    assert last_entry("today", 15) == WATCH_BEFORE == 0.1
+    assert watch_every("tree") == WATCH_EVERY < watch_every("new-host")
+
+
+def test_looks_count_the_looks_that_fit_in_a_wait():
+    assert looks(0.15, 0.0, every=0.02) == 7
+    assert looks(0.15, 0.0) == 1  # every WATCH_BEFORE
+    assert looks(0.24, 0.05) == 1  # a second look would end at 0.1 + 0.05 + 0.1 > 0.24
+    assert LOOK_EVERY > WATCH_EVERY  # a look reads its host's pids at most every LOOK_EVERY
