@@ -35,6 +35,7 @@ from ..sharding.grad_norm import clip_sharded_grad_norm_
 from ..sharding.shard_waits import install_gather_waits
 from ..sharding.sharded_optimizer import ShardedOptimizer
 from ..sharding.stray_optimizers import guard_level
+from ..world import generation
 from ..world.group import collective_device, live_group
 from ..world.topology import HostGroups, host_topology
 from .comm_hook_checks import check_comm_hook
@@ -156,7 +157,8 @@ class DistributedDataParallel(PicklingMixin, StateDictMixin, JoinMixin, TorchSur
         self._guard = StepGuard(self.process_group, next(_instances))
         params = [p for _, p in named]
         if getattr(self, "_hosts", None) is None and self.process_group.size() > 1:
-            self._hosts = HostGroups(host_topology(self.process_group), self.process_group)  # collective
+            self._hosts = HostGroups(host_topology(self.process_group, generation.all_gather_objects),
+                                     self.process_group)  # collective
         exchange = choose_exchange(self.process_group, self._guard, params, owner=self, shard=self.shard,
                                    hosts=getattr(self, "_hosts", None))
         caps = (self.bucket_bytes_cap, self._first_cap_bytes)

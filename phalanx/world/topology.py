@@ -111,10 +111,16 @@ def topology_from_keys(keys: list, rank: int) -> Topology:
     return Topology(hosts, host, hosts[host].index(rank), choices.pop(), keys[rank][0])
 
 
-def host_topology(group=None) -> Topology:
-    """Collective on `group` (default: the world): every rank's host, gathered; the same answer everywhere."""
+def host_topology(group=None, gather=None) -> Topology:
+    """Collective on `group` (default: the world): every rank's host, gathered; the same answer everywhere.
+    `gather(mine, group, what)`: every rank's object in rank order; the engines pass generation.all_gather_objects,
+    whose waits a loss ends at once under live recovery (a regroup gathers the survivors' hosts here, and a second
+    loss then must not hold them for the group's timeout); this module, which the generations' watch imports,
+    cannot import it. Default: dist.all_gather_object."""
     group = group if group is not None else dist.group.WORLD
     mine = (host_key(), xhost_choice())
+    if gather is not None:
+        return topology_from_keys(gather(mine, group, "the ranks' hosts"), dist.get_rank(group))
     keys = [None] * dist.get_world_size(group)
     dist.all_gather_object(keys, mine, group=group)
     return topology_from_keys(keys, dist.get_rank(group))

@@ -51,7 +51,7 @@ def split_across_hosts(config, group, params: list[torch.Tensor], buffers: list[
             seen=f"delay={config.delay} with live recovery on", expected="delay=0 (fragments= may stay)",
             fix="Pass delay=0 under live recovery, or turn live recovery off (a lost host then restarts the run "
                 "from its newest checkpoint)."))
-    topology = host_topology(group)
+    topology = host_topology(group, generation.all_gather_objects)
     if not topology.spans_hosts:
         logger.info("across_hosts=%s on one host: exact DDP, no outer step", config)
         if not live:

@@ -65,7 +65,7 @@ class LiveOuter:
                 fix="Put model.outer_step in the Checkpointer's state (docs/diloco.md): the synced parameters, the "
                     "outer momentum and the step count come with it."))
         before = outer.hosts
-        topology = host_topology(survivors.group)
+        topology = host_topology(survivors.group, generation.all_gather_objects)
         if topology.spans_hosts:
             host, network, chunks = make_groups(topology, survivors.members, survivors.number)
             made = (host, network)
