@@ -45,7 +45,8 @@ Per rank and step, healthy:
           O = 0 (the root decides alone; a rank in doubt after a loss asks the store, on the loss's path only)
           K = 0
           S = (seg_op + seg_ack) (O + 2 (H - 1) / P) + 2 T / TICK   (H = P / L speakers: each of the tree's H - 1
-          edges carries a vote up and the outcome down a step, counted at both its ends)
+          edges carries a vote up and the outcome down a step, counted at both its ends); a host's speaker, whose
+          connections the runs count (local rank 0), carries its host's share: 2 (H - 1) / H in place of 2 (H - 1) / P
   the store: P O operations per step, busy P O s / T of the time.
 A healthy commit's delay, once the last host is ready (H hosts):
   new-host  3 rtt + 2 H s      (an add, the wait, a read, behind the store's service of every host's add and read)
@@ -168,8 +169,9 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
     if design != "today":
         lines = ["| hosts x ranks | connections added: measured / model (agreement) | a rank's store segments: "
                  "measured / model (agreement) | a rank's control plane, its store connections, its watch and the "
-                 "commit tree's, segments both ways: measured / model (agreement) | segments added, the kernel's on - "
-                 "off: measured / model (agreement) | looks per waiting rank and step |",
+                 "commit tree's, segments both ways (local rank 0, its host's speaker): measured / model (agreement) | "
+                 "segments added, the kernel's on - off: measured / model (agreement) | looks per waiting rank and "
+                 "step |",
                  "| --- | --- | --- | --- | --- | --- |"]
     for row in (r for r in measured if r["kind"] == "steady" and "rank_store" in r["on"]):
         ranks, per_host = row["hosts"] * row["per_host"], row["per_host"]
@@ -187,7 +189,7 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
                          f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
                          f"{store_model:.1f} ({_agreement(store_model, row['on']['rank_store'])}) | "
-                         f"{own:.1f} / {got['segments']:.1f} ({_agreement(got['segments'], own)}) | "
+                         f"{own:.1f} / {got['speaker_segments']:.1f} ({_agreement(got['speaker_segments'], own)}) | "
                          f"{add['segments']:.1f} / {got['segments']:.1f} "
                          f"({_agreement(got['segments'], add['segments'])}) | {got['looks']:.2f} |")
             continue
@@ -223,9 +225,10 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
             exited = [r["exited"] for r in rows if r.get("exited") is not None]
             own_teardown = ""
-            if how == "kill" and exited and units.t_teardown is not None and design != "today":
+            if how == "kill" and exited and units.t_teardown is not None and design != "today" and per_host == 1:
                 # The victim's teardown, which its sockets' close waits for, as the runs met it: their 16 hosts share
                 # 2 cores, where the unit's victim had a quiet machine. The rest of the naming is the control plane's.
+                # One victim a host only: the runs time the last of a host's victims, and the first one names it.
                 torn = statistics.median(exited)
                 here = model_named - units.t_teardown + torn
                 own_teardown = f"; with the runs' own teardown ({torn:.3f}): {here:.3f} ({_agreement(here, detected)})"

@@ -77,7 +77,8 @@ def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: 
     others = ranks - per_host  # members on other hosts
     r = units.r(ranks) if r is None else r
     if not others:  # one host: the shared-memory exchange ends alike on every rank (no commit), peers seen by pid
-        return {"ops": 0.0, "connections": 0.0, "segments": 0.0, "store_ops": 0.0, "store_busy": 0.0, "looks": 0.0}
+        return {"ops": 0.0, "connections": 0.0, "segments": 0.0, "speaker_segments": 0.0, "store_ops": 0.0,
+                "store_busy": 0.0, "looks": 0.0}
     if design == "today":
         look = others * units.t_p + units.rtt
         c = statistics.mean(looks(w, look) for w in waits)
@@ -90,13 +91,17 @@ def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: 
         conns = 0.0
         edges = ranks // per_host - 1
         segs = (units.seg_op + units.seg_ack) * 2 * edges / ranks + 2 * step / TICK
+        # a host's speaker (its local rank 0, whose connections the runs count) carries its host's share of the edges
+        speaker = (units.seg_op + units.seg_ack) * 2 * edges * per_host / ranks + 2 * step / TICK
     else:
         u = 1.0 if design == "new" else 1.0 / per_host
         c = statistics.mean(looks(w, units.rtt) for w in waits)
         ops = u * (1 + WAITED_COMMIT) + f * c
         conns = 0.0
         segs = units.seg_op * ops + units.seg_ack * (u + f * c) + 2 * step / TICK
-    return {"ops": ops, "connections": conns, "segments": segs, "store_ops": ranks * ops,
+    if design != "tree":
+        speaker = segs
+    return {"ops": ops, "connections": conns, "segments": segs, "speaker_segments": speaker, "store_ops": ranks * ops,
             "store_busy": ranks * ops * units.s / step, "looks": c}
 
 

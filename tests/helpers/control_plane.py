@@ -233,8 +233,7 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
             victim_held = {"rss_kb": [rss for rss, _ in held], "threads": [threads for _, threads in held]}
             exits = ExitTimes(pids)
             struck = time.time()
-            for pid in [*launchers, *pids]:
-                os.kill(pid, signal.SIGKILL)
+            kill_at_once([*launchers, *pids])
             exited = exits.last(struck)
             kill_node(job.launchers[victim])
         job.wait(range(victim))
@@ -281,6 +280,23 @@ def held_by(pid: int) -> tuple[int, int]:
     with open(f"/proc/{pid}/status") as status:
         fields = dict(line.split(":", 1) for line in status)
     return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
+
+
+def kill_at_once(pids: list[int]) -> None:
+    """SIGKILL `pids` as a host's death does, at one moment: the loop runs at a real-time priority, so that nothing
+    takes this core between two kills. Preempted there for milliseconds (a loaded machine), it would let a victim
+    not yet killed see its host's first victim gone and enter the survivors' agreement before its own death."""
+    try:
+        before = os.sched_getscheduler(0), os.sched_getparam(0)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except (AttributeError, OSError):  # no real-time scheduling here (not root, or not Linux): kill them in turn
+        before = None
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        if before is not None:
+            os.sched_setscheduler(0, *before)
 
 
 def regroup_parts(job: Job, survivors: list[int], struck: float) -> dict:

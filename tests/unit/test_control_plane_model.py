@@ -35,3 +35,19 @@ def test_looks_count_the_looks_that_fit_in_a_wait():
     assert looks(0.15, 0.0) == 1  # every WATCH_BEFORE
     assert looks(0.24, 0.05) == 1  # a second look would end at 0.1 + 0.05 + 0.1 > 0.24
     assert LOOK_EVERY > WATCH_EVERY  # a look reads its host's pids at most every LOOK_EVERY
+
+
+def test_a_hosts_speaker_carries_its_hosts_share_of_the_tree():
+    """The runs count local rank 0's connections, its host's speaker in the tree: with one rank per host that is every
+    rank's share; with 4, the speaker's edges are its host's, 4 times a rank's average."""
+    from types import SimpleNamespace
+
+    from benchmarks.control_plane.model_formulas import per_step
+    from phalanx.world.liveness import TICK
+
+    units = SimpleNamespace(seg_op=2.0, seg_ack=1.0, s=1e-5, r=lambda ranks: 0.0)
+    watch = 2 * 0.2 / TICK
+    alone, shared = (per_step(units, "tree", 16, per_host, [0.15], 0.2) for per_host in (1, 4))
+    assert alone["speaker_segments"] == pytest.approx(alone["segments"]) == pytest.approx(3 * 2 * 15 / 16 + watch)
+    assert shared["segments"] == pytest.approx(3 * 2 * 3 / 16 + watch)
+    assert shared["speaker_segments"] == pytest.approx(3 * 2 * 3 / 4 + watch)

@@ -54,7 +54,9 @@ def agree_on_survivors(generation: Generation, store) -> tuple[int, ...]:
                 gone |= watch.probe(set(generation.members) - alive - gone)
             settled = alive | gone
             if settled >= set(generation.members) or now > deadline:
-                store.compare_set(decision, "", ",".join(map(str, sorted(alive))))
+                # a member that said it is alive and then was found gone (its host's ranks killed one after another)
+                # is left out now: kept in, it would fail the new groups' connect, and the run would restart
+                store.compare_set(decision, "", ",".join(map(str, sorted(alive - gone))))
                 break
             if now > say_at:
                 say_at += AWAITED_SAY_EVERY
