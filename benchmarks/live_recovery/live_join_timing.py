@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,7 +56,18 @@ def _steps(run_dir: Path, rank: int) -> list:
 
 
 def one_round(hosts: Hosts, state_mb: float, mbit: float, expected, gap: float) -> dict:
+    """One round's figures (_timed_round), its files removed once read; kept, and named, when it fails."""
     run_dir = Path(tempfile.mkdtemp(prefix="phalanx-join-"))
+    try:
+        figures = _timed_round(run_dir, hosts, state_mb, mbit, expected, gap)
+    except BaseException:
+        print(f"the round's files are kept in {run_dir}", file=sys.stderr)
+        raise
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return figures
+
+
+def _timed_round(run_dir: Path, hosts: Hosts, state_mb: float, mbit: float, expected, gap: float) -> dict:
     port = free_port()
     launchers = [_launcher(hosts, i, port, run_dir, state_mb) for i in range(3)]
     try:
