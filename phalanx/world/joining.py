@@ -134,20 +134,28 @@ def ready_ranks(store, world_size: int) -> list[int]:
     return [rank for rank in candidates if store.check([ready_key(rank)])]
 
 
-def make_group(members, name: str, timeout: timedelta, backend: str | None = None, lazy: bool = False):
+def make_group(members, name: str, timeout: timedelta, backend: str | None = None, lazy: bool = False,
+               store=None):
     """A process group of `members` (global ranks, ascending), made by its name: every member calls it with the
     same name, whatever groups each process made before (dist.new_group names a group by how many the process
     made, which differs in a joiner), and whatever the size of each one's default group. Registered with torch
     like dist.new_group's groups, so that every collective and rank query takes it. `lazy`: a Gloo group whose
-    pairs connect at their first collective (gloo_lazy)."""
+    pairs connect at their first collective (gloo_lazy). `store`: where its members meet (default: the default
+    group's store)."""
     members = list(members)
     default = c10d._get_default_group()
     default_backend, default_store = c10d._world.pg_map[default]
     with gloo_lazy(lazy):
         group, _ = c10d._new_process_group_helper(len(members), members.index(dist.get_rank()), members,
-                                                  backend or default_backend, default_store, name, timeout=timeout)
+                                                  backend or default_backend, store or default_store, name,
+                                                  timeout=timeout)
     c10d._world.pg_group_ranks[group] = {rank: index for index, rank in enumerate(members)}
     return group
+
+
+def default_store():
+    """The store of the default group, which make_group's groups meet on unless given another."""
+    return c10d._world.pg_map[c10d._get_default_group()][1]
 
 
 @contextmanager

@@ -82,6 +82,8 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     state = {"model": model, "optimizer": optimizer, "loader": loader}
     steplog = px.StepLog(os.path.join(directory, "steplog"), every=1, print_every=0, tensorboard=False)
     dies_at = at if rank == doomed_rank else then[1] if then is not None and rank == then[0] else None
+    if dies_at == "groups":
+        _die_making_groups()
     losses, started_as, doomed, armed = [], os.getpid(), dies_at is not None, [False]
     views = set()  # (generation, px.rank(), px.world_size(), px.is_main(), launch rank) seen at each step
     groups = _GroupsKept()
@@ -199,6 +201,14 @@ class _Summed:
             self.tensor += value
         self.received = {}
         return True
+
+
+def _die_making_groups() -> None:
+    """Die as this rank starts making the next generation's groups, after the survivors' agreement counted it in (a
+    host's ranks dying one after another): the others' groups fail on it."""
+    from phalanx.world.generations import current as generations
+
+    generations.generation_group = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _die_in_commit(directory: str, log, in_commit: list, moment: str) -> None:

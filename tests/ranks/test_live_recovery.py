@@ -128,6 +128,26 @@ def test_two_losses_in_a_row_leave_no_process_group_behind(tmp_path, shm):
     assert {view[:3] for rank in (0, 1) for view in results[rank]["views"] if view[0] == 2} == {(2, 0, 2), (2, 1, 2)}
 
 
+def test_a_rank_lost_as_the_ranks_left_make_their_groups_is_left_out_and_they_go_on(tmp_path, capfd):
+    """Four ranks lose rank 3 in a step; rank 2, counted in by the survivors' agreement, dies as it starts making the
+    new generation's groups. Ranks 0 and 1 agree again without it and go on in-process (before: their groups failed
+    on it, and the run restarted from its checkpoint): generation 1 of (0, 1), equal to one process on whole global
+    batches, every sample used once."""
+    results = run_ranks(train, 4, (str(tmp_path), 3, LOST_AT, "exchange", 0.0, "none", False, 8, (2, "groups")),
+                        min_world_size=2, timeout=240, env={"PHALANX_SHM": "0", "PHALANX_DDP_STALL_TIMEOUT": "20",
+                                                            "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
+    assert results[2] is None and results[3] is None, "ranks 2 and 3 were expected to die"
+    assert "the ranks left agree again" in capfd.readouterr().err
+    expected_params, expected_steps = reference_run()
+    for rank in (0, 1):
+        assert results[rank]["pid"][0] == results[rank]["pid"][1], f"rank {rank} changed process"
+        assert results[rank]["generation"] == (1, (0, 1)), f"rank {rank}: {results[rank]['generation']}"
+        for ours, theirs in zip(results[rank]["params"], expected_params):
+            assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
+    assert applied_ids(str(tmp_path), 4) == expected_steps, "a sample was lost or used twice"
+    check_world_views(results)
+
+
 def _check_the_steplog_went_on(directory: str, steps: int, survivors: tuple) -> None:
     """The StepLog kept logging on the ranks left: every step of the run is in exactly one record, under its number
     (the windows being gathered when the world changed are gathered again among the ranks left), those after the

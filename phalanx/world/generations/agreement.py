@@ -2,19 +2,25 @@
 
 Every survivor says it is alive; once each member has either said so or is known gone (or the membership timeout
 passed), the first proposal stored is the next generation. The survivors then meet on its process groups, with their
-old ranks in their old order (current.meet).
+old ranks in their old order (current.meet), and enter it only once every member made them (groups_formed): a member
+lost between the decision and the groups (a host's ranks dying one after another) fails them on its neighbours only,
+and the others would go on into a generation that holds it. Then they all agree again, without it, up to
+FORM_ATTEMPTS times.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
 from ...errors import MembershipError, explain
 from ...log import logger
 from .. import group as world
-from .current import Generation, current, meet
+from .commit import GIVEN_UP
+from .current import Generation, GroupsNotFormed, current, meet
 from .settings import (
     AGREE_READ_EVERY,
     AWAITED_SAY_EVERY,
@@ -27,17 +33,22 @@ from .settings import (
 
 DECIDER_LOOK = 0.005  # seconds between the deciding survivor's looks at who is alive
 DECISION_LOOK = 0.02  # seconds between the other survivors' looks at the decision
+FORM_ATTEMPTS = 3  # agreements on the next generation, each after its groups failed on a member lost meanwhile
+FORM_LOOK = 0.05  # seconds between a member's looks at who is gone, while it waits for the others' groups
 
 
-def agree_on_survivors(generation: Generation, store) -> tuple[int, ...]:
+def agree_on_survivors(generation: Generation, store, attempt: int = 0) -> tuple[int, ...]:
     """Collective over the survivors of `generation`: the members that go on, the same tuple on each of them. Each
     says which step it applied last (for the ranks in doubt about one: commit.py), then appends its rank to one
     list; the first of them decides once every member is on it or known gone (its watcher said so, or after
     ORPHAN_AFTER its own probe: a member whose watcher is lost too), or the membership timeout passed. The others
-    look for the decision, and read the list only now and then (the first of them may be lost too)."""
+    look for the decision, and read the list only now and then (the first of them may be lost too). `attempt`: the
+    agreement's number after the groups of the ones before failed (keys of its own)."""
     me = dist.get_rank()
-    decision, listed = generation._key("next"), generation._key("alive")
-    generation.say_applied(store)  # first: a rank in doubt about the last step learns from it (commit.py)
+    suffix = f"-{attempt}" if attempt else ""
+    decision, listed = generation._key("next" + suffix), generation._key("alive" + suffix)
+    if not attempt:
+        generation.say_applied(store)  # first: a rank in doubt about the last step learns from it (commit.py)
     store.append(listed, f"{me},")
     watch, timeout = generation.watch(store), membership_timeout()
     started = time.monotonic()
@@ -70,12 +81,32 @@ def agree_on_survivors(generation: Generation, store) -> tuple[int, ...]:
 def next_generation(cause: BaseException) -> Generation:
     """Collective over the survivors of the current generation: agree on who is left, meet on a new process
     group, and make it the current generation. Raises MembershipError when this rank was counted lost or
-    fewer ranks are left than the minimum world size."""
+    fewer ranks are left than the minimum world size, or when the groups could not be made FORM_ATTEMPTS times."""
     store, old = world.store(), current()
     started = time.monotonic()
-    members = agree_on_survivors(old, store)
+    for attempt in range(FORM_ATTEMPTS):
+        members = agree_on_survivors(old, store, attempt)
+        _check_left(members, old, cause)
+        try:
+            meet(old.number + 1, members, "the ranks left", abandoned=True, attempt=attempt,
+                 formed=functools.partial(groups_formed, old, store, members, attempt))
+            break
+        except GroupsNotFormed as failure:
+            if attempt + 1 == FORM_ATTEMPTS:
+                raise
+            logger.warning("generation %d: its groups were not made on every member of %s (%s): the ranks left "
+                           "agree again", old.number + 1, list(members), str(failure).splitlines()[0])
+    survivors = current()
+    if survivors.rank == 0:
+        logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s",
+                       sorted(set(old.members) - set(members)), type(cause).__name__, len(members), survivors.number,
+                       time.monotonic() - started)
+    return survivors
+
+
+def _check_left(members: tuple[int, ...], old: Generation, cause: BaseException) -> None:
+    """Raise MembershipError when this rank is not among `members`, or fewer are left than the minimum."""
     me, minimum = dist.get_rank(), min_world_size() or 1
-    lost = sorted(set(old.members) - set(members))
     if me not in members:
         raise MembershipError(explain(
             f"the other ranks went on without this one after generation {old.number}", rank=me,
@@ -84,13 +115,38 @@ def next_generation(cause: BaseException) -> Generation:
                 f"was alive ({MEMBERSHIP_TIMEOUT_ENV}={membership_timeout():g} s). This rank ends; its launcher "
                 f"starts it again to join (under --max-restarts, or --nnodes MIN:MAX).")) from cause
     if len(members) < minimum:
+        lost = sorted(set(old.members) - set(members))
         raise MembershipError(explain(
             f"too few ranks are left to go on after losing ranks {lost}", rank=me,
             seen=f"{len(members)} left: {list(members)}", expected=f"at least {MIN_WORLD_ENV}={minimum}",
             fix="The run falls back to a restart from its newest checkpoint.")) from cause
-    meet(old.number + 1, members, "the ranks left", abandoned=True)
-    survivors = current()
-    if survivors.rank == 0:
-        logger.warning("lost ranks %s (%s): %d ranks go on in generation %d, regrouped in %.3f s", lost,
-                       type(cause).__name__, len(members), survivors.number, time.monotonic() - started)
-    return survivors
+
+
+def groups_formed(old: Generation, store, members: tuple[int, ...], attempt: int, made: bool) -> bool:
+    """Collective over `members`, once each made the next generation's groups or failed to (`made`): whether every
+    one made them, the same answer on each. A counter each adds 1 to once its groups are made; the member whose add
+    fills it says so, and the others wait for that. A member that could not make them, or that finds a member gone
+    while it waits (a verdict of the old generation's watch wakes the wait), gives the counter up with a
+    compare-and-set from the value it read: once full it cannot be given up, once given up it cannot fill."""
+    counter, done = old._key("formed", attempt), old._key("formed", attempt, "done")
+    if made:
+        if store.add(counter, 1) == len(members):
+            store.set(done, "1")
+            return True
+        watch, deadline = old.watch(store), time.monotonic() + membership_timeout()
+        old._watching["forming"] = [done]  # a watcher's verdict sets it (Generation.in_flight)
+        try:
+            while not watch.gone() & set(members) and time.monotonic() < deadline:
+                try:
+                    store.wait([done], timedelta(seconds=FORM_LOOK))
+                    break
+                except dist.DistStoreError:  # not yet
+                    continue
+        finally:
+            old._watching.pop("forming", None)
+    count = store.add(counter, 0)
+    while 0 <= count < len(members):  # others may add meanwhile: then try again from what they made it
+        count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
+    if count != len(members):
+        store.set(done, "0")  # the others' waits end now
+    return count == len(members)

@@ -24,7 +24,7 @@ from ...errors import MembershipError, explain
 from .. import group as world
 from .. import joining
 from ..liveness import identity
-from ..watch import GenerationWatch
+from ..watch import GenerationWatch, side_store
 from . import release
 from .commit import StepCommit
 from .settings import CONNECT_LOOK_EVERY, REGROUP_CONNECT_SECONDS, live_recovery, membership_timeout
@@ -76,9 +76,10 @@ class Generation(StepCommit):
             self._watching["watch"].close()
 
     def in_flight(self) -> list[str]:
-        """The done keys of the steps a member may be waiting on now (a member is at most one step ahead of another):
-        what a watcher that found a member gone sets, so that no wait for a commit outlives the generation."""
-        return [self._done(n) for n in range(max(0, _commits - 1), _commits + 2)]
+        """The done keys of the steps a member may be waiting on now (a member is at most one step ahead of another),
+        and of the next generation's groups while they are made (agreement.groups_formed): what a watcher that
+        found a member gone sets, so that no such wait outlives the generation."""
+        return [self._done(n) for n in range(max(0, _commits - 1), _commits + 2)] + self._watching.get("forming", [])
 
 
 _current: Generation | None = None
@@ -123,15 +124,38 @@ def announce() -> None:
     generation.watch(world.store())
 
 
-def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = False) -> None:
+class GroupsNotFormed(MembershipError):
+    """A new generation's groups were not made on every member (one lost while they were made): the members agree
+    again without it (agreement.next_generation); past its attempts, a MembershipError as any other."""
+
+
+def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = False, attempt: int = 0,
+         formed=None) -> None:
     """Collective over `members`: make generation `number`'s process groups (by name: joiners take part, whose
     default group is not the others', joining.py) and make it the current generation. The groups before are
     released after the regroup (release.py). `abandoned`: after a loss (a collective on them may still
-    wait on the lost rank: shutdown() then leaves the groups not yet freed to the process's exit)."""
+    wait on the lost rank: shutdown() then leaves the groups not yet freed to the process's exit). `formed(made)`:
+    whether every member made the groups, this one too (`made`), the same answer on each (agreement.groups_formed);
+    when not, the groups made are set aside and GroupsNotFormed raised, the generation before still current (its
+    watch open): `attempt` names the groups of each try apart."""
     global _current, _commits, _admissions
-    name = f"phalanx/{world.attempt()}/generation{number}"
-    group = generation_group(members, f"{name}/main", who=who)
-    control = generation_group(members, f"{name}/control", backend="gloo", who=who)
+    name = f"phalanx/{world.attempt()}/generation{number}" + (f"-{attempt}" if attempt else "")
+    made, failure = [], None
+    try:
+        made.append(generation_group(members, f"{name}/main", who=who))
+        made.append(generation_group(members, f"{name}/control", backend="gloo", who=who))
+    except MembershipError as exc:
+        if formed is None:
+            raise
+        failure = exc
+    if formed is not None and not formed(failure is None):
+        release.set_aside(made, True)
+        raise GroupsNotFormed(explain(
+            f"generation {number}'s process groups were not made on every member", rank=dist.get_rank(),
+            seen=str(failure).splitlines()[0] if failure else "another member could not make them",
+            expected=f"every member of {list(members)} connected",
+            fix="A member was lost while the others made them: the ranks left agree again without it.")) from failure
+    group, control = made
     before = current()  # generation 0 registered its end-of-run reset
     release.set_aside((before.group, world.control_group()), abandoned)
     before.close_watch()
@@ -150,10 +174,15 @@ def generation_group(members, name: str, backend: str | None = None, who: str = 
     A Gloo group is made lazy (joining.gloo_lazy): a full mesh would cost the regroup O(members^2) store reads, where
     each rank connects here only the peers of a ring all-reduce and of a broadcast from rank 0 (at most 2 + log2
     members, joining.connect_lazy), the collectives phalanx runs on a generation's groups; any other pair connects
-    at its first use. Either failing is a MembershipError (`who`: the ranks making it, for its message)."""
+    at its first use. Either failing is a MembershipError (`who`: the ranks making it, for its message).
+
+    Its members meet on a store client of the group's own (watch.side_store): a client serves one call at a time,
+    and a pair's connect that waits for a lost member's address (in a thread nothing can stop, up to the connect
+    time) would hold the rank's client, and so its regroup, that long."""
     lazy = (backend or dist.get_backend()) == "gloo"
     try:
-        group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy)
+        group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy,
+                                   store=side_store(joining.default_store()))
     except RuntimeError as exc:
         raise _not_connected(name, members, who, _first_line(exc)) from exc
     if lazy:
