@@ -76,6 +76,8 @@ Regroup (from the loss named to the ranks left training on new groups; what worl
                                                      and probes; a host cut off: + L PROBE_TIMEOUT, silent probes)
   A, new    AGREE_OPS rtt + S s                     (the survivor that decides, the first in rank order, once every
                                                      survivor is listed; the store serves the S appends)
+  A, tree   the same + FORM_OPS rtt + S s           (then, the groups made, the formation: each survivor adds to a
+                                                     counter, the last one sets the key the others wait on)
   G2(S)     the main group, then the control group (generations/current.py meet: two Gloo groups, one after the
             other, on the one store): from the units' `first` (the decision, its 20 ms polls, the main group) and
             `second`, fitted as group_model.py says: lazy groups, as phalanx makes them, cost the store k ops per pair

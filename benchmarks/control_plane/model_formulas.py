@@ -13,6 +13,7 @@ from phalanx.world.liveness import SILENT_WINDOW as WINDOW
 from phalanx.world.watch import LOOK_EVERY
 
 AGREE_OPS = 8  # the deciding survivor's store operations once every survivor is listed (generations/agreement.py)
+FORM_OPS = 2  # a regroup's formation once its groups are made: each member's add, the last one's set (agreement.py)
 WAITED_COMMIT = 2.0  # the new commit's store operations after its add: one blocking wait, one read of the counter
 F_DEFAULT = 0.15  # seconds for the models and loaders, when no loss run was measured
 WATCH_BEFORE = 0.1  # seconds between a waiting rank's looks in the designs before the tree (the code they describe)
@@ -157,6 +158,8 @@ def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str
             agree += per_host * PROBE_TIMEOUT
     else:
         agree = AGREE_OPS * units.rtt + survivors * units.s
+    if design == "tree":  # the groups' formation (agreement.groups_formed): every member's add, the last one's set
+        agree += FORM_OPS * units.rtt + survivors * units.s
     return (enter, agree, *units.groups(max(1, survivors), lazy))
 
 

@@ -140,10 +140,10 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     watch open): `attempt` names the groups of each try apart."""
     global _current, _commits, _admissions
     name = f"phalanx/{world.attempt()}/generation{number}" + (f"-{attempt}" if attempt else "")
-    made, failure = [], None
+    made, failure, store = [], None, side_store(joining.default_store())
     try:
-        made.append(generation_group(members, f"{name}/main", who=who))
-        made.append(generation_group(members, f"{name}/control", backend="gloo", who=who))
+        made.append(generation_group(members, f"{name}/main", who=who, store=store))
+        made.append(generation_group(members, f"{name}/control", backend="gloo", who=who, store=store))
     except MembershipError as exc:
         if formed is None:
             raise
@@ -165,7 +165,8 @@ def meet(number: int, members: tuple[int, ...], who: str, abandoned: bool = Fals
     _current.watch(world.store())
 
 
-def generation_group(members, name: str, backend: str | None = None, who: str = "the generation's members"):
+def generation_group(members, name: str, backend: str | None = None, who: str = "the generation's members",
+                     store=None):
     """A process group of a generation's `members` (global ranks, ascending), made by `name` (joining.make_group).
     Connected with a short timeout (every member agreed moments ago, so all are making it now), then given the
     membership timeout for its collectives: a member lost while it is made (a second loss within the regroup) would
@@ -176,13 +177,14 @@ def generation_group(members, name: str, backend: str | None = None, who: str = 
     members, joining.connect_lazy), the collectives phalanx runs on a generation's groups; any other pair connects
     at its first use. Either failing is a MembershipError (`who`: the ranks making it, for its message).
 
-    Its members meet on a store client of the group's own (watch.side_store): a client serves one call at a time,
-    and a pair's connect that waits for a lost member's address (in a thread nothing can stop, up to the connect
-    time) would hold the rank's client, and so its regroup, that long."""
+    Its members meet on `store`, by default a store client of its own (watch.side_store; meet gives a
+    generation's groups one): a client serves one call at a time, and a pair's connect that waits for a lost
+    member's address (in a thread nothing can stop, up to the connect time) would hold the rank's client, and so its
+    regroup, that long."""
     lazy = (backend or dist.get_backend()) == "gloo"
     try:
         group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy,
-                                   store=side_store(joining.default_store()))
+                                   store=store if store is not None else side_store(joining.default_store()))
     except RuntimeError as exc:
         raise _not_connected(name, members, who, _first_line(exc)) from exc
     if lazy:
