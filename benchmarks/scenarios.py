@@ -126,7 +126,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("control_plane.model", _script("control_plane/control_plane_model.py", "--units",
                                      "benchmarks/results/control_plane_units_looks-2026-11-29.json", "--measured",
                                      "benchmarks/results/control_plane_steady_looks-2026-11-29.json",
-                                     "benchmarks/results/control_plane_loss_looks-2026-11-29.json", "--design",
+                                     "benchmarks/results/control_plane_loss_final-2026-11-29.json", "--design",
                                      "tree"),
       "the control plane's scale model to thousands of ranks, from saved unit costs", 2),
     # -- checkpoints and stops
