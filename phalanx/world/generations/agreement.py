@@ -34,7 +34,8 @@ from .settings import (
 DECIDER_LOOK = 0.005  # seconds between the deciding survivor's looks at who is alive
 DECISION_LOOK = 0.02  # seconds between the other survivors' looks at the decision
 FORM_ATTEMPTS = 3  # agreements on the next generation, each after its groups failed on a member lost meanwhile
-FORM_LOOK = 0.05  # seconds between a member's looks at who is gone, while it waits for the others' groups
+FORM_LOOK = 0.5  # seconds between a member's looks at who is gone while it waits for the others' groups (a wait that
+# times out is logged by torch: the others' groups mostly come within the first; one that failed ends the wait at once)
 
 
 def agree_on_survivors(generation: Generation, store, attempt: int = 0) -> tuple[int, ...]:
@@ -126,24 +127,22 @@ def groups_formed(old: Generation, store, members: tuple[int, ...], attempt: int
     """Collective over `members`, once each made the next generation's groups or failed to (`made`): whether every
     one made them, the same answer on each. A counter each adds 1 to once its groups are made; the member whose add
     fills it says so, and the others wait for that. A member that could not make them, or that finds a member gone
-    while it waits (a verdict of the old generation's watch wakes the wait), gives the counter up with a
-    compare-and-set from the value it read: once full it cannot be given up, once given up it cannot fill."""
+    while it waits (at its looks, every FORM_LOOK seconds), gives the counter up with a compare-and-set from the
+    value it read: once full it cannot be given up, once given up it cannot fill."""
     counter, done = old._key("formed", attempt), old._key("formed", attempt, "done")
     if made:
         if store.add(counter, 1) == len(members):
             store.set(done, "1")
             return True
+        # The key only the last add and a give-up set: a verdict about the loss being recovered from, which may come
+        # late from another watcher, must not end this wait (it sets the commit's keys, Generation.in_flight).
         watch, deadline = old.watch(store), time.monotonic() + membership_timeout()
-        old._watching["forming"] = [done]  # a watcher's verdict sets it (Generation.in_flight)
-        try:
-            while not watch.gone() & set(members) and time.monotonic() < deadline:
-                try:
-                    store.wait([done], timedelta(seconds=FORM_LOOK))
-                    break
-                except dist.DistStoreError:  # not yet
-                    continue
-        finally:
-            old._watching.pop("forming", None)
+        while not watch.gone() & set(members) and time.monotonic() < deadline:
+            try:
+                store.wait([done], timedelta(seconds=FORM_LOOK))
+                break
+            except dist.DistStoreError:  # not yet: look again at who is gone
+                continue
     count = store.add(counter, 0)
     while 0 <= count < len(members):  # others may add meanwhile: then try again from what they made it
         count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))

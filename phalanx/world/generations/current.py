@@ -76,10 +76,9 @@ class Generation(StepCommit):
             self._watching["watch"].close()
 
     def in_flight(self) -> list[str]:
-        """The done keys of the steps a member may be waiting on now (a member is at most one step ahead of another),
-        and of the next generation's groups while they are made (agreement.groups_formed): what a watcher that
-        found a member gone sets, so that no such wait outlives the generation."""
-        return [self._done(n) for n in range(max(0, _commits - 1), _commits + 2)] + self._watching.get("forming", [])
+        """The done keys of the steps a member may be waiting on now (a member is at most one step ahead of another):
+        what a watcher that found a member gone sets, so that no wait for a commit outlives the generation."""
+        return [self._done(n) for n in range(max(0, _commits - 1), _commits + 2)]
 
 
 _current: Generation | None = None
