@@ -87,7 +87,7 @@ def per_step(units: Units, design: str, ranks: int, per_host: int, waits, step: 
         conns = f * c * others
         segs = units.seg_op * ops + units.seg_ack * (1 + f * c) + units.q * conns
     elif design == "tree":  # the root decides alone; the looks ask the alarm's thread; the tree's edges, both ends
-        c = statistics.mean(looks(w, 0.0, WATCH) for w in waits)
+        c = statistics.mean(looks(w, 0.0, watch_every(design)) for w in waits)
         ops = 0.0
         conns = 0.0
         edges = ranks // per_host - 1
@@ -135,7 +135,7 @@ def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tup
     if how == "cut" and not others:
         return None
     if design == "today":  # each rank finds it itself, at a look
-        first = WATCH_BEFORE + others * units.t_p + units.rtt
+        first = watch_every(design) + others * units.t_p + units.rtt
         first += WINDOW + per_host * PROBE_TIMEOUT if how == "cut" else 0.0
         return first, first
     if not others:  # one host: its ranks check each other's pids at their looks (now at most every LOOK_EVERY)
@@ -143,8 +143,8 @@ def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tup
         return every, every
     first = units.t_end + 2 * units.rtt + (WINDOW + TICK if how == "cut" else 0.0)
     if design == "tree":  # the alarm wakes every member's thread, the store answering them in turn; then a look
-        return first, first + units.rtt + ranks * units.s + WATCH
-    return first, first + WATCH_BEFORE + units.rtt
+        return first, first + units.rtt + ranks * units.s + watch_every(design)
+    return first, first + watch_every(design) + units.rtt
 
 
 def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill",
@@ -170,9 +170,9 @@ def last_entry(design: str, survivors: int) -> float:
     the decider's, all uniform, which is every * n / (2 (n + 2))); ranks that entered their waits together look in
     phase, and the wait is 0."""
     if design != "tree":
-        return WATCH_BEFORE
+        return watch_every(design)
     others = max(0, survivors - 1)
-    return WATCH * others / (2 * (others + 2))
+    return watch_every(design) * others / (2 * (others + 2))
 
 
 def regroup(units: Units, design: str, ranks: int, per_host: int, followers: float, how: str = "kill",

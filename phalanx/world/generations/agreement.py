@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ...errors import MembershipError, explain
 from ...log import logger
 from .. import group as world
-from .commit import GIVEN_UP
+from .commit import give_up_counter
 from .current import Generation, GroupsNotFormed, current, meet
 from .settings import (
     AGREE_READ_EVERY,
@@ -127,8 +127,8 @@ def groups_formed(old: Generation, store, members: tuple[int, ...], attempt: int
     """Collective over `members`, once each made the next generation's groups or failed to (`made`): whether every
     one made them, the same answer on each. A counter each adds 1 to once its groups are made; the member whose add
     fills it says so, and the others wait for that. A member that could not make them, or that finds a member gone
-    while it waits (at its looks, every FORM_LOOK seconds), gives the counter up with a compare-and-set from the
-    value it read: once full it cannot be given up, once given up it cannot fill."""
+    while it waits (at its looks, every FORM_LOOK seconds), gives the counter up (commit.give_up_counter, as a
+    generation's first steps are): every member reads the same outcome."""
     counter, done = old._key("formed", attempt), old._key("formed", attempt, "done")
     if made:
         if store.add(counter, 1) == len(members):
@@ -143,9 +143,4 @@ def groups_formed(old: Generation, store, members: tuple[int, ...], attempt: int
                 break
             except dist.DistStoreError:  # not yet: look again at who is gone
                 continue
-    count = store.add(counter, 0)
-    while 0 <= count < len(members):  # others may add meanwhile: then try again from what they made it
-        count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
-    if count != len(members):
-        store.set(done, "0")  # the others' waits end now
-    return count == len(members)
+    return give_up_counter(store, counter, len(members), done)

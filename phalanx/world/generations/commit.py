@@ -230,13 +230,7 @@ class StepCommit:
         rank that said ready itself can find, at a step the store decides (at a tree step it is in doubt: _doubt)."""
         applied = False
         if not self._tree_step(store, number):
-            counter, full = self._counter(number)
-            count = store.add(counter, 0)
-            while 0 <= count < full:  # others may add meanwhile: then try again from what they made it
-                count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
-            if count != full:
-                store.set(self._done(number), "0")  # the others' waits for the outcome end now
-            applied = count == full
+            applied = give_up_counter(store, *self._counter(number), self._done(number))
         self.watch(store).say_trouble()  # the others' waits on their peers end at their next look
         return applied
 
@@ -249,6 +243,19 @@ class StepCommit:
             board.say(number, False)
         if self._tree(store, number) is not None:  # a speaker: its tree's neighbours hear from it all the same
             self._speak(store, number, None)
+
+
+def give_up_counter(store, counter: str, full: int, done: str) -> bool:
+    """Give up a counter that its members each add to and that decides once full (a generation's first steps, a new
+    generation's groups): set it to GIVEN_UP with a compare-and-set from the value read, unless it is full already,
+    and end the others' waits on `done` if it is not. Once full it cannot be given up, once given up it cannot fill,
+    so every member reads the same outcome. Returns whether it is full."""
+    count = store.add(counter, 0)
+    while 0 <= count < full:  # others may add meanwhile: then try again from what they made it
+        count = int(store.compare_set(counter, str(count), str(GIVEN_UP)))
+    if count != full:
+        store.set(done, "0")  # the others' waits end now
+    return count == full
 
 
 def _last_applied(text: str) -> dict[int, int]:
