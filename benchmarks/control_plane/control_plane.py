@@ -1,7 +1,8 @@
 """What live recovery's control plane costs per rank and step, and how fast it notices a host lost, on namespace hosts.
 
     sudo PYTHONPATH=. python benchmarks/control_plane/control_plane.py [--hosts 2 4 8 16] [--per-host 1] [--steps 20]
-        [--pause 0.15] [--rounds 1] [--kill] [--cut] [--loss-rounds 1] [--json FILE] [--label TEXT]
+        [--pause 0.15] [--rounds 1] [--kill] [--cut] [--cut-host stopped|runs] [--loss-rounds 1] [--json FILE]
+        [--label TEXT]
 
 N network namespaces on a bridge (root needed), `phalanx run --nnodes N --node-rank i --nproc-per-node L` on each,
 tests/e2e/jobs/control_plane_job.py: the loop of docs/data.md with a tiny model, launch rank 0 sleeping `--pause` s
@@ -13,7 +14,10 @@ and step, the TCP connections opened (ActiveOpens) and segments sent (OutSegs) w
 the segments host 0 (the store's) received per step, and the mean step time on / off.
 
 `--kill` / `--cut`: at each N, live recovery on, the last host's launcher and workers are SIGKILLed (by pid,
-together), or its link is set down (its processes run on, unreachable), after its 8th step. The table says when the
+together), or its link is set down, after its 8th step. A cut host's launcher and workers are SIGSTOPped as its
+link goes down (`--cut-host stopped`, the default): on real hosts they would go on running on cores of their own,
+while here they would share the survivors' 2 (`--cut-host runs` lets them, and the JSON's `victim` says what share of
+a core they took). The table says when the
 ranks left named the loss (a watcher's "found rank R gone" record when phalanx logs one, at DEBUG; else the "lost
 ranks [...] ... regrouped in X s" line less X), their regroup (that line's X, rank 0's; and the run summary's, models
 and loaders included), the last survivor on the new groups and done with its models and loaders (from the regroup's
@@ -71,10 +75,12 @@ def measure(count: int, per_host: int, steps: int, pause: float, rounds: int, wo
             "seconds": time.monotonic() - started}
 
 
-def lose(count: int, per_host: int, how: str, pause: float, work: Path, round_number: int) -> dict:
+def lose(count: int, per_host: int, how: str, pause: float, work: Path, round_number: int,
+         cut_host: str = "stopped") -> dict:
     started = time.monotonic()
     with bridged_hosts("pcb", 222, count) as hosts:
-        loss = loss_run(hosts, work / f"{how}-{count}x{per_host}-{round_number}", how, per_host=per_host, pause=pause)
+        loss = loss_run(hosts, work / f"{how}-{count}x{per_host}-{round_number}", how, per_host=per_host, pause=pause,
+                        cut_host=cut_host)
     return {"hosts": count, "per_host": per_host, "pause": pause, **asdict(loss), "seconds": time.monotonic() - started}
 
 
@@ -107,7 +113,8 @@ def loss_table(rows: list[dict]) -> str:
              "after (s) | bounds at N = 16: named, regroup |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-        what = "SIGKILL, launcher and workers" if row["how"] == "kill" else "link down"
+        what = ("SIGKILL, launcher and workers" if row["how"] == "kill" else
+                f"link down, its processes {(row.get('victim') or {}).get('cut_host', 'runs')}")
         parts, named = row.get("parts") or {}, row["detected"]
         done = [parts[part][3] - named if part in parts and named is not None else None
                 for part in ("meet", "followers")]
@@ -134,6 +141,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="on/off pairs per host count; medians (default 1)")
     parser.add_argument("--kill", action="store_true", help="SIGKILL the last host whole, instead of the counts")
     parser.add_argument("--cut", action="store_true", help="set the last host's link down, instead of the counts")
+    parser.add_argument("--cut-host", choices=("stopped", "runs"), default="stopped",
+                        help="the cut host's processes: SIGSTOPped as its link goes down (default), or left running")
     parser.add_argument("--loss-rounds", type=int, default=1, help="losses of each kind per host count (default 1)")
     parser.add_argument("--json", type=Path, help="append the figures to this file (a JSON list)")
     parser.add_argument("--label", help="what code ran, for the table and the JSON (default: git's HEAD)")
@@ -147,7 +156,7 @@ def main() -> None:
             if args.kill or args.cut:
                 for how in [h for h, asked in (("kill", args.kill), ("cut", args.cut)) if asked]:
                     for round_number in range(args.loss_rounds):
-                        losses.append(lose(count, args.per_host, how, args.pause, work, round_number))
+                        losses.append(lose(count, args.per_host, how, args.pause, work, round_number, args.cut_host))
                         print(json.dumps(losses[-1]), flush=True)
             else:
                 steady.append(measure(count, args.per_host, args.steps, args.pause, args.rounds, work))

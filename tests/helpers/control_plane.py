@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from phalanx.diagnose.stacks import stat_fields
+from phalanx.diagnose.stacks import descendants, stat_fields
 from phalanx.testing import free_port
 from tests.conftest import ROOT
 from tests.e2e.test_elastic import job_env, kill_node
@@ -200,13 +200,18 @@ class Loss:
     lost: list[int]
     exited: float | None = None  # a kill: seconds until the victim's workers had exited, as the kernel told it
     parts: dict | None = None  # regroup_parts()
-    victim: dict | None = None  # a kill: {"rss_kb": [...], "threads": [...]}, a value per worker killed
+    victim: dict | None = None  # a kill: {"rss_kb": [...], "threads": [...]}, a value per worker killed; a cut:
+    # {"cut_host": "stopped" or "runs", "cpu_share": the cores its processes took from the cut to the others' end}
 
 
 def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, after: int = 8, steps: int = 30,
-             pause: float = 0.15) -> Loss:
+             pause: float = 0.15, cut_host: str = "stopped") -> Loss:
     """Live recovery on; once the last host applied `after` steps, SIGKILL its launcher and workers (`how` = "kill")
-    or set its link down ("cut": its processes run on, unreachable; killed at the end). The others finish."""
+    or set its link down ("cut"; killed at the end). A cut host's processes are SIGSTOPped as its link goes down
+    (`cut_host` = "stopped"): on real hosts they would run on cores of their own, while here they would take the
+    survivors' (`cut_host` = "runs" lets them, and `victim` then says how much CPU they took). The others finish."""
+    if cut_host not in ("stopped", "runs"):
+        raise ValueError(f"cut_host={cut_host!r}: expected 'stopped' or 'runs'")
     if run_dir.exists():
         raise ValueError(f"{run_dir} exists: a loss run needs a folder of its own (it reads the steps logged there)")
     job = Job(hosts, run_dir, per_host, True, steps, (1, 2), pause, debug=True)
@@ -220,9 +225,13 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
                 raise AssertionError(f"host {victim} did not make {after} steps:\n{job.outputs()}")
             time.sleep(0.005)
         if how == "cut":
+            cut_off = descendants(job.launchers[victim].pid)  # its launcher and everything under it
+            cpu_before = cpu_seconds(cut_off)
             struck = time.time()
             subprocess.run(["ip", "-n", hosts[victim]["ns"], "link", "set", "dev", hosts[victim]["dev"], "down"],
                            check=True, timeout=30)
+            if cut_host == "stopped":
+                kill_at_once(cut_off, signal.SIGSTOP)
         else:
             # its launcher and workers by pid, together: kill_node's way goes through the warm launcher, which
             # finds and kills them only once it notices (tens to hundreds of ms on a loaded machine: the harness's
@@ -237,13 +246,16 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
             exited = exits.last(struck)
             kill_node(job.launchers[victim])
         job.wait(range(victim))
+        if how == "cut":
+            victim_held = {"cut_host": cut_host, "cpu_share": round((cpu_seconds(cut_off) - cpu_before)
+                                                                    / (time.time() - struck), 3)}
     finally:
         job.stop()
     survivors = [rank for rank in range(job.ranks) if rank // per_host != victim]
     return Loss(how, *_named(job, survivors, struck), _summary_regroup(job.output(0)),
                 _next_step(job, survivors, struck), list(range(victim * per_host, job.ranks)),
                 exited if how == "kill" else None,
-                regroup_parts(job, survivors, struck), victim_held if how == "kill" else None)
+                regroup_parts(job, survivors, struck), victim_held)
 
 
 class ExitTimes:
@@ -275,6 +287,12 @@ class ExitTimes:
         return None if len(self.times) < len(self.threads) else max(self.times.values()) - struck
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """The CPU `pids` have used so far, user and system (those gone count nothing)."""
+    fields = [stat_fields(pid) for pid in pids]
+    return sum(int(f[11]) + int(f[12]) for f in fields if f) / os.sysconf("SC_CLK_TCK")
+
+
 def held_by(pid: int) -> tuple[int, int]:
     """(resident kB, threads) of process `pid`, from /proc/<pid>/status."""
     with open(f"/proc/{pid}/status") as status:
@@ -282,10 +300,11 @@ def held_by(pid: int) -> tuple[int, int]:
     return int(fields["VmRSS"].split()[0]), int(fields["Threads"])
 
 
-def kill_at_once(pids: list[int]) -> None:
-    """SIGKILL `pids` as a host's death does, at one moment: the loop runs at a real-time priority, so that nothing
-    takes this core between two kills. Preempted there for milliseconds (a loaded machine), it would let a victim
-    not yet killed see its host's first victim gone and enter the survivors' agreement before its own death."""
+def kill_at_once(pids: list[int], sig: int = signal.SIGKILL) -> None:
+    """SIGKILL (or `sig`) `pids` as a host's death does, at one moment: the loop runs at a real-time priority, so
+    that nothing takes this core between two kills. Preempted there for milliseconds (a loaded machine), it would let
+    a victim not yet killed see its host's first victim gone and enter the survivors' agreement before its own death.
+    A process already gone is passed over."""
     try:
         before = os.sched_getscheduler(0), os.sched_getparam(0)
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
@@ -293,7 +312,10 @@ def kill_at_once(pids: list[int]) -> None:
         before = None
     try:
         for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
     finally:
         if before is not None:
             os.sched_setscheduler(0, *before)

@@ -160,7 +160,7 @@ class NonFiniteCheck:
         order = sorted(self._finite)
         flags, mine = torch.zeros(4, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
         tag = guard.tag(2 ** 40)
-        flags[3] = tag
+        flags[3:].fill_(tag)  # a kernel's argument: `flags[3] = tag` copies from pageable memory, and waits
         if order:
             bad = ~torch.stack([torch.as_tensor(self._finite[k][1], device=device) for k in order])
             if self._order is None or self._order[0] != order:  # a copy to the GPU from a list waits for it: once
