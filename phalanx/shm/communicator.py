@@ -352,11 +352,20 @@ class ShmCommunicator(PostedExchanges):
         return self._scratch
 
     def close(self) -> None:
-        """Stop the worker thread. Not collective; memory is freed once no tensor of ours is left."""
+        """Stop the worker thread. Not collective; memory is freed once no tensor of ours is left. An all-reduce
+        still in flight (one the ranks gave up after a loss, while a peer waits for ranks that left it) is
+        abandoned: the peers' waits end at once, rather than at the group's timeout with this communicator, its
+        memory and its process group held until then."""
         if self._worker is not None:
+            with self._lock:
+                in_flight = self._pending > 0
+            if in_flight:
+                self._barrier.abort()
             self._queue.put(None)
             self._worker.join(timeout=5.0)
             self._worker = None
+        # Not used again: a traceback kept of the loss may hold this communicator a while, not its process group
+        self.group = None
 
     def __enter__(self):
         return self

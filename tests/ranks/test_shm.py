@@ -350,6 +350,44 @@ def test_stuck_peer_times_out_and_mismatched_sizes_or_allocs_fail_on_every_rank(
     assert seen[1] == [("mismatch", 0), ("still failed",), ("alloc mismatch",)]
 
 
+GAVE_UP_TIMEOUT = 60.0  # the communicators' own: what a wait for a rank that gave the exchange up would last
+
+
+def _close_in_flight(rank: int) -> dict:
+    """Ranks 0 and 1 start an all-reduce that rank 2 (alive) never joins, as the ranks left do after a loss; rank 1
+    then closes its communicator (the engine rebuilt on the ranks left) while the all-reduce is in flight."""
+    comm = ShmCommunicator(timeout=GAVE_UP_TIMEOUT)
+    seen: dict = {}
+    dist.barrier()
+    started = time.monotonic()
+    if rank == 0:
+        try:
+            comm.allreduce_(torch.ones(10)).wait()
+            seen["outcome"] = "finished"
+        except PeerFailedError:
+            seen["outcome"] = "PeerFailedError"
+        seen["ended_after"] = time.monotonic() - started
+    elif rank == 1:
+        comm.allreduce_(torch.ones(10))
+        time.sleep(0.5)  # in flight: waiting on rank 2
+        comm.close()
+        seen["closed_after"] = time.monotonic() - started
+    seen["group_held"] = comm.group is not None if rank == 1 else None
+    dist.barrier()  # rank 2 stays alive until the others are done
+    comm.close()
+    return seen
+
+
+def test_closing_a_communicator_ends_its_peers_wait_on_an_all_reduce_the_ranks_gave_up():
+    """World size 3. Closed with an all-reduce in flight, a communicator gives it up: its peer's wait ends at once
+    (PeerFailedError) instead of at the timeout, its own worker stops, and it lets its process group go."""
+    seen = run_ranks(_close_in_flight, 3, timeout=3 * GAVE_UP_TIMEOUT)
+    assert seen[0]["outcome"] == "PeerFailedError", seen
+    assert seen[0]["ended_after"] < GAVE_UP_TIMEOUT / 4, seen
+    assert seen[1]["closed_after"] < GAVE_UP_TIMEOUT / 4, seen
+    assert seen[1]["group_held"] is False, seen
+
+
 def _factory_decisions(rank: int) -> list:
     decisions = [shm_communicator() is not None]
     if rank == 1:
