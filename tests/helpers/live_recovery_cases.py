@@ -41,6 +41,7 @@ import phalanx as px
 from phalanx.checkpoint.atomic_files import checkpoint_files, load_safely
 from phalanx.world import generation, joining
 from phalanx.world import group as world
+from phalanx.world.process import gloo_loops
 from tests.helpers.emulated_hosts import emulate_host
 from tests.helpers.global_batch_cases import (
     EPOCHS,
@@ -88,6 +89,8 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
     views = set()  # (generation, px.rank(), px.world_size(), px.is_main(), launch rank) seen at each step
     groups = _GroupsKept()
     generation.on_regroup(groups.regrouped)
+    # generation 0's Gloo loop threads (torch's default group's, the control group's): idle once a loss left them
+    first_loops = gloo_loops.threads_of(dist.group.WORLD) + gloo_loops.threads_of(world.control_group())
     first_layer = model.module[0].weight  # its gradient comes last in backward: later buckets are in flight
     first_layer.register_hook(lambda grad: _die(directory) if armed[0] else None)
     in_commit: list = [None]  # the doomed step's ids, during its last backward (and so its commit)
@@ -139,9 +142,12 @@ def train(rank: int, directory: str, doomed_rank: int, at: tuple[int, int], mome
                 checkpointer.step(state)
     steplog.close()
     current = generation.current()
+    loops_now = gloo_loops.threads_of(current.group) + gloo_loops.threads_of(world.control_group())
     return {"pid": (started_as, os.getpid()), "generation": (current.number, current.members),
             "params": parameters(model), "losses": losses, "main": px.is_main(), "groups_made": groups_made,
-            "older_groups_alive": groups.older_alive(current.number), "views": sorted(views)}
+            "older_groups_alive": groups.older_alive(current.number), "views": sorted(views),
+            "first_loops": [gloo_loops.policy(tid) for tid in first_loops],
+            "loops_now": [gloo_loops.policy(tid) for tid in loops_now]}
 
 
 class _MetricReachingOneRank:

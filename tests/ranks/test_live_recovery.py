@@ -24,6 +24,7 @@ start that a loss restarts the run.
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -91,6 +92,10 @@ def _finish_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost, per_host=
         # slower one made a group in a step would leave that one connecting to it, in a call nothing can watch or abort.
         assert result["groups_made"] == ["current.py"] * 2, f"rank {rank}: {result['groups_made']}"
         assert result["older_groups_alive"] == [], f"rank {rank} still holds the groups the loss left"
+        # generation 0's Gloo loops, left by the loss (a collective pending on them may spin them: gloo_loops.py), run
+        # at idle priority (or ended with their group); the current generation's do not
+        assert result["first_loops"] and set(result["first_loops"]) <= {os.SCHED_IDLE, None}, result["first_loops"]
+        assert result["loops_now"] and os.SCHED_IDLE not in result["loops_now"], result["loops_now"]
         for ours, theirs in zip(result["params"], expected_params):
             assert (ours - theirs).abs().max() < 1e-5, f"rank {rank}: {(ours - theirs).abs().max():.3g} off"
     assert applied_ids(str(tmp_path), 3) == expected_steps, "a sample was lost or used twice"

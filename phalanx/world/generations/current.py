@@ -24,6 +24,7 @@ from ...errors import MembershipError, explain
 from .. import group as world
 from .. import joining
 from ..liveness import identity
+from ..process import gloo_loops
 from ..watch import GenerationWatch, side_store
 from . import release
 from .commit import StepCommit
@@ -181,6 +182,7 @@ def generation_group(members, name: str, backend: str | None = None, who: str = 
     member's address (in a thread nothing can stop, up to the connect time) would hold the rank's client, and so its
     regroup, that long."""
     lazy = (backend or dist.get_backend()) == "gloo"
+    loops = gloo_loops.loop_threads()  # a lazy group's loop thread starts with its first pair: in _connect
     try:
         group = joining.make_group(members, name, _connect_time(), backend, lazy=lazy,
                                    store=store if store is not None else side_store(joining.default_store()))
@@ -188,6 +190,7 @@ def generation_group(members, name: str, backend: str | None = None, who: str = 
         raise _not_connected(name, members, who, _first_line(exc)) from exc
     if lazy:
         _connect(group, members, name, who)
+    gloo_loops.note(group, gloo_loops.loop_threads() - loops)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), group)
     return group
 

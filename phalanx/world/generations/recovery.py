@@ -12,6 +12,7 @@ from ...errors import PeerFailedError
 from ...log import logger
 from .. import group as world
 from .. import joining, resume_point
+from ..process import gloo_loops
 from .agreement import next_generation
 from .current import Generation, current
 from .followers import regroup_followers
@@ -36,6 +37,8 @@ def recover(cause: BaseException, redoing: bool = False, undone: bool = False) -
     global _undoing
     started, old = time.monotonic(), current()
     before = old.members
+    # The generation's groups are left from here: a collective pending on them may spin Gloo's loop (gloo_loops.py)
+    gloo_loops.idle((old.group, world.control_group()))
     survivors = next_generation(cause)
     # A rank behind takes what others finished; every rank applied the same steps of the generation before
     resume_point.settle(world.control_group(), survivors.rank, wait_for, old.last_applied())

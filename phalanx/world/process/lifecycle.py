@@ -24,7 +24,7 @@ from ...diagnose.watchdog import Watchdog
 from .. import interface, joining, step_count, stop
 from ..discovery import WorldSpec, discover
 from ..meeting.store import host_store, join_store
-from . import identity, live
+from . import gloo_loops, identity, live
 from .resources import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -93,9 +93,11 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
             joining.init_unconnected(choose_backend(chosen, backend), default_store, spec.rank,
                                      max(spec.world_size, spec.rank + 1), timeout)
         else:
+            loops = gloo_loops.loop_threads()
             dist.init_process_group(choose_backend(chosen, backend), store=default_store, rank=spec.rank,
                                     world_size=spec.world_size, timeout=timeout,
                                     device_id=chosen if chosen.type == "cuda" else None)
+            gloo_loops.note(dist.group.WORLD, gloo_loops.loop_threads() - loops)
         _owns_group = True
     if not joining.pending():
         live.make_control_group(timeout)

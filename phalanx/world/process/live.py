@@ -14,7 +14,7 @@ from ...diagnose import recorder
 from ...errors import PeerDiedError, RanksTimedOutError, explain
 from ...log import logger
 from .. import joining, stop
-from . import identity
+from . import gloo_loops, identity
 from .resources import DEFAULT_TIMEOUT, env_seconds, seconds
 
 SHUTDOWN_WAIT = 60.0  # seconds shutdown() waits for the other ranks before leaving anyway
@@ -97,7 +97,7 @@ stop.ranks_that_train = _ranks_that_train
 def make_control_group(timeout: timedelta) -> None:
     global _control
     if dist.get_world_size() > 1:
-        _control = dist.new_group(backend="gloo", timeout=timeout)
+        _control = gloo_loops.made(lambda: dist.new_group(backend="gloo", timeout=timeout))
 
 
 def forget() -> None:
