@@ -13,21 +13,20 @@ hosts but one) and off (`--min-world-size 0`), `--rounds` times each, alternatin
 and step, the TCP connections opened (ActiveOpens) and segments sent (OutSegs) with it on and off and what it adds,
 the segments host 0 (the store's) received per step, and the mean step time on / off.
 
-`--kill` / `--cut`: at each N, live recovery on, the last host's launcher and workers are SIGKILLed (by pid,
-together), or its link is set down, after its 8th step. A cut host's launcher and workers are SIGSTOPped as its
-link goes down (`--cut-host stopped`, the default): on real hosts they would go on running on cores of their own,
-while here they would share the survivors' 2 (`--cut-host runs` lets them, and the JSON's `victim` says what share of
-a core they took). The table says when the
-ranks left named the loss (a watcher's "found rank R gone" record when phalanx logs one, at DEBUG; else the "lost
-ranks [...] ... regrouped in X s" line less X), their regroup (that line's X, rank 0's; and the run summary's, models
-and loaders included), the last survivor on the new groups and done with its models and loaders (from the regroup's
-parts, timed on every survivor), and their next step, all from the moment of the kill or the cut, against the issue's
-bounds at N = 16: a process gone named within 1 s, a host cut off within the heartbeat window + 1 s (5 s), the
-regroup done within 2 s of that. `--json FILE`: the figures appended to FILE (a JSON list), for
-benchmarks/control_plane/control_plane_model.py to compare against; besides the table's, each run's step times and
-the segments per step on one rank's own connections to the store (`rank_store`, both ways), on the kept watch it
-opened (`rank_watch`) and on its other connections (`rank_other`: Gloo's pairs), from ss's per-socket counters; a
-loss's regroup parts (`parts`).
+`--kill` / `--cut`: at each N, live recovery on, the last host's launcher and workers are SIGKILLed (by pid, together),
+or its link is set down, after its 8th step. A cut host's launcher and workers are SIGSTOPped as its link goes down
+(`--cut-host stopped`, the default): on real hosts they would go on running on cores of their own, while here they
+would share the survivors' 2 (`--cut-host runs` lets them, and the JSON's `victim` says what share of a core they
+took). The table says when the ranks left named the loss (a watcher's "found rank R gone" record when phalanx logs one,
+at DEBUG; else the "lost ranks [...] ... regrouped in X s" line less X), their regroup (that line's X, rank 0's; and
+the run summary's, models and loaders included), the last survivor on the new groups and done with its models and
+loaders (from the regroup's parts, timed on every survivor), and their next step, all from the moment of the kill or
+the cut, against the issue's bounds at N = 16: a process gone named within 1 s, a host cut off within the heartbeat
+window + 1 s (5 s), the regroup done within 2 s of that. `--json FILE`: the figures appended to FILE (a JSON list), for
+benchmarks/control_plane/control_plane_model.py to compare against; besides the table's, each run's step times and the
+segments per step on one rank's own connections to the store (`rank_store`, both ways), on the kept watch it opened
+(`rank_watch`) and on its other connections (`rank_other`: Gloo's pairs), from ss's per-socket counters; a loss's
+regroup parts (`parts`).
 """
 
 from __future__ import annotations
