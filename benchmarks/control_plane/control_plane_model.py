@@ -83,7 +83,9 @@ Regroup (from the loss named to the ranks left training on new groups; what worl
             `second`, fitted as group_model.py says: lazy groups, as phalanx makes them, cost the store k ops per pair
             that their connect joins (a ring's and a broadcast tree's, at most 2 + log2 S peers per rank) and the time
             of its 1 + log2 S steps; full-mesh groups (each rank reads every member's address: k S (S - 1) ops) are
-            shown beside them, and taken when the units measured no lazy ones
+            shown beside them, and taken when the units measured no lazy ones. The lazy groups' unit is the loss
+            runs' workers' (group_units.py: the job's ranks make them beside the launchers and the store, as a
+            regroup does) when the units file has it, else control_plane_units.py's small clients'.
   F         the models and loaders rebuilt (the DDP model's regroup is most of it; measured: the run summary's regroup
             less the workers' line's)
 Where the namespace runs overlap (N <= 16 ranks), the model is evaluated with their own wait per step (w = each
@@ -296,7 +298,8 @@ def main() -> None:
           f"{units.seg_op:.1f} + {units.seg_ack:.1f} segments; probe {1e6 * units.t_p:.0f} us, {units.q:.1f} "
           f"segments; keepalive {units.keep:.1f} segments/s; commit reads per rank "
           f"{', '.join(f'{n}: {v:.1f}' for n, v in sorted(units.reads.items()))}; a regroup's Gloo groups, full "
-          f"mesh: {units.full_mesh.describe()}; lazy: {units.lazy.describe() if units.lazy else 'not measured'}; "
+          f"mesh: {units.full_mesh.describe()}; lazy, made by the {units.lazy_by}: "
+          f"{units.lazy.describe() if units.lazy else 'not measured'}; "
           f"a kept watch's end after a kill "
           f"{1e3 * units.t_end:.1f} ms; models and loaders {followers:.3f} s\n")
     reads = (f"the commit's reads per rank as the run at {largest['hosts']} x {largest['per_host']} shows them "

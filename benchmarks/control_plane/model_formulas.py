@@ -37,7 +37,10 @@ class Units:
         commits = {int(n): v for n, v in raw["commit"].items()}
         self.reads = {n: v["reads"] for n, v in commits.items()}
         self.full_mesh = GroupFit(raw["group"], self.s, lazy=False)
-        self.lazy = GroupFit(raw["group_lazy"], self.s, lazy=True) if "group_lazy" in raw else None
+        # lazy groups as the loss runs' workers make them (group_units.py), else as the units' small clients do
+        self.lazy_by = "workers" if "group_lazy_workers" in raw else "clients"
+        lazy = raw.get("group_lazy_workers") or raw.get("group_lazy")
+        self.lazy = GroupFit(lazy, self.s, lazy=True) if lazy else None
         self.t_end = raw.get("watch_end", {}).get("seconds", 0.0)
         # of which the victim's own teardown (its exit, as the kernel tells it): the rest is the watcher's part
         self.t_teardown = raw.get("watch_end", {}).get("teardown")

@@ -70,7 +70,7 @@ class Job:
     """One `phalanx run` per host, its output kept line by line with the time each line came."""
 
     def __init__(self, hosts: list[dict], run_dir: Path, per_host: int, live: bool, steps: int, window: tuple,
-                 pause: float, debug: bool = False):
+                 pause: float, debug: bool = False, job_args: tuple = ()):
         self.hosts, self.run_dir, self.per_host = hosts, run_dir, per_host
         self.ranks = len(hosts) * per_host
         minimum = self.ranks - per_host if live else 0  # on: any one host may be lost
@@ -82,7 +82,7 @@ class Job:
              "--node-rank", str(i), "--nproc-per-node", str(per_host), "--min-world-size", str(minimum),
              "--master-addr", hosts[0]["addr"], "--master-port", str(port), "--rdzv-timeout", "60", JOB, str(run_dir),
              "--host", str(i), "--steps", str(steps), "--window", f"{window[0]}:{window[1]}", "--pause", str(pause),
-             *(["--debug"] if debug else [])],
+             *(["--debug"] if debug else []), *job_args],
             env=job_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i, host in enumerate(hosts)]
         self.readers = [threading.Thread(target=self._read, args=(i,), daemon=True) for i in range(len(hosts))]

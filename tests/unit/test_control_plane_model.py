@@ -1,13 +1,16 @@
 """The control plane's scale model (benchmarks/control_plane/model_formulas.py): the terms a waiting rank's looks put
 into a regroup and into the naming of a loss, against what they stand for."""
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 
-from benchmarks.control_plane.model_formulas import WATCH_BEFORE, last_entry, looks, watch_every
+from benchmarks.control_plane.model_formulas import WATCH_BEFORE, Units, last_entry, looks, watch_every
 from phalanx.world.generations.settings import WATCH_EVERY
 from phalanx.world.watch import LOOK_EVERY
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize("survivors", [2, 3, 8, 15, 63])
@@ -51,3 +54,13 @@ def test_a_hosts_speaker_carries_its_hosts_share_of_the_tree():
     assert alone["speaker_segments"] == pytest.approx(alone["segments"]) == pytest.approx(3 * 2 * 15 / 16 + watch)
     assert shared["segments"] == pytest.approx(3 * 2 * 3 / 16 + watch)
     assert shared["speaker_segments"] == pytest.approx(3 * 2 * 3 / 4 + watch)
+
+
+def test_the_groups_unit_is_the_workers_when_the_units_file_has_it_else_the_clients():
+    """A units file saved by control_plane_units.py, and the same after group_units.py --into: the regroup's groups
+    come from the workers' rounds there, and are slower than the small clients' (16 workers beside their launchers)."""
+    raw = json.loads((Path(ROOT) / "benchmarks/results/control_plane_units_idle-2026-11-29.json").read_text())
+    clients = Units({k: v for k, v in raw.items() if k != "group_lazy_workers"})
+    workers = Units(raw)
+    assert (clients.lazy_by, workers.lazy_by) == ("clients", "workers")
+    assert sum(workers.groups(15)) > sum(clients.groups(15)) > 0

@@ -20,7 +20,8 @@ second step: world/generations/commit_tree.py). Every rank writes phalanx's log 
 RUN_DIR/log-<launch rank>.txt, each line `time level message`: when a loss was named, and how long the regroup took,
 on the worker's own clock (`--debug`: DEBUG records too, in that file only). `--debug` also times the regroup's parts
 (time_regroup) into RUN_DIR/regroup-<launch rank>.txt, and every rank writes its pid to RUN_DIR/pid-<launch
-rank>.txt, so that a loss run can SIGKILL the victim's workers themselves.
+rank>.txt, so that a loss run can SIGKILL the victim's workers themselves. `--group-rounds R`: after the loop, every
+rank makes a regroup's two groups R times on the healthy world (time_groups) into RUN_DIR/groups-<launch rank>.txt.
 """
 
 import argparse
@@ -112,6 +113,33 @@ def time_regroup(path: Path) -> None:
     timed(recovery, "regroup_followers", "followers")
 
 
+def time_groups(path: Path, rounds: int) -> None:
+    """`rounds` times, on the healthy world at the loop's end, the two groups a regroup makes, made by the workers the
+    way a regroup makes them (generations/current.py generation_group: lazy, connected, on a store client of their
+    own): rank 0 sets a decision key, the others see it at their looks (agreement.DECISION_LOOK), then each makes the
+    main group and the control group. Appends a line per round to `path`: `decided main_made control_made`
+    (time.time()), for benchmarks/control_plane/group_units.py."""
+    from phalanx.world import generation
+    from phalanx.world.generations.agreement import DECISION_LOOK
+    from phalanx.world.generations.current import generation_group
+
+    store, members = px.world.store(), tuple(generation.current().members)
+    with open(path, "w") as out:
+        for number in range(rounds):
+            px.world.barrier(name=f"control_plane_job/groups{number}")
+            decision = f"control_plane_job/groups{number}/decision"
+            if px.world.launch_rank() == 0:
+                time.sleep(2 * DECISION_LOOK)  # the others look by then
+                store.set(decision, repr(time.time()))
+            while not store.check([decision]):
+                time.sleep(DECISION_LOOK)
+            made = [float(store.get(decision))]
+            for name, backend in (("main", None), ("control", "gloo")):
+                generation_group(members, f"control_plane_job/groups{number}/{name}", backend=backend)
+                made.append(time.time())
+            out.write(" ".join(f"{value:.6f}" for value in made) + "\n")
+
+
 def build():
     """(the job's model in phalanx DDP, its SGD): what every worker trains (benchmarks/control_plane/watch_end.py's
     victim too)."""
@@ -144,6 +172,8 @@ def main():
     parser.add_argument("--window", default="5:25", help="A:B, the steps at whose ends the TCP counters are read")
     parser.add_argument("--pause", type=float, default=0.15, help="seconds launch rank 0 sleeps in each step")
     parser.add_argument("--debug", action="store_true", help="phalanx's DEBUG records too, in RUN_DIR/log-<rank>.txt")
+    parser.add_argument("--group-rounds", type=int, default=0,
+                        help="after the loop, make a regroup's two groups this many times (time_groups)")
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
     if args.debug:
@@ -188,6 +218,8 @@ def main():
                 counters[done] = {**tcp_counters(), **socket_segments()}
             log.write(f"{done} {time.time():.6f} {live_generation()} {px.world_size()}\n")
             log.flush()
+    if args.group_rounds:
+        time_groups(args.run_dir / f"groups-{rank}.txt", args.group_rounds)
     (args.run_dir / f"commit-{rank}.json").write_text(json.dumps(commits))
     if counts:
         (args.run_dir / f"tcp-{args.host}.json").write_text(json.dumps(counters))
