@@ -1,5 +1,6 @@
-"""A survivor's Gloo event loop after a peer is lost in a collective, in plain torch (no phalanx): how much CPU its
-thread burns, and whether freeing the group, or its backend's abort() or shutdown(), stops it.
+"""A survivor's Gloo event loop after a peer is lost in a collective, in plain torch: how much CPU its thread burns,
+and whether freeing the group, or its backend's abort() or shutdown(), stops it (phalanx here only finds the loop's
+threads and a free port).
 
     python benchmarks/live_recovery/gloo_spin_after_loss.py [--ranks 4] [--seconds 6] [--group world|new]
         [--then none|abort|shutdown|idle|free] [--compute] [--rounds 3]
@@ -26,7 +27,6 @@ a core from its agreement to the run's end, in about half the rounds.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import time
@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from phalanx.testing import free_port
+from phalanx.world.process.gloo_loops import loop_threads
 
 LOST_AFTER = 0.2  # seconds from the barrier to the survivors' all-reduce (the lost rank is gone by then)
 
@@ -52,15 +53,6 @@ def loop_milliseconds() -> float:
         except OSError:  # a thread that ended meanwhile
             pass
     return total / 1e6
-
-
-def loop_threads() -> list[int]:
-    found = []
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as comm:
-            if comm.read().strip() == "gloo_tcp_loop":
-                found.append(int(tid))
-    return found
 
 
 def rounds_in_a_second() -> int:
