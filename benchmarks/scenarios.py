@@ -122,7 +122,7 @@ SCENARIOS: tuple[Scenario, ...] = (
       "the control plane's unit costs: a store operation, a probe, a regroup's Gloo groups, full mesh and lazy", 34,
       HOSTS),
     S("control_plane.group_units", _script("control_plane/group_units.py", "--hosts", "2", "4", "--rounds", "3"),
-      "a regroup's two Gloo groups as the loss runs' workers make them, beside their launchers", 20, HOSTS),
+      "a regroup's two Gloo groups as the loss runs' workers make them, beside their launchers", 10, HOSTS),
     S("control_plane.tree_units", _script("control_plane/tree_units.py", "--speakers", "2", "4", "--steps", "300"),
       "the per-step commit's tree: a round among its speakers, a hop", 12),
     S("control_plane.model", _script("control_plane/control_plane_model.py", "--units",
