@@ -345,3 +345,13 @@ def next_step_after(directory: str, ranks, when: float) -> float | None:
             return None
         firsts.append(min(later))
     return max(firsts) - when
+
+
+def shm_mapped_after_training(rank: int, directory: str, doomed_rank: int) -> int:
+    """train() with `doomed_rank` lost in step 1's exchange; then, the model gone, the bytes of /dev/shm this
+    process still maps (/proc/self/maps)."""
+    train(rank, directory, doomed_rank, (0, 1), "exchange")
+    gc.collect()
+    with open("/proc/self/maps") as maps:
+        rows = [line.split() for line in maps if "/dev/shm/" in line]
+    return sum(int(row[0].split("-")[1], 16) - int(row[0].split("-")[0], 16) for row in rows)

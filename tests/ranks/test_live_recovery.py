@@ -38,6 +38,7 @@ from tests.helpers.live_recovery_cases import (
     check_world_views,
     newest_checkpoint,
     next_step_after,
+    shm_mapped_after_training,
     steplog_records,
     train,
 )
@@ -111,6 +112,16 @@ def _finish_as_if_no_rank_was_lost(tmp_path, moment, shm, shard, lost, per_host=
     check_world_views(results)
     assert newest_checkpoint(str(tmp_path))["world_size"] == 2  # saved by the two ranks left, and loadable
     _check_the_steplog_went_on(str(tmp_path), len(expected_steps), survivors)
+
+
+def test_a_loss_over_shared_memory_leaves_none_of_it_mapped_once_the_model_is_gone(tmp_path):
+    """Four ranks on shared memory lose rank 3 in an exchange. The communicator of the generation before failed there,
+    and its failure's traceback holds it: once the model is gone, the ranks left map no shared memory (it had kept
+    the old segment, 4 x 32 MB, to the process's end)."""
+    mapped = run_ranks(shm_mapped_after_training, 4, (str(tmp_path), 3), min_world_size=3, timeout=180,
+                       env={"PHALANX_SHM": "1", "PHALANX_DDP_STALL_TIMEOUT": "20", "PHALANX_MEMBERSHIP_TIMEOUT": "30"})
+    assert mapped[3] is None, "rank 3 was expected to die"
+    assert all(mapped[rank] < 2**20 for rank in range(3)), f"bytes of /dev/shm still mapped per rank: {mapped}"
 
 
 @pytest.mark.parametrize("shm", ["0", "1"], ids=["gloo", "shm"])
