@@ -365,9 +365,9 @@ class ShmCommunicator(PostedExchanges):
             self._queue.put(None)
             self._worker.join(timeout=5.0)
             self._worker = None
-        # Not used again. Its failure's traceback holds the worker's frames, and they this communicator: a cycle
-        # that a torch Future holding the failure keeps from the collector, with the segment (world size x the
-        # staging slot, 128 MB at 4 ranks) mapped to the process's end. Their locals go; so does the group.
+        # Not used again. Its failure's traceback holds the worker's frames, and they this communicator: a cycle the
+        # collector left (the failure is held outside it, by a torch Future it seems), with the segment (world size
+        # x the staging slot, 128 MB at 4 ranks) mapped to the process's end. Their locals go; so does the group.
         error, self._error = self._error, None
         if error is not None:
             traceback.clear_frames(error.__traceback__)
