@@ -190,7 +190,7 @@ def generation_group(members, name: str, backend: str | None = None, who: str = 
         raise _not_connected(name, members, who, _first_line(exc)) from exc
     if lazy:
         _connect(group, members, name, who)
-    gloo_loops.note(group, gloo_loops.loop_threads() - loops)
+    gloo_loops.note(group, loops)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=membership_timeout()), group)
     return group
 

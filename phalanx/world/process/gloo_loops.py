@@ -8,7 +8,7 @@ shutdown() do not stop it). Freeing waits for the pending collective's timeout, 
 generation 0's, is never freed. Those groups are never used again: their loops go to SCHED_IDLE, where a spin only
 takes a core's idle time, never the training's or the regroup's.
 
-`note(group, threads)` records the loop threads a group brought (torch's default group at init(), the control group,
+`note(group, before)` records the loop threads a group brought (torch's default group at init(), the control group,
 each generation's groups once connected: a lazy group's loop starts with its first pair); `idle(groups)` demotes
 theirs (Linux; elsewhere nothing happens).
 """
@@ -40,32 +40,21 @@ def loop_threads() -> set[int]:
     return found
 
 
-def made(make):
-    """`make()`, a call that makes a process group (or returns it first in a tuple, as torch's helper does): what it
-    returns, the new loop threads noted as the group's."""
-    before = loop_threads()
-    result = make()
-    note(result[0] if isinstance(result, tuple) else result, loop_threads() - before)
-    return result
-
-
-def note(group, threads: set[int]) -> None:
-    """`threads`: the loop threads that came with `group`."""
+def note(group, before: set[int]) -> None:
+    """The loop threads started since `before` (loop_threads() read before `group` was made) are `group`'s."""
+    threads = loop_threads() - before
     if group is not None and threads:
         _loops[group] = sorted(threads)
 
 
-def idle(groups) -> list[int]:
-    """Put the loop threads of `groups` (left behind after a loss) at idle priority; returns those demoted."""
-    demoted = []
+def idle(groups) -> None:
+    """Put the loop threads of `groups` (left behind after a loss) at idle priority."""
     for group in groups:
         for tid in _loops.pop(group, ()) if group is not None else ():
             try:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                demoted.append(tid)
             except (AttributeError, OSError):  # not Linux, or the thread ended with its group
                 pass
-    return demoted
 
 
 def policy(tid: int) -> int | None:
@@ -77,5 +66,5 @@ def policy(tid: int) -> int | None:
 
 
 def threads_of(group) -> list[int]:
-    """The loop threads noted for `group` (empty once idle() demoted them, or for a group not made through made())."""
+    """The loop threads noted for `group` (empty once idle() demoted them, or for a group never noted)."""
     return list(_loops.get(group, ())) if group is not None else []

@@ -97,7 +97,7 @@ def init(backend: str | None = None, *, device=None, timeout=None, connect_timeo
             dist.init_process_group(choose_backend(chosen, backend), store=default_store, rank=spec.rank,
                                     world_size=spec.world_size, timeout=timeout,
                                     device_id=chosen if chosen.type == "cuda" else None)
-            gloo_loops.note(dist.group.WORLD, gloo_loops.loop_threads() - loops)
+            gloo_loops.note(dist.group.WORLD, loops)
         _owns_group = True
     if not joining.pending():
         live.make_control_group(timeout)

@@ -97,7 +97,9 @@ stop.ranks_that_train = _ranks_that_train
 def make_control_group(timeout: timedelta) -> None:
     global _control
     if dist.get_world_size() > 1:
-        _control = gloo_loops.made(lambda: dist.new_group(backend="gloo", timeout=timeout))
+        loops = gloo_loops.loop_threads()
+        _control = dist.new_group(backend="gloo", timeout=timeout)
+        gloo_loops.note(_control, loops)
 
 
 def forget() -> None:
