@@ -85,7 +85,9 @@ Regroup (from the loss named to the ranks left training on new groups; what worl
             of its 1 + log2 S steps; full-mesh groups (each rank reads every member's address: k S (S - 1) ops) are
             shown beside them, and taken when the units measured no lazy ones. The lazy groups' unit is the loss
             runs' workers' (group_units.py: the job's ranks make them beside the launchers and the store, as a
-            regroup does) when the units file has it, else control_plane_units.py's small clients'.
+            regroup does) when the units file has it, else control_plane_units.py's small clients'; the workers'
+            at the layout measured nearest L (ranks a host: on this machine the layout moves it too, the launchers
+            and the pairs within a host against across hosts), fitted over the ranks measured at that layout.
   F         the models and loaders rebuilt (the DDP model's regroup is most of it; measured: the run summary's regroup
             less the workers' line's)
 Where the namespace runs overlap (N <= 16 ranks), the model is evaluated with their own wait per step (w = each
@@ -300,12 +302,15 @@ def main() -> None:
           f"{', '.join(f'{n}: {v:.1f}' for n, v in sorted(units.reads.items()))}; a regroup's Gloo groups, full "
           f"mesh: {units.full_mesh.describe()}; lazy, made by the {units.lazy_by}: "
           f"{units.lazy.describe() if units.lazy else 'not measured'}; "
+          f"{''.join(f'at {n} ranks a host: {fit.describe()}; ' for n, fit in units.layouts.items() if n != 1)}"
           f"a kept watch's end after a kill "
           f"{1e3 * units.t_end:.1f} ms; models and loaders {followers:.3f} s\n")
     reads = (f"the commit's reads per rank as the run at {largest['hosts']} x {largest['per_host']} shows them "
              f"({r_scale:.1f})" if r_scale is not None else "the commit's reads per rank as the rounds show them")
+    layout = units.layout(args.per_host)
+    groups_at = f", the workers' groups as made at {layout} rank(s) a host" if layout is not None else ""
     print(f"extrapolated: {args.per_host} ranks per host, the slow rank {args.pause} s ahead, steps of {args.step} s, "
-          f"{reads}\n")
+          f"{reads}{groups_at}\n")
     print(scale_table(units, args.per_host, args.pause, args.step, followers, r_scale))
     hosts = 4096 // args.per_host
     got = per_step(units, args.design, 4096, args.per_host, [args.pause], args.step, r_scale)

@@ -36,12 +36,13 @@ def steps(ranks: int) -> float:
 class GroupFit:
     """One kind of group (`lazy` or full mesh): its store ops and the fitted times of the regroup's two groups."""
 
-    def __init__(self, groups: dict, s: float, lazy: bool):
+    def __init__(self, groups: dict, s: float, lazy: bool, k: float | None = None):
         groups = {int(n): v for n, v in groups.items()}
         self.s, self.lazy = s, lazy
         largest = max(groups)
         # store operations (2 segments an op, back to back) per pair connected: per rank and peer for a full mesh
-        self.k = groups[largest]["store_segs"] / 2 / self.pairs(largest)
+        # (`k`: as another fit of the same groups found it, for rounds that did not count them)
+        self.k = groups[largest]["store_segs"] / 2 / self.pairs(largest) if k is None else k
         # a saved set from before the units made the regroup's two groups holds one group's `seconds` from a start
         self.first = self._fit({n: v.get("first", v.get("seconds")) for n, v in groups.items()})
         self.second = self._fit({n: v.get("second", v.get("seconds")) for n, v in groups.items()})

@@ -1,24 +1,30 @@
 """A regroup's two Gloo groups as the workers of a namespace run make them: the scale model's group unit under the
 load the loss runs have (their launchers, the store, each worker's watch threads), for control_plane_model.py.
 
-    sudo PYTHONPATH=. python benchmarks/control_plane/group_units.py [--hosts 2 4 8 16] [--rounds 5] [--into UNITS]
-        [--json FILE]
+    sudo PYTHONPATH=. python benchmarks/control_plane/group_units.py [--hosts 2 4 8 16] [--per-host 1]
+        [--rounds 5] [--into UNITS] [--json FILE]
 
 control_plane_units.py measures the groups with small clients, one per namespace host and nothing else running; the
-loss runs (control_plane.py --kill / --cut) make them in phalanx's workers, beside 16 launchers and the store on the
-machine's cores. Here, for each N, the job of those runs (tests/e2e/jobs/control_plane_job.py, live recovery on, a
-rank per host) trains its steps, then every rank makes a regroup's main and control groups `--rounds` times, as a
-regroup makes them (generations/current.py generation_group), after a decision rank 0 stores and the others see at
-their looks (job's time_groups). Per round: `first`, the decision to the last rank's main group; `second`, from there
-to the last rank's control group. Printed, beside the clients' of UNITS; with `--into`, the medians go into UNITS (a
-control_plane_units.py file) as `group_lazy_workers[N]`, with its store operations per pair (`store_segs`, taken from
-its `group_lazy[N]`): the model takes them in place of the clients' (group_model.py), and says which it used.
+loss runs (control_plane.py --kill / --cut) make them in phalanx's workers, beside the launchers and the store on
+the machine's cores. Here, for each host count, the job of those runs (tests/e2e/jobs/control_plane_job.py, live
+recovery on, `--per-host` ranks a host) trains its steps, then every rank does `--rounds` times what a regroup's
+meeting does once the survivors agreed (job's time_groups): rank 0 stores a decision, the others see it at their
+looks, each makes the main and the control group (generations/current.py generation_group, on one store client of
+its own, as meet makes them) and waits for all to have made them (agreement.groups_formed). Per round: `first`, the
+decision to the last rank's main group; `second`, from there to the last rank's control group; `third`, from there
+to rank 0's formation's end; and each rank's CPU in each part (`cpu_first`, ...). Printed, beside the clients' of
+UNITS; with `--into`, the medians go into UNITS (a control_plane_units.py file): a rank a host as
+`group_lazy_workers[N]`, with its store operations per pair (`store_segs`, taken from its `group_lazy[N]`), and
+`--per-host L` as `group_lazy_workers_by_layout[L][ranks]`. The model takes them in place of the clients', at the
+layout nearest the one it models (group_model.py), and says which it used: on this machine, how long the groups
+take depends on the layout as well as the ranks (the launchers, and the pairs within a host against across hosts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -30,28 +36,36 @@ from tests.helpers.namespaces import bridged_hosts
 STEPS = 6  # the loop's steps before the rounds: the world settled, its watch set up
 
 
-def measure(count: int, rounds: int, work: Path) -> dict:
-    """`count` namespace hosts, a rank each: the rounds' (first, second), from every rank's groups file."""
+def measure(count: int, rounds: int, work: Path, per_host: int = 1) -> dict:
+    """`count` namespace hosts, `per_host` ranks each: the rounds' parts, from every rank's groups file. Per round:
+    `first`, the decision to the last rank's main group; `second`, from there to the last rank's control group;
+    `third`, from there to rank 0's formation's end (it decides, and its line is the runs' regroup); each rank's CPU
+    in each, the mean over the ranks."""
     with bridged_hosts("pgu", 224, count) as hosts:
-        job = Job(hosts, work / f"groups-{count}", 1, True, STEPS, (1, 2), 0.0,
+        job = Job(hosts, work / f"groups-{count}x{per_host}", per_host, True, STEPS, (1, 2), 0.0,
                   job_args=("--group-rounds", str(rounds)))
         try:
             job.wait()
         finally:
             job.stop()
     per_rank = [[[float(v) for v in line.split()] for line in (job.run_dir / f"groups-{rank}.txt").read_text()
-                 .splitlines()] for rank in range(count)]
-    found = []
-    for made in zip(*per_rank):  # a round: (decided, main made, control made) on each rank
-        main = max(m for _, m, _ in made)
-        found.append((main - made[0][0], max(c for _, _, c in made) - main))
-    return {"first": statistics.median(f for f, _ in found), "second": statistics.median(s for _, s in found),
-            "rounds": [[round(f, 4), round(s, 4)] for f, s in found]}
+                 .splitlines()] for rank in range(count * per_host)]
+    found, cpu = [], []
+    for made in zip(*per_rank):  # a round on each rank: (decided, main made, control made, formed, the 3 CPUs)
+        main, control = max(m[1] for m in made), max(m[2] for m in made)
+        found.append((main - made[0][0], control - main, made[0][3] - control))
+        cpu.append([statistics.mean(m[4 + part] for m in made) for part in range(3)])
+    row = {name: statistics.median(f[part] for f in found) for part, name in enumerate(("first", "second", "third"))}
+    row.update({f"cpu_{name}": statistics.median(c[part] for c in cpu)
+                for part, name in enumerate(("first", "second", "third"))})
+    return {**row, "cores": len(os.sched_getaffinity(0)),
+            "rounds": [[round(value, 4) for value in f] for f in found]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8, 16], help="host counts (default 2 4 8 16)")
+    parser.add_argument("--per-host", type=int, default=1, help="ranks per host (default 1)")
     parser.add_argument("--rounds", type=int, default=5, help="groups made per host count; medians (default 5)")
     parser.add_argument("--into", type=Path, help="a control_plane_units.py file, updated in place")
     add_json_flag(parser)
@@ -59,23 +73,29 @@ def main() -> None:
     units = json.loads(args.into.read_text()) if args.into else {}
     clients = {int(n): v for n, v in units.get("group_lazy", {}).items()}
     missing = [n for n in args.hosts if n not in clients]
-    if args.into and missing:
+    if args.into and missing and args.per_host == 1:
         parser.error(f"--into: {args.into} has no group_lazy for {missing} hosts (control_plane_units.py --hosts "
                      f"{' '.join(map(str, args.hosts))} measures them): its store operations per pair are needed")
-    workers = units.setdefault("group_lazy_workers", {})
+    if args.per_host == 1:
+        workers = units.setdefault("group_lazy_workers", {})
+    else:  # keyed by ranks; the store operations per pair are the one-rank-a-host rounds' (the same groups)
+        workers = units.setdefault("group_lazy_workers_by_layout", {}).setdefault(str(args.per_host), {})
     with tempfile.TemporaryDirectory() as directory:
         for count in args.hosts:
-            row = measure(count, args.rounds, Path(directory))
-            beside = ""
-            if count in clients:
-                row["store_segs"] = clients[count]["store_segs"]
-                beside = (f"; the clients' {1e3 * clients[count]['first']:.1f} + "
-                          f"{1e3 * clients[count]['second']:.1f} ms")
-            workers[str(count)] = row
-            print(f"{count} hosts: the workers' groups {1e3 * row['first']:.1f} ms (main, from the decision) + "
-                  f"{1e3 * row['second']:.1f} ms (control){beside}", flush=True)
-    write_figures(args.json_path, {f"{n} hosts groups ms": round(1e3 * (row["first"] + row["second"]), 1)
-                                   for n, row in workers.items()}, group_lazy_workers=workers)
+            row = measure(count, args.rounds, Path(directory), args.per_host)
+            ranks, beside = count * args.per_host, ""
+            if ranks in clients:
+                row["store_segs"] = clients[ranks]["store_segs"]
+                beside = (f"; the clients' {1e3 * clients[ranks]['first']:.1f} + "
+                          f"{1e3 * clients[ranks]['second']:.1f} ms")
+            workers[str(ranks)] = row
+            print(f"{count} x {args.per_host}: the workers' groups {1e3 * row['first']:.1f} ms (main, from the "
+                  f"decision) + {1e3 * row['second']:.1f} ms (control) + {1e3 * row['third']:.1f} ms (formed), each "
+                  f"rank's CPU {1e3 * row['cpu_first']:.1f} + {1e3 * row['cpu_second']:.1f} + "
+                  f"{1e3 * row['cpu_third']:.1f} ms{beside}", flush=True)
+    write_figures(args.json_path, {f"{n} ranks, {args.per_host} a host, groups ms":
+                                   round(1e3 * (row["first"] + row["second"]), 1) for n, row in workers.items()},
+                  group_lazy_workers=workers)
     if args.into:
         args.into.write_text(json.dumps(units, indent=1) + "\n")
 

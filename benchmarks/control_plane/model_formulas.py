@@ -37,10 +37,14 @@ class Units:
         commits = {int(n): v for n, v in raw["commit"].items()}
         self.reads = {n: v["reads"] for n, v in commits.items()}
         self.full_mesh = GroupFit(raw["group"], self.s, lazy=False)
-        # lazy groups as the loss runs' workers make them (group_units.py), else as the units' small clients do
+        # lazy groups as the loss runs' workers make them (group_units.py), else as the units' small clients do;
+        # the workers' at each layout measured (ranks per host: a rank a host, and group_units.py --per-host L)
         self.lazy_by = "workers" if "group_lazy_workers" in raw else "clients"
         lazy = raw.get("group_lazy_workers") or raw.get("group_lazy")
         self.lazy = GroupFit(lazy, self.s, lazy=True) if lazy else None
+        self.layouts = {1: self.lazy} if self.lazy_by == "workers" else {}
+        for per_host, rounds in raw.get("group_lazy_workers_by_layout", {}).items():
+            self.layouts[int(per_host)] = GroupFit(rounds, self.s, lazy=True, k=self.lazy.k)
         self.t_end = raw.get("watch_end", {}).get("seconds", 0.0)
         # of which the victim's own teardown (its exit, as the kernel tells it): the rest is the watcher's part
         self.t_teardown = raw.get("watch_end", {}).get("teardown")
@@ -60,10 +64,18 @@ class Units:
         ops = (row["on"]["rank_store"] - self.seg_ack * (1 + f * c)) / self.seg_op
         return max(0.0, ops - 1 - f * c)
 
-    def groups(self, ranks: int, lazy: bool = True) -> tuple[float, float]:
-        """A regroup's main group (from the decision) and control group (after it) among `ranks`: lazy, as phalanx
-        makes them, when the units measured those (group_model.py)."""
-        return (self.lazy if lazy and self.lazy else self.full_mesh).seconds(ranks)
+    def groups(self, ranks: int, lazy: bool = True, per_host: int = 1) -> tuple[float, float]:
+        """A regroup's main group (from the decision) and control group (after it) among `ranks`, `per_host` ranks a
+        host: lazy, as phalanx makes them, when the units measured those (group_model.py), as the workers made them
+        at the measured layout nearest `per_host` (layout())."""
+        if not (lazy and self.lazy):
+            return self.full_mesh.seconds(ranks)
+        return (self.layouts[self.layout(per_host)] if self.layouts else self.lazy).seconds(ranks)
+
+    def layout(self, per_host: int) -> int | None:
+        """The ranks per host of the workers' groups unit taken for `per_host` (the nearest measured; of two as
+        near, the larger); None where only the clients' unit was measured."""
+        return min(self.layouts, key=lambda measured: (abs(measured - per_host), -measured), default=None)
 
 
 def looks(wait: float, look: float, every: float = WATCH_BEFORE) -> int:
@@ -163,7 +175,7 @@ def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str
         agree = AGREE_OPS * units.rtt + survivors * units.s
     if design == "tree":  # the groups' formation (agreement.groups_formed): every member's add, the last one's set
         agree += FORM_OPS * units.rtt + survivors * units.s
-    return (enter, agree, *units.groups(max(1, survivors), lazy))
+    return (enter, agree, *units.groups(max(1, survivors), lazy, per_host))
 
 
 def last_entry(design: str, survivors: int) -> float:

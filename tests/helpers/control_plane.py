@@ -16,6 +16,7 @@ import os
 import re
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -324,25 +325,29 @@ def kill_at_once(pids: list[int], sig: int = signal.SIGKILL) -> None:
 def regroup_parts(job: Job, survivors: list[int], struck: float) -> dict:
     """When each part of the regroup began and ended, in seconds from `struck`, from the job's regroup-<rank>.txt:
     {part: [earliest start, latest start, earliest end, latest end]} over the survivors, and the same of rank 0 alone
-    (the rank whose lines the run's regroup figures are) under "rank0"."""
+    (the rank whose lines the run's regroup figures are) under "rank0", and under "cpu" each part's CPU seconds in a
+    survivor's process, the mean over the survivors."""
     spans: dict[str, list[tuple[float, float]]] = {}
     first: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     for rank in survivors:
         path = job.run_dir / f"regroup-{rank}.txt"
         seen = set()
         for line in path.read_text().splitlines() if path.exists() else ():
-            part, start, end = line.split()
+            part, start, end, *used = line.split()
             if part in seen:  # a second regroup: only the first loss's parts
                 continue
             seen.add(part)
             span = (float(start) - struck, float(end) - struck)
             spans.setdefault(part, []).append(span)
+            if used and float(used[0]) >= 0:
+                cpu.setdefault(part, []).append(float(used[0]))
             if rank == survivors[0]:
                 first[part] = [round(value, 4) for value in span]
     parts = {part: [round(value, 4) for value in (min(s for s, _ in got), max(s for s, _ in got),
                                                   min(e for _, e in got), max(e for _, e in got))]
              for part, got in spans.items()}
-    return {**parts, "rank0": first}
+    return {**parts, "rank0": first, "cpu": {part: round(statistics.mean(got), 5) for part, got in cpu.items()}}
 
 
 def _named(job: Job, survivors: list[int], struck: float) -> tuple[float | None, str, float | None]:

@@ -64,3 +64,18 @@ def test_the_groups_unit_is_the_workers_when_the_units_file_has_it_else_the_clie
     workers = Units(raw)
     assert (clients.lazy_by, workers.lazy_by) == ("clients", "workers")
     assert sum(workers.groups(15)) > sum(clients.groups(15)) > 0
+
+
+def test_the_groups_unit_is_the_one_measured_at_the_nearest_layout():
+    """group_units.py --per-host L adds the workers' groups at L ranks a host: the model takes, for a layout, the one
+    measured nearest it (of two as near, the larger), fitted over the ranks measured there; the store's part per pair
+    is the one-rank-a-host rounds'."""
+    raw = json.loads((Path(ROOT) / "benchmarks/results/control_plane_units_idle-2026-11-29.json").read_text())
+    faster = {str(ranks): {"first": 0.5 * row["first"], "second": 0.5 * row["second"]}
+              for ranks, row in raw["group_lazy_workers"].items() if int(ranks) >= 4}
+    units = Units({**raw, "group_lazy_workers_by_layout": {"4": faster}})
+    assert [units.layout(n) for n in (1, 2, 3, 4, 8)] == [1, 1, 4, 4, 4]
+    assert units.layouts[4].k == units.lazy.k
+    alone, shared = (sum(units.groups(12, per_host=n)) for n in (1, 4))
+    assert 0 < shared < alone  # the layout's own rounds, halved here
+    assert Units({k: v for k, v in raw.items() if k != "group_lazy_workers"}).layout(4) is None  # clients' only

@@ -83,45 +83,55 @@ def socket_segments() -> dict[str, int]:
 
 
 def time_regroup(path: Path) -> None:
-    """Append `part start end` (time.time()) to `path` for each part of a regroup, by wrapping the functions that make
-    it where their callers look them up: the survivors' agreement, each group made and connected (`main`, `control`),
-    the meeting on them, the DDP model's regroup, and all followers (`recover` starts where recover() started)."""
+    """Append `part start end cpu` to `path` for each part of a regroup (time.time(), and the process's CPU seconds in
+    it, all its threads), by wrapping the functions that make it where their callers look them up: the survivors'
+    agreement, each group made and connected (`main`, `control`), the meeting on them and its parts after the groups
+    (`formed`, `set_aside`, `set_live`, `watch`), the DDP model's regroup, and all followers (`recover` starts where
+    recover() started; its CPU is not counted: -1)."""
     from phalanx.engine.regroup import RegroupMixin
-    from phalanx.world.generations import agreement, recovery
+    from phalanx.world import group as world
+    from phalanx.world.generations import agreement, recovery, release
     from phalanx.world.generations import current as generations
 
     def timed(owner, name, part):
         inner = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
-            started = time.time()
+            started, cpu = time.time(), time.process_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 label = part(args) if callable(part) else part
                 with open(path, "a") as out:
-                    out.write(f"{label} {started:.6f} {time.time():.6f}\n")
+                    out.write(f"{label} {started:.6f} {time.time():.6f} {time.process_time() - cpu:.6f}\n")
                     if label == "followers":  # regroup_followers(number, members, lost, started, ...)
                         now = time.time()
-                        out.write(f"recover {now - (time.monotonic() - args[3]):.6f} {now:.6f}\n")
+                        out.write(f"recover {now - (time.monotonic() - args[3]):.6f} {now:.6f} -1\n")
         setattr(owner, name, wrapper)
 
     timed(agreement, "agree_on_survivors", "agree")
     timed(agreement, "meet", "meet")
     timed(generations, "generation_group", lambda args: args[1].rsplit("/", 1)[-1])  # made and connected
+    timed(agreement, "groups_formed", "formed")  # meet's parts after the groups: their formation,
+    timed(release, "set_aside", "set_aside")  # the groups before set aside,
+    timed(world, "set_live", "set_live")  # the new ones made the world's,
+    timed(generations, "GenerationWatch", "watch")  # and the new generation's watch set up
     timed(RegroupMixin, "regroup", "ddp")
     timed(recovery, "regroup_followers", "followers")
 
 
 def time_groups(path: Path, rounds: int) -> None:
-    """`rounds` times, on the healthy world at the loop's end, the two groups a regroup makes, made by the workers the
-    way a regroup makes them (generations/current.py generation_group: lazy, connected, on a store client of their
-    own): rank 0 sets a decision key, the others see it at their looks (agreement.DECISION_LOOK), then each makes the
-    main group and the control group. Appends a line per round to `path`: `decided main_made control_made`
-    (time.time()), for benchmarks/control_plane/group_units.py."""
-    from phalanx.world import generation
-    from phalanx.world.generations.agreement import DECISION_LOOK
+    """`rounds` times, on the healthy world at the loop's end, what a regroup's meeting does once its survivors agreed
+    (generations/current.py meet), done by the workers the way a regroup does it: rank 0 sets a decision key, the
+    others see it at their looks (agreement.DECISION_LOOK), then each makes the main group and the control group
+    (generation_group: lazy, connected, on one store client of their own), and waits for every member to have made
+    them (agreement.groups_formed, under keys of the round's own). Appends a line per round to `path`: `decided
+    main_made control_made formed main_cpu control_cpu formed_cpu` (time.time(); the process's CPU seconds, all its
+    threads, in each part), for benchmarks/control_plane/group_units.py."""
+    from phalanx.world import generation, joining
+    from phalanx.world.generations.agreement import DECISION_LOOK, FORM_ATTEMPTS, groups_formed
     from phalanx.world.generations.current import generation_group
+    from phalanx.world.watch import side_store
 
     store, members = px.world.store(), tuple(generation.current().members)
     with open(path, "w") as out:
@@ -133,11 +143,17 @@ def time_groups(path: Path, rounds: int) -> None:
                 store.set(decision, repr(time.time()))
             while not store.check([decision]):
                 time.sleep(DECISION_LOOK)
-            made = [float(store.get(decision))]
-            for name, backend in (("main", None), ("control", "gloo")):
-                generation_group(members, f"control_plane_job/groups{number}/{name}", backend=backend)
+            made, cpu, own = [float(store.get(decision))], [], side_store(joining.default_store())
+            for part in ("main", "control", "formed"):
+                before = time.process_time()
+                if part == "formed":  # under an attempt number no regroup takes (it tries FORM_ATTEMPTS at most)
+                    groups_formed(generation.current(), store, members, FORM_ATTEMPTS + number, True)
+                else:
+                    generation_group(members, f"control_plane_job/groups{number}/{part}",
+                                     backend="gloo" if part == "control" else None, store=own)
                 made.append(time.time())
-            out.write(" ".join(f"{value:.6f}" for value in made) + "\n")
+                cpu.append(time.process_time() - before)
+            out.write(" ".join(f"{value:.6f}" for value in made + cpu) + "\n")
 
 
 def build():
