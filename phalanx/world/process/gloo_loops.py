@@ -11,10 +11,12 @@ Those groups are never used again. At a loss, quiet() puts their loop threads at
 a core's idle time, and stops the spin: each socket registered in the group's epoll that holds bytes left unread is
 set to report nothing more (EPOLL_CTL_MOD to EPOLLONESHOT and no event, its handler kept: at most one hang-up
 reaches Gloo's handler, which does nothing with it; the socket stays registered, so that Gloo's own unregistering
-when the group is freed or the process exits still finds it), and shut down, so that the peer's pair reads its
-close. The group's other pairs are left as they are: a peer's close, read there, fails the pending collective, and
-the group can then be freed (silencing every pair would hold it to the collective's timeout). Where a loop's epoll
-could not be found (a loop busy when its group was made), idle priority is all there is.
+when the group is freed or the process exits still finds it). Such a pair never reads again anyway (its bytes wait
+for a buffer that never comes), so this takes nothing from the group but the spin; its other pairs are left as they
+are, where a peer's close still fails the pending collective and lets the group be freed. recover() quiets them as
+the survivors start to agree, once they agreed (each one has left them), and once the followers moved on, for a pair
+stuck meanwhile. Where a loop's epoll could not be found (a loop busy when its group was made), idle priority is all
+there is.
 
 `note(group, before)` records the loop threads a group brought, and the epoll each one waits in (torch's default
 group at init(), the control group, each generation's groups once connected: a lazy group's loop starts with its
@@ -104,8 +106,7 @@ def _epoll_of(tid: int) -> int | None:
 
 def _silence(epoll: int) -> int:
     """Silence every socket registered in `epoll` that holds bytes Gloo left unread (see the module's docstring);
-    returns how many. The others stay as they are: their pairs still read a peer's close, which fails the pending
-    collective, so that the group can be freed; listening sockets and Gloo's wake-up pipe are left alone too."""
+    returns how many. The others, listening sockets and Gloo's wake-up pipe are left as they are."""
     libc, silenced = ctypes.CDLL(None, use_errno=True), 0
     try:
         with open(f"/proc/self/fdinfo/{epoll}") as info:
@@ -114,40 +115,30 @@ def _silence(epoll: int) -> int:
         return 0
     for fields in registered:  # tfd: <fd> events: <hex> data: <hex> ...
         fd, data = int(fields[1]), int(fields[5], 16)
-        pair = _stuck_socket(fd)
-        if pair is None:
-            continue
-        with pair:
+        if _stuck(fd):
             event = _EpollEvent(EPOLLONESHOT, data)
-            if libc.epoll_ctl(epoll, EPOLL_CTL_MOD, fd, ctypes.byref(event)) != 0:
-                continue
-            silenced += 1
-            try:  # the peer's pair reads our close: its collective fails there, and its group is freed
-                pair.shutdown(socket.SHUT_RDWR)
-            except OSError:  # the peer is gone
-                pass
+            silenced += libc.epoll_ctl(epoll, EPOLL_CTL_MOD, fd, ctypes.byref(event)) == 0
     return silenced
 
 
-def _stuck_socket(fd: int) -> socket.socket | None:
-    """A duplicate of `fd` when it is a connected socket with bytes not read (a pair's, whose loop spins on them),
-    else None."""
+def _stuck(fd: int) -> bool:
+    """Whether `fd` is a connected socket with bytes not read (a pair's, whose loop spins on them)."""
     try:
         if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-            return None
+            return False
         probe = socket.socket(fileno=os.dup(fd))
     except OSError:
-        return None
+        return False
     try:
         unread = array.array("i", [0])
-        if not probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-            fcntl.ioctl(probe.fileno(), termios.FIONREAD, unread)
-            if unread[0] > 0:
-                return probe
+        if probe.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False
+        fcntl.ioctl(probe.fileno(), termios.FIONREAD, unread)
+        return unread[0] > 0
     except OSError:
-        pass
-    probe.close()  # the duplicate only
-    return None
+        return False
+    finally:
+        probe.close()  # the duplicate only
 
 
 def policy(tid: int) -> int | None:
