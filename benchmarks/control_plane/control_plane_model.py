@@ -214,7 +214,8 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
     if losses:
         lines += ["", "| hosts x ranks | lost | runs | named: measured / model (agreement) | regroup, rank 0's line: "
                   "measured / model (agreement) | its agreement, the last survivor awaited / main group / "
-                  "control group: measured / model | regroup with models and loaders: measured / model (agreement) |",
+                  "control group / the meeting's end: measured / model | regroup with models and loaders: measured / "
+                  "model (agreement) |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
         for (hosts, per_host, how), rows in losses.items():
             ranks = hosts * per_host
@@ -226,9 +227,10 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
                 model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
             else:  # the runs read the watcher's verdict, the first rank to name it
                 model_named = named(units, design, ranks, per_host, how)[0]
-            enter, agree, *groups = regroup_parts(units, design, ranks, per_host, how)
-            model_parts = [enter + agree, *groups]  # rank 0 decides once the last survivor entered (E)
+            enter, agree, main, control, end = regroup_parts(units, design, ranks, per_host, how, here=True)
+            model_parts = [enter + agree, main, control, end]  # rank 0 decides once the last survivor entered (E)
             spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
+            spans.append(statistics.median(_meeting_end(r) for r in rows))
             exited = [r["exited"] for r in rows if r.get("exited") is not None]
             own_teardown = ""
             if how == "kill" and exited and units.t_teardown is not None and design != "today" and per_host == 1:
@@ -245,6 +247,13 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
                          f"| {summary:.3f} / {sum(model_parts) + followers:.3f} "
                          f"({_agreement(sum(model_parts) + followers, summary)}) |")
     return "\n".join(lines)
+
+
+def _meeting_end(row: dict) -> float:
+    """Seconds from rank 0's control group made to its meeting's end (the formation, the new watch), nan if not
+    timed."""
+    rank0 = (row.get("parts") or {}).get("rank0", {})
+    return rank0["meet"][1] - rank0["control"][1] if "meet" in rank0 and "control" in rank0 else float("nan")
 
 
 def _rank0_span(rows: list[dict], part: str) -> float:

@@ -43,9 +43,17 @@ class GroupFit:
         # store operations (2 segments an op, back to back) per pair connected: per rank and peer for a full mesh
         # (`k`: as another fit of the same groups found it, for rounds that did not count them)
         self.k = groups[largest]["store_segs"] / 2 / self.pairs(largest) if k is None else k
+        # each rank's CPU in making a group, and the cores its rounds' ranks shared (the workers' units: group_units.py)
+        measured_cpu = all("cpu_first" in v and "cores" in v for v in groups.values())
+        self.cores = min(v["cores"] for v in groups.values()) if measured_cpu else None
+        # `third`: the meeting's end once the groups are made (the formation, the new watch), where the rounds did it
+        self.parts = ("first", "second", "third") if all("third" in v for v in groups.values()) else ("first", "second")
+        self.cpu = tuple(statistics.mean(v[f"cpu_{part}"] for v in groups.values()) if measured_cpu else 0.0
+                         for part in self.parts)
         # a saved set from before the units made the regroup's two groups holds one group's `seconds` from a start
-        self.first = self._fit({n: v.get("first", v.get("seconds")) for n, v in groups.items()})
-        self.second = self._fit({n: v.get("second", v.get("seconds")) for n, v in groups.items()})
+        self.fits = tuple(self._fit({n: v.get(part, v.get("seconds")) for n, v in groups.items()}, cpu,
+                                    store=part != "third") for part, cpu in zip(self.parts, self.cpu))
+        self.first, self.second = self.fits[:2]
 
     def pairs(self, ranks: int) -> int:
         """The pairs whose store reads the group's making costs: every ordered pair for a full mesh."""
@@ -58,22 +66,36 @@ class GroupFit:
     def store_ops(self, ranks: int) -> float:
         return self.k * self.pairs(ranks)
 
-    def _fit(self, seconds: dict[int, float]) -> tuple[float, float]:
+    def sharing(self, ranks: int, cores: int | None) -> float:
+        """How many ranks' CPU each rank waits for while `ranks` make a group on `cores` cores (None: a core each)."""
+        return max(1.0, ranks / cores) if cores else 1.0
+
+    def _fit(self, seconds: dict[int, float], cpu: float, store: bool = True) -> tuple[float, float]:
         xs = [self.work(n) for n in seconds]
-        ys = [v - self.store_ops(n) * self.s for n, v in seconds.items()]  # less the store's part
+        # less the store's part, and the ranks' CPU as the rounds' cores served it
+        ys = [v - (self.store_ops(n) * self.s if store else 0.0) - cpu * self.sharing(n, self.cores)
+              for n, v in seconds.items()]
         mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
         spread = sum((x - mean_x) ** 2 for x in xs)
         g1 = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0)
         return max(0.0, mean_y - g1 * mean_x), g1
 
-    def seconds(self, ranks: int) -> tuple[float, float]:
-        """The main group's (from the decision) and the control group's (after it) seconds among `ranks`."""
-        store = self.store_ops(ranks) * self.s
-        return tuple(g0 + g1 * self.work(ranks) + store for g0, g1 in (self.first, self.second))
+    def seconds(self, ranks: int, cores: int | None = None) -> tuple[float, ...]:
+        """The main group's (from the decision) and the control group's (after it) seconds among `ranks`, then the
+        meeting's end where measured (`third`), on `cores` cores that all of them share (None: a core each, as on
+        hosts with a core per rank). The store's part is the groups' (the meeting's end makes a few operations)."""
+        store, sharing = self.store_ops(ranks) * self.s, self.sharing(ranks, cores)
+        return tuple(g0 + g1 * self.work(ranks) + (store if part != "third" else 0.0) + cpu * sharing
+                     for part, (g0, g1), cpu in zip(self.parts, self.fits, self.cpu))
 
     def describe(self) -> str:
         unit = "step of its connect" if self.lazy else "peer"
         what = "pair connected" if self.lazy else "rank and peer"
+        cpu = (f", + each rank's CPU, {' / '.join(f'{1e3 * c:.1f}' for c in self.cpu)} ms, times the ranks a core "
+               f"serves (fitted on {self.cores})" if self.cores else "")
+        if len(self.fits) > 2:
+            cpu = (f"; the meeting's end (formation, new watch) {1e3 * self.fits[2][0]:.1f} ms + "
+                   f"{1e3 * self.fits[2][1]:.2f} ms per {unit}{cpu}")
         return (f"{1e3 * self.first[0]:.1f} ms + {1e3 * self.first[1]:.2f} ms per {unit} (the main one, from the "
                 f"decision), then {1e3 * self.second[0]:.1f} ms + {1e3 * self.second[1]:.2f} ms per {unit} (the "
-                f"control one), + {self.k:.2f} store ops per {what}")
+                f"control one), + {self.k:.2f} store ops per {what}{cpu}")

@@ -12,7 +12,8 @@ meeting does once the survivors agreed (job's time_groups): rank 0 stores a deci
 looks, each makes the main and the control group (generations/current.py generation_group, on one store client of
 its own, as meet makes them) and waits for all to have made them (agreement.groups_formed). Per round: `first`, the
 decision to the last rank's main group; `second`, from there to the last rank's control group; `third`, from there
-to rank 0's formation's end; and each rank's CPU in each part (`cpu_first`, ...). Printed, beside the clients' of
+to rank 0's new watch set up (the formation, rank 0 saying who it is, its watch); and each rank's CPU in each part
+(`cpu_first`, ...). Printed, beside the clients' of
 UNITS; with `--into`, the medians go into UNITS (a control_plane_units.py file): a rank a host as
 `group_lazy_workers[N]`, with its store operations per pair (`store_segs`, taken from its `group_lazy[N]`), and
 `--per-host L` as `group_lazy_workers_by_layout[L][ranks]`. The model takes them in place of the clients', at the
@@ -39,8 +40,8 @@ STEPS = 6  # the loop's steps before the rounds: the world settled, its watch se
 def measure(count: int, rounds: int, work: Path, per_host: int = 1) -> dict:
     """`count` namespace hosts, `per_host` ranks each: the rounds' parts, from every rank's groups file. Per round:
     `first`, the decision to the last rank's main group; `second`, from there to the last rank's control group;
-    `third`, from there to rank 0's formation's end (it decides, and its line is the runs' regroup); each rank's CPU
-    in each, the mean over the ranks."""
+    `third`, from there to rank 0's new watch set up (it decides, and its line is the runs' regroup: the formation,
+    then meet's last part); each rank's CPU in each, the mean over the ranks."""
     with bridged_hosts("pgu", 224, count) as hosts:
         job = Job(hosts, work / f"groups-{count}x{per_host}", per_host, True, STEPS, (1, 2), 0.0,
                   job_args=("--group-rounds", str(rounds)))
@@ -51,10 +52,11 @@ def measure(count: int, rounds: int, work: Path, per_host: int = 1) -> dict:
     per_rank = [[[float(v) for v in line.split()] for line in (job.run_dir / f"groups-{rank}.txt").read_text()
                  .splitlines()] for rank in range(count * per_host)]
     found, cpu = [], []
-    for made in zip(*per_rank):  # a round on each rank: (decided, main made, control made, formed, the 3 CPUs)
+    for made in zip(*per_rank):  # a round on each rank: (decided, main, control, formed, watched, the 4 CPUs)
         main, control = max(m[1] for m in made), max(m[2] for m in made)
-        found.append((main - made[0][0], control - main, made[0][3] - control))
-        cpu.append([statistics.mean(m[4 + part] for m in made) for part in range(3)])
+        found.append((main - made[0][0], control - main, made[0][4] - control))
+        cpu.append([statistics.mean(m[5 + part] for m in made) for part in (0, 1)]
+                   + [statistics.mean(m[7] + m[8] for m in made)])
     row = {name: statistics.median(f[part] for f in found) for part, name in enumerate(("first", "second", "third"))}
     row.update({f"cpu_{name}": statistics.median(c[part] for c in cpu)
                 for part, name in enumerate(("first", "second", "third"))})
@@ -90,8 +92,8 @@ def main() -> None:
                           f"{1e3 * clients[ranks]['second']:.1f} ms")
             workers[str(ranks)] = row
             print(f"{count} x {args.per_host}: the workers' groups {1e3 * row['first']:.1f} ms (main, from the "
-                  f"decision) + {1e3 * row['second']:.1f} ms (control) + {1e3 * row['third']:.1f} ms (formed), each "
-                  f"rank's CPU {1e3 * row['cpu_first']:.1f} + {1e3 * row['cpu_second']:.1f} + "
+                  f"decision) + {1e3 * row['second']:.1f} ms (control) + {1e3 * row['third']:.1f} ms (formed, "
+                  f"watched), each rank's CPU {1e3 * row['cpu_first']:.1f} + {1e3 * row['cpu_second']:.1f} + "
                   f"{1e3 * row['cpu_third']:.1f} ms{beside}", flush=True)
     write_figures(args.json_path, {f"{n} ranks, {args.per_host} a host, groups ms":
                                    round(1e3 * (row["first"] + row["second"]), 1) for n, row in workers.items()},

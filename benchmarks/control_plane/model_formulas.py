@@ -64,13 +64,14 @@ class Units:
         ops = (row["on"]["rank_store"] - self.seg_ack * (1 + f * c)) / self.seg_op
         return max(0.0, ops - 1 - f * c)
 
-    def groups(self, ranks: int, lazy: bool = True, per_host: int = 1) -> tuple[float, float]:
+    def groups(self, ranks: int, lazy: bool = True, per_host: int = 1, here: bool = False) -> tuple[float, ...]:
         """A regroup's main group (from the decision) and control group (after it) among `ranks`, `per_host` ranks a
         host: lazy, as phalanx makes them, when the units measured those (group_model.py), as the workers made them
-        at the measured layout nearest `per_host` (layout())."""
-        if not (lazy and self.lazy):
-            return self.full_mesh.seconds(ranks)
-        return (self.layouts[self.layout(per_host)] if self.layouts else self.lazy).seconds(ranks)
+        at the measured layout nearest `per_host` (layout()). `here`: all of them on this machine's cores, as in the
+        namespace runs (else a core each, as on the hosts the extrapolation is about)."""
+        fit = self.full_mesh if not (lazy and self.lazy) else \
+            self.layouts[self.layout(per_host)] if self.layouts else self.lazy
+        return fit.seconds(ranks, fit.cores if here else None)
 
     def layout(self, per_host: int) -> int | None:
         """The ranks per host of the workers' groups unit taken for `per_host` (the nearest measured; of two as
@@ -163,8 +164,10 @@ def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tup
 
 
 def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill",
-                  lazy: bool = True) -> tuple[float, ...]:
-    """(E, A, main group, control group): the regroup's parts, from the loss named (see the module docstring)."""
+                  lazy: bool = True, here: bool = False) -> tuple[float, ...]:
+    """(E, A, main group, control group, the meeting's end): the regroup's parts, from the loss named (see the
+    module docstring); `here`: the groups' ranks sharing this machine's cores, as in the namespace runs
+    (Units.groups)."""
     survivors = ranks - per_host  # a host lost; its members on other hosts, each probed today
     enter = last_entry(design, survivors) + units.rtt
     if design == "today":
@@ -173,9 +176,10 @@ def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str
             agree += per_host * PROBE_TIMEOUT
     else:
         agree = AGREE_OPS * units.rtt + survivors * units.s
-    if design == "tree":  # the groups' formation (agreement.groups_formed): every member's add, the last one's set
-        agree += FORM_OPS * units.rtt + survivors * units.s
-    return (enter, agree, *units.groups(max(1, survivors), lazy, per_host))
+    main, control, *end = units.groups(max(1, survivors), lazy, per_host, here)
+    if not end:  # the groups' formation (agreement.groups_formed): every member's add, the last one's set
+        end = [FORM_OPS * units.rtt + survivors * units.s if design == "tree" else 0.0]
+    return enter, agree, main, control, end[0]
 
 
 def last_entry(design: str, survivors: int) -> float:

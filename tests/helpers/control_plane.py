@@ -335,7 +335,7 @@ def regroup_parts(job: Job, survivors: list[int], struck: float) -> dict:
         seen = set()
         for line in path.read_text().splitlines() if path.exists() else ():
             part, start, end, *used = line.split()
-            if part in seen:  # a second regroup: only the first loss's parts
+            if part in seen or float(start) < struck:  # only the first loss's parts (not those of the start's watch)
                 continue
             seen.add(part)
             span = (float(start) - struck, float(end) - struck)

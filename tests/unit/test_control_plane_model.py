@@ -79,3 +79,23 @@ def test_the_groups_unit_is_the_one_measured_at_the_nearest_layout():
     alone, shared = (sum(units.groups(12, per_host=n)) for n in (1, 4))
     assert 0 < shared < alone  # the layout's own rounds, halved here
     assert Units({k: v for k, v in raw.items() if k != "group_lazy_workers"}).layout(4) is None  # clients' only
+
+
+def test_the_groups_fit_takes_the_ranks_cpu_as_the_rounds_cores_served_it():
+    """The workers' rounds share this machine's cores: a part's time there is its latency (g0 + g1 steps) plus each
+    rank's CPU times the ranks a core serves. The fit recovers the latency from rounds made that way; the namespace
+    runs (`here`) get the same sharing, the extrapolation a core per rank."""
+    from benchmarks.control_plane.group_model import GroupFit, steps
+
+    def made(n, g0, g1, cpu):
+        return g0 + g1 * steps(n) + cpu * max(1.0, n / 2)
+
+    rounds = {str(n): {"first": made(n, 0.005, 0.002, 0.003), "second": made(n, 0.001, 0.0, 0.003),
+                       "third": made(n, 0.0, 0.0005, 0.001), "cpu_first": 0.003, "cpu_second": 0.003,
+                       "cpu_third": 0.001, "cores": 2, "store_segs": 0.0} for n in (2, 4, 8, 16)}
+    fit = GroupFit(rounds, s=1e-5, lazy=True)
+    assert fit.parts == ("first", "second", "third") and fit.cores == 2
+    assert fit.first == pytest.approx((0.005, 0.002)) and fit.second == pytest.approx((0.001, 0.0))
+    here, spread = fit.seconds(12, cores=2), fit.seconds(12)
+    assert here == pytest.approx((made(12, 0.005, 0.002, 0.003), made(12, 0.001, 0.0, 0.003), made(12, 0, 5e-4, 1e-3)))
+    assert spread == pytest.approx((0.005 + 0.002 * steps(12) + 0.003, 0.001 + 0.003, 0.0005 * steps(12) + 0.001))

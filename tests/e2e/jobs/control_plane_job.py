@@ -120,17 +120,24 @@ def time_regroup(path: Path) -> None:
     timed(recovery, "regroup_followers", "followers")
 
 
+REHEARSED = 1_000_000  # time_groups' generations: numbers no regroup reaches
+
+
 def time_groups(path: Path, rounds: int) -> None:
     """`rounds` times, on the healthy world at the loop's end, what a regroup's meeting does once its survivors agreed
     (generations/current.py meet), done by the workers the way a regroup does it: rank 0 sets a decision key, the
     others see it at their looks (agreement.DECISION_LOOK), then each makes the main group and the control group
-    (generation_group: lazy, connected, on one store client of their own), and waits for every member to have made
-    them (agreement.groups_formed, under keys of the round's own). Appends a line per round to `path`: `decided
-    main_made control_made formed main_cpu control_cpu formed_cpu` (time.time(); the process's CPU seconds, all its
-    threads, in each part), for benchmarks/control_plane/group_units.py."""
+    (generation_group: lazy, connected, on one store client of their own), waits for every member to have made
+    them (agreement.groups_formed, under keys of the round's own), says who it is and sets up the new generation's
+    watch (for a generation numbered from REHEARSED, which no regroup reaches: closed once every rank set it up).
+    Appends a line per round to `path`: `decided main_made control_made formed watched` and the CPU of each of the
+    4 parts (time.time(); the process's CPU seconds, all its threads), for benchmarks/control_plane/group_units.py."""
+    import torch.distributed as dist
+
     from phalanx.world import generation, joining
     from phalanx.world.generations.agreement import DECISION_LOOK, FORM_ATTEMPTS, groups_formed
-    from phalanx.world.generations.current import generation_group
+    from phalanx.world.generations.current import Generation, generation_group
+    from phalanx.world.liveness import identity
     from phalanx.world.watch import side_store
 
     store, members = px.world.store(), tuple(generation.current().members)
@@ -144,15 +151,22 @@ def time_groups(path: Path, rounds: int) -> None:
             while not store.check([decision]):
                 time.sleep(DECISION_LOOK)
             made, cpu, own = [float(store.get(decision))], [], side_store(joining.default_store())
-            for part in ("main", "control", "formed"):
+            # the new generation's watch, as meet sets it up, for a generation no regroup makes (closed right after)
+            rehearsal = Generation(REHEARSED + number, members, None)
+            for part in ("main", "control", "formed", "watch"):
                 before = time.process_time()
                 if part == "formed":  # under an attempt number no regroup takes (it tries FORM_ATTEMPTS at most)
                     groups_formed(generation.current(), store, members, FORM_ATTEMPTS + number, True)
+                elif part == "watch":  # meet's last part: this rank says who it is, then its watch is set up
+                    store.set(rehearsal._key("who", dist.get_rank()), identity())
+                    rehearsal.watch(store)
                 else:
                     generation_group(members, f"control_plane_job/groups{number}/{part}",
                                      backend="gloo" if part == "control" else None, store=own)
                 made.append(time.time())
                 cpu.append(time.process_time() - before)
+            px.world.barrier(name=f"control_plane_job/groups{number}/watched")
+            rehearsal.close_watch()
             out.write(" ".join(f"{value:.6f}" for value in made + cpu) + "\n")
 
 
