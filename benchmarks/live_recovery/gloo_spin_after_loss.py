@@ -1,9 +1,9 @@
 """A survivor's Gloo event loop after a peer is lost in a collective, in plain torch: how much CPU its thread burns,
-and whether freeing the group, its backend's abort() or shutdown(), or phalanx's quiet() stops it (phalanx here
-only finds the loop's threads, quiets them for `--then quiet`, and finds a free port).
+and whether freeing the group, or its backend's abort() or shutdown(), stops it (phalanx here only finds the loop's
+threads and a free port).
 
     python benchmarks/live_recovery/gloo_spin_after_loss.py [--ranks 4] [--seconds 6] [--group world|new]
-        [--then none|abort|shutdown|idle|quiet|free] [--compute] [--rounds 3]
+        [--then none|abort|shutdown|idle|free] [--compute] [--rounds 3]
 
 `--ranks` processes on 127.0.0.1 make a Gloo group (torch's default one, or `dist.new_group` with a 3 s timeout);
 the last rank exits, and the others start an all-reduce of 16 floats on the group, which waits on it. A survivor's
@@ -11,10 +11,8 @@ pair can then hold a message from a live peer for a buffer its all-reduce has no
 rank first): Gloo leaves the message in the socket, its epoll loop is woken for it at once, again and again, and
 the loop's thread (`gloo_tcp_loop`, one per group) spins. Rank 0 prints its loop threads' CPU, milliseconds a
 second, for `--seconds` seconds; after 2 s it does `--then` to the group: nothing, its backend's abort() or
-shutdown(), `idle` (its loop threads put at SCHED_IDLE, as phalanx did at a loss until the loops were quieted),
-`quiet` (what phalanx does at a loss: the loop threads at SCHED_IDLE, and the sockets they spin on set to report
-nothing more: world/process/gloo_loops.py), or
-(`free`, only with `--group new`) destroy_process_group and dropping the last reference, which waits for the
+shutdown(), `idle` (its loop threads put at SCHED_IDLE, as phalanx does at a loss: world/process/gloo_loops.py),
+or (`free`, only with `--group new`) destroy_process_group and dropping the last reference, which waits for the
 pending all-reduce to end (its timeout) before the group's pairs close. `--compute`: rank 0's main thread, on the
 same core as its loops, counts a pure-Python loop's rounds each second instead of sleeping, against a second of it
 before the loss: what a spinning loop takes from the training on its core.
@@ -39,7 +37,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from phalanx.testing import free_port
-from phalanx.world.process import gloo_loops
 from phalanx.world.process.gloo_loops import loop_threads
 
 LOST_AFTER = 0.2  # seconds from the barrier to the survivors' all-reduce (the lost rank is gone by then)
@@ -70,14 +67,10 @@ def rounds_in_a_second() -> int:
 def rank_main(rank: int, ranks: int, port: int, group_kind: str, then: str, seconds: int, compute: bool,
               results) -> None:
     torch.set_num_threads(1)
-    before = loop_threads()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
                             timeout=timedelta(seconds=30))
-    if group_kind == "new":
-        before = loop_threads()
     group = dist.new_group(timeout=timedelta(seconds=3)) if group_kind == "new" else dist.group.WORLD
     dist.all_reduce(torch.ones(4), group=group)  # every pair of the group connected
-    gloo_loops.note(group, before)  # its loop threads, and the epoll each waits in
     baseline = None
     if rank == 0 and compute:  # this thread and the loops on one core; a second of work before anyone is lost
         core = {min(os.sched_getaffinity(0))}
@@ -101,8 +94,6 @@ def rank_main(rank: int, ranks: int, port: int, group_kind: str, then: str, seco
             elif then == "idle":
                 for tid in loop_threads():
                     os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-            elif then == "quiet":
-                gloo_loops.quiet((group,), last=True)
             else:
                 getattr(group._get_backend(torch.device("cpu")), then)()
         before = loop_milliseconds()
@@ -123,7 +114,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4, help="processes, the last one lost (default 4)")
     parser.add_argument("--seconds", type=int, default=6, help="seconds rank 0's loop is watched (default 6)")
     parser.add_argument("--group", choices=("world", "new"), default="world", help="torch's default group or a new one")
-    parser.add_argument("--then", choices=("none", "abort", "shutdown", "idle", "quiet", "free"), default="none",
+    parser.add_argument("--then", choices=("none", "abort", "shutdown", "idle", "free"), default="none",
                         help="what rank 0 does to the group after 2 s (default none)")
     parser.add_argument("--compute", action="store_true",
                         help="rank 0 computes on its loops' core each second (its rate against before the loss)")

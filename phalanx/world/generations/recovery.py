@@ -37,12 +37,9 @@ def recover(cause: BaseException, redoing: bool = False, undone: bool = False) -
     global _undoing
     started, old = time.monotonic(), current()
     before = old.members
-    # The generation's groups are left from here: a collective pending on them may spin Gloo's loop (gloo_loops.py);
-    # quieted now, again once every survivor agreed (and so has left them too), and once the followers moved on
-    left = (old.group, world.control_group())
-    gloo_loops.quiet(left)
+    # The generation's groups are left from here: a collective pending on them may spin Gloo's loop (gloo_loops.py)
+    gloo_loops.idle((old.group, world.control_group()))
     survivors = next_generation(cause)
-    gloo_loops.quiet(left)
     # A rank behind takes what others finished; every rank applied the same steps of the generation before
     resume_point.settle(world.control_group(), survivors.rank, wait_for, old.last_applied())
     _undoing = undone
@@ -51,7 +48,6 @@ def recover(cause: BaseException, redoing: bool = False, undone: bool = False) -
                           started, redoing)
     finally:
         _undoing = False
-    gloo_loops.quiet(left, last=True)
     return survivors
 
 
