@@ -126,9 +126,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("control_plane.tree_units", _script("control_plane/tree_units.py", "--speakers", "2", "4", "--steps", "300"),
       "the per-step commit's tree: a round among its speakers, a hop", 12),
     S("control_plane.model", _script("control_plane/control_plane_model.py", "--units",
-                                     "benchmarks/results/control_plane_units_meet-2026-11-30.json", "--measured",
+                                     "benchmarks/results/control_plane_units_final-2026-11-30.json", "--measured",
                                      "benchmarks/results/control_plane_steady_looks-2026-11-29.json",
-                                     "benchmarks/results/control_plane_loss_meet-2026-11-30.json", "--design",
+                                     "benchmarks/results/control_plane_loss_final-2026-11-30.json", "--design",
                                      "tree"),
       "the control plane's scale model to thousands of ranks, from saved unit costs", 2),
     # -- checkpoints and stops
