@@ -231,12 +231,16 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             model_parts = [enter + agree, main, control, end]  # rank 0 decides once the last survivor entered (E)
             spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
             spans.append(statistics.median(_meeting_end(r) for r in rows))
-            exited = [r["exited"] for r in rows if r.get("exited") is not None]
+            # the first of a host's victims to exit (its sockets closed just before: it names the loss); runs from
+            # before each victim's exit was kept have only the last one's, the first where a host has one victim
+            exited = [r["victim"]["exited_each"][0] if (r.get("victim") or {}).get("exited_each") else r["exited"]
+                      for r in rows if per_host == 1 or (r.get("victim") or {}).get("exited_each")]
+            exited = [seconds for seconds in exited if seconds is not None]
             own_teardown = ""
-            if how == "kill" and exited and units.t_teardown is not None and design != "today" and per_host == 1:
-                # The victim's teardown, which its sockets' close waits for, as the runs met it: their 16 hosts share
-                # 2 cores, where the unit's victim had a quiet machine. The rest of the naming is the control plane's.
-                # One victim a host only: the runs time the last of a host's victims, and the first one names it.
+            if how == "kill" and exited and units.t_teardown is not None and design != "today":
+                # The victim's teardown, which its sockets' close waits for, as the runs met it: their hosts share 2
+                # cores (a host's victims too), where the unit's victim had a quiet machine. The rest of the naming is
+                # the control plane's.
                 torn = statistics.median(exited)
                 here = model_named - units.t_teardown + torn
                 own_teardown = f"; with the runs' own teardown ({torn:.3f}): {here:.3f} ({_agreement(here, detected)})"

@@ -201,7 +201,8 @@ class Loss:
     lost: list[int]
     exited: float | None = None  # a kill: seconds until the victim's workers had exited, as the kernel told it
     parts: dict | None = None  # regroup_parts()
-    victim: dict | None = None  # a kill: {"rss_kb": [...], "threads": [...]}, a value per worker killed; a cut:
+    victim: dict | None = None  # a kill: {"rss_kb": [...], "threads": [...]}, a value per worker killed, and
+    # "exited_each": the seconds to each one's exit, in order; a cut:
     # {"cut_host": "stopped" or "runs", "cpu_share": the cores its processes took from the cut to the others' end}
 
 
@@ -245,6 +246,7 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
             struck = time.time()
             kill_at_once([*launchers, *pids])
             exited = exits.last(struck)
+            victim_held["exited_each"] = sorted(round(at - struck, 4) for at in exits.times.values())
             kill_node(job.launchers[victim])
         job.wait(range(victim))
         if how == "cut":
