@@ -231,11 +231,7 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             model_parts = [enter + agree, main, control, end]  # rank 0 decides once the last survivor entered (E)
             spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
             spans.append(statistics.median(_meeting_end(r) for r in rows))
-            # the first of a host's victims to exit (its sockets closed just before: it names the loss); runs from
-            # before each victim's exit was kept have only the last one's, the first where a host has one victim
-            exited = [r["victim"]["exited_each"][0] if (r.get("victim") or {}).get("exited_each") else r["exited"]
-                      for r in rows if per_host == 1 or (r.get("victim") or {}).get("exited_each")]
-            exited = [seconds for seconds in exited if seconds is not None]
+            exited = [seconds for seconds in (_first_exit(r, per_host) for r in rows) if seconds is not None]
             own_teardown = ""
             if how == "kill" and exited and units.t_teardown is not None and design != "today":
                 # The victim's teardown, which its sockets' close waits for, as the runs met it: their hosts share 2
@@ -251,6 +247,16 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
                          f"| {summary:.3f} / {sum(model_parts) + followers:.3f} "
                          f"({_agreement(sum(model_parts) + followers, summary)}) |")
     return "\n".join(lines)
+
+
+def _first_exit(row: dict, per_host: int) -> float | None:
+    """Seconds from a kill to the first of its host's victims exiting (its sockets closed just before: it names the
+    loss), None if not known: runs from before each victim's exit was kept have only the last one's, which is the
+    first where a host has one victim."""
+    each = (row.get("victim") or {}).get("exited_each")
+    if each:
+        return each[0]
+    return row.get("exited") if per_host == 1 else None
 
 
 def _meeting_end(row: dict) -> float:

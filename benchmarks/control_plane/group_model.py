@@ -53,7 +53,16 @@ class GroupFit:
         # a saved set from before the units made the regroup's two groups holds one group's `seconds` from a start
         self.fits = tuple(self._fit({n: v.get(part, v.get("seconds")) for n, v in groups.items()}, cpu,
                                     store=part != "third") for part, cpu in zip(self.parts, self.cpu))
-        self.first, self.second = self.fits[:2]
+
+    @property
+    def first(self) -> tuple[float, float]:
+        """(g0, g1) of the main group, from the decision."""
+        return self.fits[0]
+
+    @property
+    def second(self) -> tuple[float, float]:
+        """(g0, g1) of the control group, after the main one."""
+        return self.fits[1]
 
     def pairs(self, ranks: int) -> int:
         """The pairs whose store reads the group's making costs: every ordered pair for a full mesh."""
@@ -66,7 +75,8 @@ class GroupFit:
     def store_ops(self, ranks: int) -> float:
         return self.k * self.pairs(ranks)
 
-    def sharing(self, ranks: int, cores: int | None) -> float:
+    @staticmethod
+    def sharing(ranks: int, cores: int | None) -> float:
         """How many ranks' CPU each rank waits for while `ranks` make a group on `cores` cores (None: a core each)."""
         return max(1.0, ranks / cores) if cores else 1.0
 

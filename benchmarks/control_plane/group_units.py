@@ -13,12 +13,12 @@ looks, each makes the main and the control group (generations/current.py generat
 its own, as meet makes them) and waits for all to have made them (agreement.groups_formed). Per round: `first`, the
 decision to the last rank's main group; `second`, from there to the last rank's control group; `third`, from there
 to rank 0's new watch set up (the formation, rank 0 saying who it is, its watch); and each rank's CPU in each part
-(`cpu_first`, ...). Printed, beside the clients' of
-UNITS; with `--into`, the medians go into UNITS (a control_plane_units.py file): a rank a host as
-`group_lazy_workers[N]`, with its store operations per pair (`store_segs`, taken from its `group_lazy[N]`), and
-`--per-host L` as `group_lazy_workers_by_layout[L][ranks]`. The model takes them in place of the clients', at the
-layout nearest the one it models (group_model.py), and says which it used: on this machine, how long the groups
-take depends on the layout as well as the ranks (the launchers, and the pairs within a host against across hosts).
+(`cpu_first`, ...). Printed, beside the clients' of UNITS; with `--into`, the medians go into UNITS (a
+control_plane_units.py file): a rank a host as `group_lazy_workers[N]`, with its store operations per pair
+(`store_segs`, taken from its `group_lazy[N]`), and `--per-host L` as `group_lazy_workers_by_layout[L][ranks]`. The
+model takes them in place of the clients', at the layout nearest the one it models (group_model.py), and says which
+it used: on this machine, how long the groups take depends on the layout as well as the ranks (the launchers, and
+the pairs within a host against across hosts).
 """
 
 from __future__ import annotations
