@@ -226,19 +226,19 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
                 # the runs read it from rank 0's line, and rank 0 (the slow rank) looks only after its pause
                 model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
             else:  # the runs read the watcher's verdict, the first rank to name it
-                model_named = named(units, design, ranks, per_host, how)[0]
+                model_named = named(units, design, ranks, per_host, how, here=True)[0]
             enter, agree, main, control, end = regroup_parts(units, design, ranks, per_host, how, here=True)
             model_parts = [enter + agree, main, control, end]  # rank 0 decides once the last survivor entered (E)
             spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
             spans.append(statistics.median(_meeting_end(r) for r in rows))
             exited = [seconds for seconds in (_first_exit(r, per_host) for r in rows) if seconds is not None]
             own_teardown = ""
-            if how == "kill" and exited and units.t_teardown is not None and design != "today":
-                # The victim's teardown, which its sockets' close waits for, as the runs met it: their hosts share 2
-                # cores (a host's victims too), where the unit's victim had a quiet machine. The rest of the naming is
-                # the control plane's.
+            teardown = units.end(per_host, here=True)[1]
+            if how == "kill" and exited and teardown is not None and design != "today":
+                # The victims' teardown, which their sockets' close waits for, as these runs met it, in place of the
+                # unit's: the rest of the naming is the control plane's.
                 torn = statistics.median(exited)
-                here = model_named - units.t_teardown + torn
+                here = model_named - teardown + torn
                 own_teardown = f"; with the runs' own teardown ({torn:.3f}): {here:.3f} ({_agreement(here, detected)})"
             lines.append(f"| {hosts} x {per_host} | {how} | {len(rows)} | {detected:.3f} / {model_named:.3f} "
                          f"({_agreement(model_named, detected)}){own_teardown} | {line:.3f} / {sum(model_parts):.3f} "
@@ -322,8 +322,9 @@ def main() -> None:
           f"mesh: {units.full_mesh.describe()}; lazy, made by the {units.lazy_by}: "
           f"{units.lazy.describe() if units.lazy else 'not measured'}; "
           f"{''.join(f'at {n} ranks a host: {fit.describe()}; ' for n, fit in units.layouts.items() if n != 1)}"
-          f"a kept watch's end after a kill "
-          f"{1e3 * units.t_end:.1f} ms; models and loaders {followers:.3f} s\n")
+          f"a kept watch's end after a kill {1e3 * units.t_end:.1f} ms (as the runs meet it: "
+          f"{', '.join(f'{1e3 * units.end(n, here=True)[0]:.1f} ms at {n} a host' for n in sorted(units.ends_here))})"
+          f"; models and loaders {followers:.3f} s\n")
     reads = (f"the commit's reads per rank as the run at {largest['hosts']} x {largest['per_host']} shows them "
              f"({r_scale:.1f})" if r_scale is not None else "the commit's reads per rank as the rounds show them")
     layout = units.layout(args.per_host)

@@ -25,7 +25,8 @@ and closes, as liveness.py's did); for each count N, N clients, one per namespac
   group (medians of 5); one group's connections opened and segments sent, all clients together, and the segments on
   their store connections (ss's per-socket counters), both ways;
 - `watch_end`: seconds from a SIGKILL of a worker (phalanx DDP over Gloo, in host 1) to its kept watch's verdict
-  (liveness.KeptWatch, in host 2), median of 5, with the worker's resident memory and threads: watch_end.py.
+  (liveness.KeptWatch, in host 2), median of 5, with the worker's teardown, resident memory and threads: watch_end.py
+  (which also measures a host of L workers killed beside the runs' load, `watch_end_by_layout`).
 The clients share this machine's cores: with more clients than cores, their times include waiting for a core.
 """
 
@@ -46,6 +47,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from benchmarks.control_plane import regroup_units
+from benchmarks.control_plane.watch_end import entry as watch_end_entry
 from benchmarks.control_plane.watch_end import watch_ends
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -267,9 +269,7 @@ def measure(counts: list[int], rounds: int = 20) -> dict:
                     for i, host in enumerate(hosts[1:count + 1])]
                 results = [json.loads(c.communicate(timeout=900)[0].strip().splitlines()[-1]) for c in clients]
                 _gather(units, count, results)
-            ends = watch_ends(hosts, env)
-            units["watch_end"] = {"seconds": statistics.median(ends["seconds"]), "all": ends["seconds"],
-                                  "rss_kb": ends["rss_kb"], "threads": ends["threads"]}
+            units["watch_end"] = watch_end_entry(watch_ends(hosts, env))
         finally:
             server.kill()
             server.wait(timeout=60)

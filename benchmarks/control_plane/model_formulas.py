@@ -45,9 +45,13 @@ class Units:
         self.layouts = {1: self.lazy} if self.lazy_by == "workers" else {}
         for per_host, rounds in raw.get("group_lazy_workers_by_layout", {}).items():
             self.layouts[int(per_host)] = GroupFit(rounds, self.s, lazy=True, k=self.lazy.k)
-        self.t_end = raw.get("watch_end", {}).get("seconds", 0.0)
+        alone = raw.get("watch_end", {})
+        self.t_end = alone.get("seconds", 0.0)
         # of which the victim's own teardown (its exit, as the kernel tells it): the rest is the watcher's part
-        self.t_teardown = raw.get("watch_end", {}).get("teardown")
+        self.t_teardown = alone.get("teardown")
+        # a host's victims dying together beside the runs' other ranks, on this machine's cores (watch_end.py
+        # --per-host L --beside H), by L; a rank a host measured alone where not so
+        self.ends_here = {1: alone, **{int(n): entry for n, entry in raw.get("watch_end_by_layout", {}).items()}}
         self.hop = raw.get("tree", {}).get("hop", self.rtt / 2)  # tree_units.py's: a tree message, one way
 
     def r(self, ranks: int) -> float:
@@ -72,6 +76,16 @@ class Units:
         fit = self.full_mesh if not (lazy and self.lazy) else \
             self.layouts[self.layout(per_host)] if self.layouts else self.lazy
         return fit.seconds(ranks, fit.cores if here else None)
+
+    def end(self, per_host: int, here: bool = False) -> tuple[float, float | None]:
+        """(a kept watch's end after a kill of a host of `per_host` ranks: the first of its victims' verdicts, of
+        which their teardown): `here`, as the namespace runs meet it, where a host's victims die together beside the
+        other ranks on this machine's cores (measured at the layout nearest `per_host`); else one victim alone, as on
+        hosts of a core a rank, the extrapolation's."""
+        if not here:
+            return self.t_end, self.t_teardown
+        entry = self.ends_here[min(self.ends_here, key=lambda measured: (abs(measured - per_host), -measured))]
+        return entry.get("seconds", 0.0), entry.get("teardown")
 
     def layout(self, per_host: int) -> int | None:
         """The ranks per host of the workers' groups unit taken for `per_host` (the nearest measured; of two as
@@ -144,9 +158,10 @@ def commit_delay(units: Units, design: str, ranks: int, per_host: int) -> float 
     return None
 
 
-def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tuple[float, float] | None:
+def named(units: Units, design: str, ranks: int, per_host: int, how: str,
+          here: bool = False) -> tuple[float, float] | None:
     """Seconds from the loss to the first rank that names it and to every waiting rank knowing it (worst case);
-    None: a host alone cannot be cut off."""
+    None: a host alone cannot be cut off. `here`: a kill's victims torn down as in the namespace runs (Units.end)."""
     others = ranks - per_host
     if how == "cut" and not others:
         return None
@@ -157,7 +172,7 @@ def named(units: Units, design: str, ranks: int, per_host: int, how: str) -> tup
     if not others:  # one host: its ranks check each other's pids at their looks (now at most every LOOK_EVERY)
         every = LOOK_EVERY if design == "tree" else WATCH_BEFORE
         return every, every
-    first = units.t_end + 2 * units.rtt + (WINDOW + TICK if how == "cut" else 0.0)
+    first = units.end(per_host, here and how == "kill")[0] + 2 * units.rtt + (WINDOW + TICK if how == "cut" else 0.0)
     if design == "tree":  # the alarm wakes every member's thread, the store answering them in turn; then a look
         return first, first + units.rtt + ranks * units.s + watch_every(design)
     return first, first + watch_every(design) + units.rtt

@@ -99,3 +99,23 @@ def test_the_groups_fit_takes_the_ranks_cpu_as_the_rounds_cores_served_it():
     here, spread = fit.seconds(12, cores=2), fit.seconds(12)
     assert here == pytest.approx((made(12, 0.005, 0.002, 0.003), made(12, 0.001, 0.0, 0.003), made(12, 0, 5e-4, 1e-3)))
     assert spread == pytest.approx((0.005 + 0.002 * steps(12) + 0.003, 0.001 + 0.003, 0.0005 * steps(12) + 0.001))
+
+
+def test_a_kills_naming_takes_the_teardown_measured_beside_the_runs_load_at_the_nearest_layout():
+    """watch_end.py --per-host L --beside H keeps a host's victims' end as the namespace runs meet it: the comparison
+    with the runs (here) takes the one measured at the nearest layout, a rank a host the victim alone where nothing
+    else was measured; the extrapolation (a core a rank) and a cut's naming (no teardown: the host goes silent) keep
+    the victim alone."""
+    from benchmarks.control_plane.model_formulas import named
+
+    raw = json.loads((Path(ROOT) / "benchmarks/results/control_plane_units_idle-2026-11-29.json").read_text())
+    alone = {"seconds": 0.017, "teardown": 0.016}
+    loaded = {"seconds": 0.025, "teardown": 0.023}
+    units = Units({**raw, "watch_end": alone, "watch_end_by_layout": {"4": loaded}})
+    assert [units.end(n, here=True) for n in (1, 2, 3, 4, 8)] == [(0.017, 0.016)] * 2 + [(0.025, 0.023)] * 3
+    assert units.end(4) == (0.017, 0.016)
+    kill_here, kill_away = (named(units, "tree", 16, 4, "kill", here=here)[0] for here in (True, False))
+    assert kill_here - kill_away == pytest.approx(0.008)
+    assert named(units, "tree", 16, 4, "cut", here=True) == named(units, "tree", 16, 4, "cut")
+    bare = Units({k: v for k, v in raw.items() if k != "watch_end"})
+    assert bare.end(4, here=True) == bare.end(4) == (0.0, None)
