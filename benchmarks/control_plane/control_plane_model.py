@@ -12,7 +12,9 @@ ACK that closes a burst of them), a connection probe (`t_p`, `q` segments), an i
 segments per second (`keep`), the commit's reads per rank `r` (rounds among N <= 16 clients, each after a small Gloo
 all-reduce), a regroup's two Gloo groups among N (`G2(N)`: made as the survivors make them, after the agreement's
 decision, one after the other), a kept watch's end after a SIGKILL (`t_end`: the killed process's sockets closed, the
-watcher's thread woken: this machine's scheduling, under its load). With `--measured`
+watcher's thread woken: this machine's scheduling, under its load; one victim alone for the extrapolation, and where
+the model is compared with the runs, a host's victims killed together beside the runs' other ranks, at the nearest
+layout measured: watch_end.py --per-host L --beside H). With `--measured`
 (benchmarks/control_plane/control_plane.py's --json), `r` is read from the namespace runs instead: a rank's own store
 connection's segments per step, less the rest of the formula below (the runs' ranks come to the commit further apart
 than the rounds' clients: more reads); the extrapolation takes the largest run's. phalanx's own constants: a waiting
@@ -70,8 +72,10 @@ Regroup (from the loss named to the ranks left training on new groups; what worl
             in the commit's wait is woken at once, by the `done` keys the watcher sets). Before the tree: a whole
             look (WATCH, the worst case). Tree: the looks' phases taken as independent and uniform, the expected
             wait past the decider's own look, WATCH n / (2 (n + 2)) with n = S - 1 (model_formulas.last_entry); 0
-            when the survivors entered their waits together and look in phase (the runs' slow rank 0 decides, and
-            the others wait on it together); WATCH at the worst (the last survivor's look just missed the alarm)
+            when the survivors entered their waits together and look in phase, or when the decider enters last: the
+            kill runs' (struck right after the victim's step, their rank 0, which decides, is in its pause; it was
+            the last to enter in all of them), which the comparison takes; WATCH at the worst (the last survivor's
+            look just missed the alarm)
   A, today  P rtt + P^2 s + (P - L) t_p             (each polls every member's key, P of them at once at the store,
                                                      and probes; a host cut off: + L PROBE_TIMEOUT, silent probes)
   A, new    AGREE_OPS rtt + S s                     (the survivor that decides, the first in rank order, once every
@@ -227,7 +231,10 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
                 model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
             else:  # the runs read the watcher's verdict, the first rank to name it
                 model_named = named(units, design, ranks, per_host, how, here=True)[0]
-            enter, agree, main, control, end = regroup_parts(units, design, ranks, per_host, how, here=True)
+            # a kill strikes right after the victim's step, rank 0 (the slow rank, which decides) in its pause: it
+            # enters the agreement last (a cut is named WINDOW later, at any point of rank 0's step)
+            enter, agree, main, control, end = regroup_parts(units, design, ranks, per_host, how, here=True,
+                                                             decider_last=how == "kill" and design != "today")
             model_parts = [enter + agree, main, control, end]  # rank 0 decides once the last survivor entered (E)
             spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
             spans.append(statistics.median(_meeting_end(r) for r in rows))
@@ -235,11 +242,9 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
             own_teardown = ""
             teardown = units.end(per_host, here=True)[1]
             if how == "kill" and exited and teardown is not None and design != "today":
-                # The victims' teardown, which their sockets' close waits for, as these runs met it, in place of the
-                # unit's: the rest of the naming is the control plane's.
-                torn = statistics.median(exited)
-                here = model_named - teardown + torn
-                own_teardown = f"; with the runs' own teardown ({torn:.3f}): {here:.3f} ({_agreement(here, detected)})"
+                # the first of the victims to exit (their sockets closed a little before: the verdict), in the runs
+                # and in the unit the naming was taken from
+                own_teardown = f"; the first victim out: {statistics.median(exited):.3f} / {teardown:.3f}"
             lines.append(f"| {hosts} x {per_host} | {how} | {len(rows)} | {detected:.3f} / {model_named:.3f} "
                          f"({_agreement(model_named, detected)}){own_teardown} | {line:.3f} / {sum(model_parts):.3f} "
                          f"({_agreement(sum(model_parts), line)}) | "

@@ -10,7 +10,8 @@ and connects, only the peers of a ring all-reduce and of a broadcast from rank 0
                                                        2 + log2 S per rank; k store ops per pair, both ends' reads
                                                        and their addresses: joining.connect_lazy)
 s: the store's CPU per operation (it serves them one at a time); g0, g1: least squares over the counts measured, less
-the store's part (with more clients than cores, g1 is this machine's, its CPU shared).
+the store's part (with more clients than cores, g1 is this machine's, its CPU shared), neither negative (the best
+line through the origin where the free line would start below 0, the flat one where it would fall).
 """
 
 from __future__ import annotations
@@ -88,7 +89,11 @@ class GroupFit:
         mean_x, mean_y = statistics.mean(xs), statistics.mean(ys)
         spread = sum((x - mean_x) ** 2 for x in xs)
         g1 = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0)
-        return max(0.0, mean_y - g1 * mean_x), g1
+        if mean_y - g1 * mean_x >= 0.0:
+            return mean_y - g1 * mean_x, g1
+        # neither may be negative: the best line through the origin (clamping g0 alone would keep a slope fitted
+        # with a negative g0 and overshoot every count)
+        return 0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)) if any(xs) else 0.0
 
     def seconds(self, ranks: int, cores: int | None = None) -> tuple[float, ...]:
         """The main group's (from the decision) and the control group's (after it) seconds among `ranks`, then the

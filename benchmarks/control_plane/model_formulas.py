@@ -179,12 +179,13 @@ def named(units: Units, design: str, ranks: int, per_host: int, how: str,
 
 
 def regroup_parts(units: Units, design: str, ranks: int, per_host: int, how: str = "kill",
-                  lazy: bool = True, here: bool = False) -> tuple[float, ...]:
+                  lazy: bool = True, here: bool = False, decider_last: bool = False) -> tuple[float, ...]:
     """(E, A, main group, control group, the meeting's end): the regroup's parts, from the loss named (see the
     module docstring); `here`: the groups' ranks sharing this machine's cores, as in the namespace runs
-    (Units.groups)."""
+    (Units.groups); `decider_last`: the deciding survivor is the last to enter, and waits for nobody (E: its own
+    entry)."""
     survivors = ranks - per_host  # a host lost; its members on other hosts, each probed today
-    enter = last_entry(design, survivors) + units.rtt
+    enter = (0.0 if decider_last else last_entry(design, survivors)) + units.rtt
     if design == "today":
         agree = ranks * units.rtt + ranks * ranks * units.s + survivors * units.t_p
         if how == "cut":  # its poll probes the silent host's ranks, each waiting out the probe's timeout

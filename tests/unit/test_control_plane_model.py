@@ -101,6 +101,23 @@ def test_the_groups_fit_takes_the_ranks_cpu_as_the_rounds_cores_served_it():
     assert spread == pytest.approx((0.005 + 0.002 * steps(12) + 0.003, 0.001 + 0.003, 0.0005 * steps(12) + 0.001))
 
 
+def test_a_groups_fit_whose_line_would_start_below_zero_goes_through_the_origin():
+    """Rounds at 8, 12 and 16 ranks a host of 4 (2026-11-30): 4, 5 and 5 steps, the least-squares line's g0 below 0.
+    Neither term may be negative: the fit is the best line through the origin, not the free line's slope with g0 cut
+    to 0, which overshot every count measured (65 ms at 12 ranks, measured in 47)."""
+    from benchmarks.control_plane.group_model import GroupFit
+
+    rounds = {"8": {"first": 0.0281, "cpu_first": 0.0028, "second": 0.0109, "cpu_second": 0.0027, "cores": 2,
+                    "store_segs": 227.0},
+              "12": {"first": 0.0468, "cpu_first": 0.0032, "second": 0.0141, "cpu_second": 0.0026, "cores": 2},
+              "16": {"first": 0.0475, "cpu_first": 0.0029, "second": 0.0236, "cpu_second": 0.0025, "cores": 2,
+                     "store_segs": 474.5}}
+    fit = GroupFit(rounds, s=1e-5, lazy=True)
+    assert fit.first[0] == 0.0 and fit.first[1] > 0
+    for ranks, row in rounds.items():
+        assert fit.seconds(int(ranks), cores=2)[0] == pytest.approx(row["first"], rel=0.25)
+
+
 def test_a_kills_naming_takes_the_teardown_measured_beside_the_runs_load_at_the_nearest_layout():
     """watch_end.py --per-host L --beside H keeps a host's victims' end as the namespace runs meet it: the comparison
     with the runs (here) takes the one measured at the nearest layout, a rank a host the victim alone where nothing
@@ -119,3 +136,16 @@ def test_a_kills_naming_takes_the_teardown_measured_beside_the_runs_load_at_the_
     assert named(units, "tree", 16, 4, "cut", here=True) == named(units, "tree", 16, 4, "cut")
     bare = Units({k: v for k, v in raw.items() if k != "watch_end"})
     assert bare.end(4, here=True) == bare.end(4) == (0.0, None)
+
+
+def test_a_decider_entering_last_waits_for_nobody():
+    """The kill runs strike right after the victim's step, while their rank 0 (the slow rank, which decides) is in its
+    pause: it enters the agreement last, and its E is its own entry; otherwise E is the wait for the last survivor."""
+    from benchmarks.control_plane.model_formulas import regroup_parts
+
+    raw = json.loads((Path(ROOT) / "benchmarks/results/control_plane_units_idle-2026-11-29.json").read_text())
+    units = Units(raw)
+    waits, last = (regroup_parts(units, "tree", 16, 1, decider_last=flag) for flag in (False, True))
+    assert last[0] == pytest.approx(units.rtt)
+    assert waits[0] == pytest.approx(last_entry("tree", 15) + units.rtt)
+    assert waits[1:] == last[1:]
