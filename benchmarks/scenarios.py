@@ -126,11 +126,17 @@ SCENARIOS: tuple[Scenario, ...] = (
     S("control_plane.tree_units", _script("control_plane/tree_units.py", "--speakers", "2", "4", "--steps", "300"),
       "the per-step commit's tree: a round among its speakers, a hop", 12),
     S("control_plane.model", _script("control_plane/control_plane_model.py", "--units",
-                                     "benchmarks/results/control_plane_units_final-2026-11-30.json", "--measured",
+                                     "benchmarks/results/control_plane_units_here5-2026-11-30.json", "--measured",
                                      "benchmarks/results/control_plane_steady_looks-2026-11-29.json",
-                                     "benchmarks/results/control_plane_loss_final-2026-11-30.json", "--design",
+                                     "benchmarks/results/control_plane_loss_here5-2026-11-30.json", "--design",
                                      "tree"),
-      "the control plane's scale model to thousands of ranks, from saved unit costs", 2),
+      "the control plane's scale model to thousands of ranks, from saved unit costs", 1.4),
+    S("control_plane.agreement", _script("control_plane/model_agreement.py", "--sets",
+                                         *(f"benchmarks/results/control_plane_units_{name}-2026-11-30.json:"
+                                           f"benchmarks/results/control_plane_{runs}_{name}-2026-11-30.json"
+                                           for name in ("here", "here2", "here3", "here4", "here5")
+                                           for runs in ("loss", "4x4"))),
+      "the scale model against five saved sets of loss runs, each with its hour's units, and pooled", 1.4),
     # -- checkpoints and stops
     S("checkpoints.stop_overhead", _script("checkpoints/stop_overhead.py", "deep", "wide", "gpt", "--blocks", "3",
                                            "--steps", "8"),

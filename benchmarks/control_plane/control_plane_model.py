@@ -109,11 +109,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
+from benchmarks.control_plane.model_agreement import agreement, followers_seconds, loss_rows
 from benchmarks.control_plane.model_formulas import (
-    F_DEFAULT,
     WAITED_COMMIT,
     Units,
     commit_delay,
@@ -121,7 +120,6 @@ from benchmarks.control_plane.model_formulas import (
     own_segments,
     per_step,
     regroup,
-    regroup_parts,
 )
 
 DESIGNS = {"today": "today", "new": "new, a commit per rank", "new-host": "new, a commit per host, in the store",
@@ -154,12 +152,6 @@ def scale_table(units: Units, per_host: int, pause: float, step: float, follower
 
 def _seconds(value: float) -> str:
     return f"{value:.2f}" if value < 100 else f"{value:.0f}"
-
-
-def _agreement(model: float, measured: float) -> str:
-    if abs(measured) < 1e-9:
-        return "-"
-    return f"{100 * (model / measured - 1):+.0f} %"
 
 
 def _waits(row: dict) -> list[float]:
@@ -197,92 +189,40 @@ def overlap_table(units: Units, measured: list[dict], followers: float, design: 
                 store_model = units.seg_op * (1 + WAITED_COMMIT + looks) + units.seg_ack * (1 + looks)
             own = own_segments(row)
             lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
-                         f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
-                         f"{store_model:.1f} ({_agreement(store_model, row['on']['rank_store'])}) | "
-                         f"{own:.1f} / {got['speaker_segments']:.1f} ({_agreement(got['speaker_segments'], own)}) | "
+                         f"({agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
+                         f"{store_model:.1f} ({agreement(store_model, row['on']['rank_store'])}) | "
+                         f"{own:.1f} / {got['speaker_segments']:.1f} ({agreement(got['speaker_segments'], own)}) | "
                          f"{add['segments']:.1f} / {got['segments']:.1f} "
-                         f"({_agreement(got['segments'], add['segments'])}) | {got['looks']:.2f} |")
+                         f"({agreement(got['segments'], add['segments'])}) | {got['looks']:.2f} |")
             continue
         rounds = per_step(units, "today", ranks, per_host, waits, step)
         r_runs = units.reads_in_runs(row, waits)
         got = per_step(units, "today", ranks, per_host, waits, step, r_runs)
         store_model = units.seg_op * rounds["ops"] + units.seg_ack * (1 + (ranks - 1) / ranks * rounds["looks"])
         lines.append(f"| {row['hosts']} x {per_host} | {add['connections']:.2f} / {got['connections']:.2f} "
-                     f"({_agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
+                     f"({agreement(got['connections'], add['connections'])}) | {row['on']['rank_store']:.1f} / "
                      f"{store_model:.1f} | {units.r(ranks):.1f} / {r_runs:.1f} | {add['segments']:.1f} / "
-                     f"{got['segments']:.1f} ({_agreement(got['segments'], add['segments'])}) | {got['looks']:.2f} |")
-    losses: dict[tuple, list[dict]] = {}
-    for row in measured:
-        if row["kind"] == "loss" and row.get("detected") is not None:
-            losses.setdefault((row["hosts"], row["per_host"], row["how"]), []).append(row)
+                     f"{got['segments']:.1f} ({agreement(got['segments'], add['segments'])}) | {got['looks']:.2f} |")
+    losses = loss_rows(units, [r for r in measured if r["kind"] == "loss"], followers, design)
     if losses:
         lines += ["", "| hosts x ranks | lost | runs | named: measured / model (agreement) | regroup, rank 0's line: "
                   "measured / model (agreement) | its agreement, the last survivor awaited / main group / "
                   "control group / the meeting's end: measured / model | regroup with models and loaders: measured / "
                   "model (agreement) |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
-        for (hosts, per_host, how), rows in losses.items():
-            ranks = hosts * per_host
-            detected = statistics.median(r["detected"] for r in rows)
-            line = statistics.median(r["regroup"] for r in rows)
-            summary = statistics.median(r.get("regroup_summary") or r["regroup"] for r in rows)
-            if design == "today":
-                # the runs read it from rank 0's line, and rank 0 (the slow rank) looks only after its pause
-                model_named = rows[0].get("pause", 0.15) + named(units, "today", ranks, per_host, how)[0]
-            else:  # the runs read the watcher's verdict, the first rank to name it
-                model_named = named(units, design, ranks, per_host, how, here=True)[0]
-            # a kill strikes right after the victim's step, rank 0 (the slow rank, which decides) in its pause: it
-            # enters the agreement last (a cut is named WINDOW later, at any point of rank 0's step)
-            enter, agree, main, control, end = regroup_parts(units, design, ranks, per_host, how, here=True,
-                                                             decider_last=how == "kill" and design != "today")
-            model_parts = [enter + agree, main, control, end]  # rank 0 decides once the last survivor entered (E)
-            spans = [_rank0_span(rows, part) for part in ("agree", "main", "control")]
-            spans.append(statistics.median(_meeting_end(r) for r in rows))
-            exited = [seconds for seconds in (_first_exit(r, per_host) for r in rows) if seconds is not None]
-            own_teardown = ""
-            teardown = units.end(per_host, here=True)[1]
-            if how == "kill" and exited and teardown is not None and design != "today":
-                # the first of the victims to exit (their sockets closed a little before: the verdict), in the runs
-                # and in the unit the naming was taken from
-                own_teardown = f"; the first victim out: {statistics.median(exited):.3f} / {teardown:.3f}"
-            lines.append(f"| {hosts} x {per_host} | {how} | {len(rows)} | {detected:.3f} / {model_named:.3f} "
-                         f"({_agreement(model_named, detected)}){own_teardown} | {line:.3f} / {sum(model_parts):.3f} "
-                         f"({_agreement(sum(model_parts), line)}) | "
-                         f"{' / '.join(f'{m:.3f}' for m in spans)} / {' / '.join(f'{m:.3f}' for m in model_parts)} "
-                         f"| {summary:.3f} / {sum(model_parts) + followers:.3f} "
-                         f"({_agreement(sum(model_parts) + followers, summary)}) |")
+    for row in losses:
+        (hosts, per_host, how), (detected, model_named) = row["key"], row["named"]
+        # the first of the victims to exit (their sockets closed a little before: the verdict), in the runs and in
+        # the unit the naming was taken from
+        first_out = f"; the first victim out: {row['first_out'][0]:.3f} / {row['first_out'][1]:.3f}" \
+            if row["first_out"] else ""
+        cells = [f"{row[f][0]:.3f} / {row[f][1]:.3f} ({agreement(row[f][1], row[f][0])})" for f in ("regroup",
+                                                                                                      "summary")]
+        lines.append(f"| {hosts} x {per_host} | {how} | {row['runs']} | {detected:.3f} / {model_named:.3f} "
+                     f"({agreement(model_named, detected)}){first_out} | {cells[0]} | "
+                     f"{' / '.join(f'{m:.3f}' for m in row['spans'])} / "
+                     f"{' / '.join(f'{m:.3f}' for m in row['parts'])} | {cells[1]} |")
     return "\n".join(lines)
-
-
-def _first_exit(row: dict, per_host: int) -> float | None:
-    """Seconds from a kill to the first of its host's victims exiting (its sockets closed just before: it names the
-    loss), None if not known: runs from before each victim's exit was kept have only the last one's, which is the
-    first where a host has one victim."""
-    each = (row.get("victim") or {}).get("exited_each")
-    if each:
-        return each[0]
-    return row.get("exited") if per_host == 1 else None
-
-
-def _meeting_end(row: dict) -> float:
-    """Seconds from rank 0's control group made to its meeting's end (the formation, the new watch), nan if not
-    timed."""
-    rank0 = (row.get("parts") or {}).get("rank0", {})
-    return rank0["meet"][1] - rank0["control"][1] if "meet" in rank0 and "control" in rank0 else float("nan")
-
-
-def _rank0_span(rows: list[dict], part: str) -> float:
-    """The median seconds rank 0 spent in `part` of the regroup (control_plane.py's `parts`), nan if not timed."""
-    timed = [(r.get("parts") or {}).get("rank0", {}).get(part) for r in rows]
-    spans = [span[1] - span[0] for span in timed if span]
-    return statistics.median(spans) if spans else float("nan")
-
-
-def followers_seconds(measured: list[dict]) -> float:
-    """The models' and loaders' part of a regroup, from the loss runs (the summary's regroup less the line's)."""
-    parts = [r["regroup_summary"] - r["regroup"] for r in measured
-             if r["kind"] == "loss" and r.get("regroup_summary") is not None and r.get("regroup") is not None]
-    return statistics.median(parts) if parts else F_DEFAULT
 
 
 def main() -> None:

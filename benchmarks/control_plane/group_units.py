@@ -2,7 +2,7 @@
 load the loss runs have (their launchers, the store, each worker's watch threads), for control_plane_model.py.
 
     sudo PYTHONPATH=. python benchmarks/control_plane/group_units.py [--hosts 2 4 8 16] [--per-host 1]
-        [--rounds 5] [--into UNITS] [--json FILE]
+        [--rounds 5] [--jobs 1] [--into UNITS] [--json FILE]
 
 control_plane_units.py measures the groups with small clients, one per namespace host and nothing else running; the
 loss runs (control_plane.py --kill / --cut) make them in phalanx's workers, beside the launchers and the store on
@@ -37,30 +37,32 @@ from tests.helpers.namespaces import bridged_hosts
 STEPS = 6  # the loop's steps before the rounds: the world settled, its watch set up
 
 
-def measure(count: int, rounds: int, work: Path, per_host: int = 1) -> dict:
-    """`count` namespace hosts, `per_host` ranks each: the rounds' parts, from every rank's groups file. Per round:
-    `first`, the decision to the last rank's main group; `second`, from there to the last rank's control group;
-    `third`, from there to rank 0's new watch set up (it decides, and its line is the runs' regroup: the formation,
-    then meet's last part); each rank's CPU in each, the mean over the ranks."""
-    with bridged_hosts("pgu", 224, count) as hosts:
-        job = Job(hosts, work / f"groups-{count}x{per_host}", per_host, True, STEPS, (1, 2), 0.0,
-                  job_args=("--group-rounds", str(rounds)))
-        try:
-            job.wait()
-        finally:
-            job.stop()
-    per_rank = [[[float(v) for v in line.split()] for line in (job.run_dir / f"groups-{rank}.txt").read_text()
-                 .splitlines()] for rank in range(count * per_host)]
+def measure(count: int, rounds: int, work: Path, per_host: int = 1, jobs: int = 1) -> dict:
+    """`count` namespace hosts, `per_host` ranks each: the rounds' parts, from every rank's groups file, over `jobs`
+    jobs (each its own hosts and processes). Per round: `first`, the decision to the last rank's main group;
+    `second`, from there to the last rank's control group; `third`, from there to rank 0's new watch set up (it
+    decides, and its line is the runs' regroup: the formation, then meet's last part); each rank's CPU in each, the
+    mean over the ranks."""
     found, cpu = [], []
-    for made in zip(*per_rank):  # a round on each rank: (decided, main, control, formed, watched, the 4 CPUs)
-        main, control = max(m[1] for m in made), max(m[2] for m in made)
-        found.append((main - made[0][0], control - main, made[0][4] - control))
-        cpu.append([statistics.mean(m[5 + part] for m in made) for part in (0, 1)]
-                   + [statistics.mean(m[7] + m[8] for m in made)])
+    for number in range(jobs):
+        with bridged_hosts("pgu", 224, count) as hosts:
+            job = Job(hosts, work / f"groups-{count}x{per_host}-{number}", per_host, True, STEPS, (1, 2), 0.0,
+                      job_args=("--group-rounds", str(rounds)))
+            try:
+                job.wait()
+            finally:
+                job.stop()
+        per_rank = [[[float(v) for v in line.split()] for line in (job.run_dir / f"groups-{rank}.txt").read_text()
+                     .splitlines()] for rank in range(count * per_host)]
+        for made in zip(*per_rank):  # a round on each rank: (decided, main, control, formed, watched, the 4 CPUs)
+            main, control = max(m[1] for m in made), max(m[2] for m in made)
+            found.append((main - made[0][0], control - main, made[0][4] - control))
+            cpu.append([statistics.mean(m[5 + part] for m in made) for part in (0, 1)]
+                       + [statistics.mean(m[7] + m[8] for m in made)])
     row = {name: statistics.median(f[part] for f in found) for part, name in enumerate(("first", "second", "third"))}
     row.update({f"cpu_{name}": statistics.median(c[part] for c in cpu)
                 for part, name in enumerate(("first", "second", "third"))})
-    return {**row, "cores": len(os.sched_getaffinity(0)),
+    return {**row, "cores": len(os.sched_getaffinity(0)), "jobs": jobs,
             "rounds": [[round(value, 4) for value in f] for f in found]}
 
 
@@ -68,7 +70,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8, 16], help="host counts (default 2 4 8 16)")
     parser.add_argument("--per-host", type=int, default=1, help="ranks per host (default 1)")
-    parser.add_argument("--rounds", type=int, default=5, help="groups made per host count; medians (default 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="groups made per host count and job; medians "
+                        "(default 5)")
+    parser.add_argument("--jobs", type=int, default=1, help="jobs per host count, their rounds pooled (default 1): "
+                        "on 2 cores one job's medians move by 10-20 %% from the next's")
     parser.add_argument("--into", type=Path, help="a control_plane_units.py file, updated in place")
     add_json_flag(parser)
     args = parser.parse_args()
@@ -84,7 +89,7 @@ def main() -> None:
         workers = units.setdefault("group_lazy_workers_by_layout", {}).setdefault(str(args.per_host), {})
     with tempfile.TemporaryDirectory() as directory:
         for count in args.hosts:
-            row = measure(count, args.rounds, Path(directory), args.per_host)
+            row = measure(count, args.rounds, Path(directory), args.per_host, args.jobs)
             ranks, beside = count * args.per_host, ""
             if ranks in clients:
                 row["store_segs"] = clients[ranks]["store_segs"]

@@ -23,9 +23,9 @@ measures it alone (control_plane_units.py measures one victim alone with the oth
 times each victim's exit as the kernel tells it (`teardown`: the first one's, its pidfd turning readable,
 tests/helpers/control_plane.py's ExitTimes): the verdict comes with it, so the naming is the teardown.
 
-On 2 cores, the teardown of a host's victims depends on what else runs: 4 killed together alone name the loss in
-11-19 ms, while the 4 x 4 loss runs' first victim exits after 28-38 ms (control_plane_4x4_exits-2026-11-30.json), its
-host's 3 others and 12 survivors beside it. `--beside H` reproduces that load: H more hosts of L ranks train
+On 2 cores, the teardown of a host's victims depends on what else runs: one victim alone names the loss in 15-17 ms,
+4 killed together beside 12 training ranks in 23-27 ms (medians of 10 kills, five sets on 2026-11-30), where the 4 x 4
+loss runs named theirs in 20-25 ms. `--beside H` reproduces that load: H more hosts of L ranks train
 control_plane_job.py meanwhile (live recovery on, rank 0 pausing), as the loss runs' survivors do, in a world of their
 own; with `--per-host` or `--beside`, `--into` replaces the units file's `watch_end_by_layout` entry for L, which
 control_plane_model.py takes when it compares the model with the runs at the nearest layout (the extrapolation, on
