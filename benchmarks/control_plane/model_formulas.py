@@ -84,13 +84,18 @@ class Units:
         hosts of a core a rank, the extrapolation's."""
         if not here:
             return self.t_end, self.t_teardown
-        entry = self.ends_here[min(self.ends_here, key=lambda measured: (abs(measured - per_host), -measured))]
+        entry = self.ends_here[nearest_layout(self.ends_here, per_host)]
         return entry.get("seconds", 0.0), entry.get("teardown")
 
     def layout(self, per_host: int) -> int | None:
         """The ranks per host of the workers' groups unit taken for `per_host` (the nearest measured; of two as
         near, the larger); None where only the clients' unit was measured."""
-        return min(self.layouts, key=lambda measured: (abs(measured - per_host), -measured), default=None)
+        return nearest_layout(self.layouts, per_host)
+
+
+def nearest_layout(measured, per_host: int) -> int | None:
+    """Of the ranks per host `measured` at, the nearest `per_host` (of two as near, the larger); None if none."""
+    return min(measured, key=lambda layout: (abs(layout - per_host), -layout), default=None)
 
 
 def looks(wait: float, look: float, every: float = WATCH_BEFORE) -> int:
