@@ -39,7 +39,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -72,8 +71,9 @@ def victim(address: str) -> None:
     rss_kb, threads = held_by(os.getpid())
     threading.Thread(target=_serve, args=(beacon,), daemon=True).start()
     print(f"VICTIM {address}:{beacon.getsockname()[1]} {rss_kb} {threads} {os.getpid()}", flush=True)
-    while True:  # in steps, as the loss runs' victims are when killed: the first rank ahead by the runs' pause
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    ahead = int(os.environ.get("LOCAL_RANK", "0")) == 0  # the first rank, ahead by the runs' pause
+    while True:  # in steps, as the loss runs' victims are when killed
+        if ahead:
             time.sleep(0.15)
         optimizer.zero_grad()
         model(torch.randn(4, 4)).square().mean().backward()
@@ -134,7 +134,7 @@ def watch_ends(hosts: list[dict], env: dict, rounds: int = 5, per_host: int = 1,
             run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="phalanx-watch-end-")))
             job = Job(hosts[3:3 + beside], run_dir / "beside", per_host, True, BESIDE_STEPS, (1, 2), 0.15)
             stack.callback(job.stop)
-            _await_steps(job, WARMUP)
+            job.await_steps(0, WARMUP, who="the job beside")
         for _ in range(rounds):
             port = free_port()  # for the victims' world's store: none listens in host 1 yet
             launcher = subprocess.Popen(
@@ -158,7 +158,7 @@ def watch_ends(hosts: list[dict], env: dict, rounds: int = 5, per_host: int = 1,
                 follower.stdin.write(" ".join(beacon for beacon, *_ in said) + "\n")  # a line: sent at once
                 assert follower.stdout.readline().strip() == "ready"
                 time.sleep(1.0)  # a few ticks
-                if job is not None and any(launcher.poll() is not None for launcher in job.launchers):
+                if job is not None and job.ended():
                     raise RuntimeError(f"the job beside ended:\n{job.outputs()}")
                 exits = ExitTimes(workers)
                 struck = time.time()
@@ -169,29 +169,12 @@ def watch_ends(hosts: list[dict], env: dict, rounds: int = 5, per_host: int = 1,
                 found["rss_kb"].append([int(rss) for _, rss, _, _ in said])
                 found["threads"].append([int(threads) for _, _, threads, _ in said])
             finally:
-                _kill(*parents, *workers, launcher.pid)
+                kill_at_once([*parents, *workers, launcher.pid])
                 launcher.wait(timeout=30)
     return found
 
 
 BESIDE_STEPS = 100_000  # the job beside trains until the kills are done (it is then stopped)
-
-
-def _await_steps(job, steps: int, limit: float = 300.0) -> None:
-    """Wait until the job's rank 0 applied `steps` steps (RuntimeError, with its output, if it ends or takes longer
-    than `limit` seconds)."""
-    deadline = time.monotonic() + limit
-    while len(job.step_times(0)) < steps:
-        if time.monotonic() > deadline or any(launcher.poll() is not None for launcher in job.launchers):
-            raise RuntimeError(f"the job beside did not make {steps} steps:\n{job.outputs()}")
-        time.sleep(0.05)
-
-
-def _kill(*pids: int | None) -> None:
-    for pid in pids:
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
 
 def entry(ends: dict, per_host: int = 1, beside: int = 0) -> dict:

@@ -113,6 +113,20 @@ class Job:
             self.stop()
             raise AssertionError(f"host(s) {failed} ended with an error:\n{self.outputs()}")
 
+    def ended(self) -> bool:
+        """Whether a host's launcher has ended."""
+        return any(launcher.poll() is not None for launcher in self.launchers)
+
+    def await_steps(self, rank: int, steps: int, who: str | None = None) -> None:
+        """Wait until launch rank `rank` applied `steps` steps; kill every launcher and fail, saying `who` (default:
+        the rank) did not make them, if a launcher ends first or HANG_GUARD passes."""
+        deadline = time.monotonic() + HANG_GUARD
+        while len(self.step_times(rank)) < steps:
+            if time.monotonic() > deadline or self.ended():
+                self.stop()
+                raise AssertionError(f"{who or f'rank {rank}'} did not make {steps} steps:\n{self.outputs()}")
+            time.sleep(0.005)
+
     def stop(self) -> None:
         for launcher in self.launchers:
             if launcher.poll() is None:
@@ -220,12 +234,7 @@ def loss_run(hosts: list[dict], run_dir: Path, how: str, *, per_host: int = 1, a
     victim = len(hosts) - 1
     watched = victim * per_host  # its first launch rank (a fixed --nnodes numbers the nodes' ranks in order)
     try:
-        deadline = time.monotonic() + HANG_GUARD
-        while len(job.step_times(watched)) < after:
-            if time.monotonic() > deadline or any(launcher.poll() is not None for launcher in job.launchers):
-                job.stop()
-                raise AssertionError(f"host {victim} did not make {after} steps:\n{job.outputs()}")
-            time.sleep(0.005)
+        job.await_steps(watched, after, who=f"host {victim}")
         if how == "cut":
             cut_off = descendants(job.launchers[victim].pid)  # its launcher and everything under it
             cpu_before = cpu_seconds(cut_off)
