@@ -118,8 +118,7 @@ class Job:
         return any(launcher.poll() is not None for launcher in self.launchers)
 
     def await_steps(self, rank: int, steps: int, who: str | None = None) -> None:
-        """Wait until launch rank `rank` applied `steps` steps; kill every launcher and fail, saying `who` (default:
-        the rank) did not make them, if a launcher ends first or HANG_GUARD passes."""
+        """Wait until launch rank `rank` applied `steps` steps; if a launcher ends first or HANG_GUARD passes, fail."""
         deadline = time.monotonic() + HANG_GUARD
         while len(self.step_times(rank)) < steps:
             if time.monotonic() > deadline or self.ended():
